@@ -1,0 +1,1 @@
+//! Model configs, weights, tokenizers and forward graphs over mlx-rs.
