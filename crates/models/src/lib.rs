@@ -1,1 +1,20 @@
 //! Model configs, weights, tokenizers and forward graphs over mlx-rs.
+//!
+//! Everything here runs on the engine thread: MLX arrays never cross threads.
+
+pub mod cache;
+pub mod config;
+pub mod error;
+pub mod linear;
+pub mod llama;
+pub mod loader;
+pub mod tokenizer;
+pub mod weights;
+
+pub use cache::KvCache;
+pub use config::{Arch, ModelConfig};
+pub use error::ModelError;
+pub use linear::WeightPolicy;
+pub use llama::LlamaModel;
+pub use loader::{load, Device, LoadOptions, LoadedModel};
+pub use tokenizer::{ChatMessage, Tokenizer};

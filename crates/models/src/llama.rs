@@ -1,0 +1,345 @@
+//! Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over mlx-rs.
+
+use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{ops, Array, Dtype};
+
+use crate::cache::{KvCache, StepMask};
+use crate::config::{Arch, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::linear::{Linear, WeightPolicy};
+use crate::weights::Weights;
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct Layer {
+    attn: Attention,
+    mlp: Mlp,
+    input_norm: Array,
+    post_norm: Array,
+}
+
+/// Rotary embedding parameters, fixed at load.
+struct Rope {
+    dims: i32,
+    base: Option<f32>,
+    scale: f32,
+    freqs: Option<Array>,
+}
+
+pub struct LlamaModel {
+    pub config: ModelConfig,
+    pub policy: WeightPolicy,
+    embed: Linear,
+    layers: Vec<Layer>,
+    norm: Array,
+    lm_head: Option<Linear>,
+    rope: Rope,
+}
+
+impl LlamaModel {
+    pub fn from_weights(config: ModelConfig, mut w: Weights, policy: WeightPolicy) -> Result<Self> {
+        let q = |path: &str| {
+            config
+                .quantization
+                .as_ref()
+                .and_then(|qz| qz.for_module(path))
+        };
+        let dt = policy.dtype;
+        let norm =
+            |w: &mut Weights, name: &str| -> Result<Array> { Ok(w.take(name)?.as_dtype(dt)?) };
+        let embed = Linear::load(
+            &mut w,
+            "model.embed_tokens",
+            q("model.embed_tokens"),
+            policy,
+        )?;
+        let mut layers = Vec::with_capacity(config.num_layers as usize);
+        for i in 0..config.num_layers {
+            let p = format!("model.layers.{i}");
+            let lin = |w: &mut Weights, name: &str| {
+                let path = format!("{p}.{name}");
+                Linear::load(w, &path, q(&path), policy)
+            };
+            let (q_norm, k_norm) = if config.arch == Arch::Qwen3 {
+                (
+                    Some(norm(&mut w, &format!("{p}.self_attn.q_norm.weight"))?),
+                    Some(norm(&mut w, &format!("{p}.self_attn.k_norm.weight"))?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(Layer {
+                attn: Attention {
+                    q: lin(&mut w, "self_attn.q_proj")?,
+                    k: lin(&mut w, "self_attn.k_proj")?,
+                    v: lin(&mut w, "self_attn.v_proj")?,
+                    o: lin(&mut w, "self_attn.o_proj")?,
+                    q_norm,
+                    k_norm,
+                },
+                mlp: Mlp {
+                    gate: lin(&mut w, "mlp.gate_proj")?,
+                    up: lin(&mut w, "mlp.up_proj")?,
+                    down: lin(&mut w, "mlp.down_proj")?,
+                },
+                input_norm: norm(&mut w, &format!("{p}.input_layernorm.weight"))?,
+                post_norm: norm(&mut w, &format!("{p}.post_attention_layernorm.weight"))?,
+            });
+        }
+        let final_norm = norm(&mut w, "model.norm.weight")?;
+        let lm_head = if config.tie_word_embeddings && !w.contains("lm_head.weight") {
+            None
+        } else {
+            Some(Linear::load(&mut w, "lm_head", q("lm_head"), policy)?)
+        };
+        let rope = Rope::from_config(&config)?;
+        // Rotary tables some checkpoints carry are recomputed, not read.
+        let leftover: Vec<_> = w
+            .remaining()
+            .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
+            .cloned()
+            .collect();
+        if !leftover.is_empty() {
+            tracing::warn!(count = leftover.len(), first = %leftover[0], "unused tensors in model directory");
+        }
+        let model = Self {
+            config,
+            policy,
+            embed,
+            layers,
+            norm: final_norm,
+            lm_head,
+            rope,
+        };
+        model.materialize()?;
+        Ok(model)
+    }
+
+    /// Evaluates every weight so load-time conversions (dtype, dequantize)
+    /// happen once, not inside the first step.
+    fn materialize(&self) -> Result<()> {
+        fn lin(l: &Linear) -> Vec<&Array> {
+            match l {
+                Linear::Dense { weight, bias } => std::iter::once(weight).chain(bias).collect(),
+                Linear::Quantized {
+                    weight,
+                    scales,
+                    biases,
+                    bias,
+                    ..
+                } => [weight, scales, biases].into_iter().chain(bias).collect(),
+            }
+        }
+        let mut all: Vec<&Array> = vec![&self.norm];
+        all.extend(lin(&self.embed));
+        if let Some(h) = &self.lm_head {
+            all.extend(lin(h));
+        }
+        for l in &self.layers {
+            for x in [
+                &l.attn.q,
+                &l.attn.k,
+                &l.attn.v,
+                &l.attn.o,
+                &l.mlp.gate,
+                &l.mlp.up,
+                &l.mlp.down,
+            ] {
+                all.extend(lin(x));
+            }
+            all.extend([&l.input_norm, &l.post_norm]);
+            all.extend(l.attn.q_norm.iter().chain(l.attn.k_norm.iter()));
+        }
+        mlx_rs::transforms::eval(all)?;
+        Ok(())
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Forward `tokens` `[B, T]` (int32) for every row of `cache`, writing
+    /// their K/V at the cache cursor (staged until `cache.commit()`).
+    /// Returns logits `[B, T', V]` where T' is 1 when `last_only`, else T.
+    pub fn forward(&self, tokens: &Array, cache: &mut KvCache, last_only: bool) -> Result<Array> {
+        self.forward_with_hook(tokens, cache, last_only, &mut |_| Ok(()))
+    }
+
+    /// As `forward`, calling `after_layer(i)` after building layer i's graph
+    /// (fault injection and tracing use it).
+    pub fn forward_with_hook(
+        &self,
+        tokens: &Array,
+        cache: &mut KvCache,
+        last_only: bool,
+        after_layer: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Array> {
+        let shape = tokens.shape();
+        if shape.len() != 2 || shape[0] as usize != cache.batch_size() {
+            return Err(ModelError::Invalid(format!(
+                "tokens shape {shape:?} does not match a cache of {} rows",
+                cache.batch_size()
+            )));
+        }
+        let t = shape[1];
+        let mut h = self.embed.embed(tokens, self.policy.dtype)?;
+        let offsets = cache.offsets_array();
+        let mask = cache.mask(t);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let x = fast::rms_norm(&h, Some(&layer.input_norm), self.config.rms_norm_eps)?;
+            let a = self.attention(i, &layer.attn, &x, cache, &offsets, &mask)?;
+            h = ops::add(&h, &a)?;
+            let x = fast::rms_norm(&h, Some(&layer.post_norm), self.config.rms_norm_eps)?;
+            let m = &layer.mlp;
+            let g = m.gate.forward(&x)?;
+            let act = ops::multiply(&ops::multiply(&g, &ops::sigmoid(&g)?)?, &m.up.forward(&x)?)?;
+            h = ops::add(&h, &m.down.forward(&act)?)?;
+            after_layer(i)?;
+        }
+        if last_only && t > 1 {
+            h = h.try_index((.., t - 1.., ..))?;
+        }
+        let h = fast::rms_norm(&h, Some(&self.norm), self.config.rms_norm_eps)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.forward(&h),
+        }
+    }
+
+    fn attention(
+        &self,
+        layer: usize,
+        attn: &Attention,
+        x: &Array,
+        cache: &mut KvCache,
+        offsets: &Array,
+        mask: &StepMask,
+    ) -> Result<Array> {
+        let c = &self.config;
+        let (b, t) = (x.dim(0), x.dim(1));
+        let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
+            let y = y.reshape(&[b, t, n, c.head_dim])?;
+            let y = match norm {
+                Some(w) => fast::rms_norm(&y, Some(w), c.rms_norm_eps)?,
+                None => y,
+            };
+            Ok(y.transpose_axes(&[0, 2, 1, 3])?)
+        };
+        let q = heads(attn.q.forward(x)?, c.num_heads, &attn.q_norm)?;
+        let k = heads(attn.k.forward(x)?, c.num_kv_heads, &attn.k_norm)?;
+        let v = heads(attn.v.forward(x)?, c.num_kv_heads, &None)?;
+        let q = self.rope.apply(&q, offsets)?;
+        let k = self.rope.apply(&k, offsets)?;
+        let (k, v) = cache.update(layer, &k, &v)?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let out = match mask {
+            StepMask::None => fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None)?,
+            StepMask::Causal => fast::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                scale,
+                ScaledDotProductAttentionMask::Causal,
+                None,
+            )?,
+            StepMask::Array(m) => fast::scaled_dot_product_attention(&q, &k, &v, scale, m, None)?,
+        };
+        let out = out
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[b, t, c.num_heads * c.head_dim])?;
+        attn.o.forward(&out)
+    }
+
+    /// Dtype activations run in.
+    pub fn dtype(&self) -> Dtype {
+        self.policy.dtype
+    }
+}
+
+impl Rope {
+    fn from_config(c: &ModelConfig) -> Result<Self> {
+        let dims = c.head_dim;
+        let mut rope = Rope {
+            dims,
+            base: Some(c.rope_theta),
+            scale: 1.0,
+            freqs: None,
+        };
+        let Some(s) = &c.rope_scaling else {
+            return Ok(rope);
+        };
+        let kind = s.rope_type.as_deref().unwrap_or("default");
+        match kind {
+            "default" => {}
+            "linear" => {
+                let f = s
+                    .factor
+                    .ok_or_else(|| bad_scaling("linear scaling needs factor"))?;
+                rope.scale = 1.0 / f;
+            }
+            "llama3" => {
+                let factor = s
+                    .factor
+                    .ok_or_else(|| bad_scaling("llama3 scaling needs factor"))?;
+                let low = s.low_freq_factor.unwrap_or(1.0);
+                let high = s.high_freq_factor.unwrap_or(4.0);
+                let old = s.original_max_position_embeddings.unwrap_or(8192.0);
+                let (low_wl, high_wl) = (old / low, old / high);
+                let freqs: Vec<f32> = (0..dims / 2)
+                    .map(|i| {
+                        let f = c.rope_theta.powf((2 * i) as f32 / dims as f32);
+                        let wl = 2.0 * std::f32::consts::PI * f;
+                        let f = if wl > low_wl { f * factor } else { f };
+                        if wl > high_wl && wl < low_wl {
+                            let smooth = (old / wl - low) / (high - low);
+                            f / ((1.0 - smooth) / factor + smooth)
+                        } else {
+                            f
+                        }
+                    })
+                    .collect();
+                rope.freqs = Some(Array::from_slice(&freqs, &[dims / 2]));
+                rope.base = None;
+            }
+            other => {
+                return Err(bad_scaling(&format!(
+                    "rope_scaling type {other:?} is not supported"
+                )))
+            }
+        }
+        Ok(rope)
+    }
+
+    fn apply(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        Ok(fast::rope_dynamic(
+            x,
+            self.dims,
+            false,
+            self.base,
+            self.scale,
+            offsets,
+            self.freqs.as_ref(),
+        )?)
+    }
+}
+
+fn bad_scaling(msg: &str) -> ModelError {
+    ModelError::Config {
+        path: "config.json".into(),
+        message: format!("rope_scaling: {msg}"),
+    }
+}

@@ -1,0 +1,89 @@
+//! Loading a model directory under a device/dtype policy.
+
+use std::path::Path;
+
+use mlx_rs::Dtype;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::linear::WeightPolicy;
+use crate::llama::LlamaModel;
+use crate::tokenizer::Tokenizer;
+use crate::weights::Weights;
+
+/// Where MLX runs, as far as weight layout is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Gpu,
+}
+
+impl Device {
+    /// The GPU when this libmlx has a usable CUDA or Metal backend.
+    pub fn detect() -> Self {
+        // SAFETY: plain queries without arguments.
+        let cuda = unsafe {
+            let mut ok = false;
+            mlx_sys::mlx_cuda_is_available(&mut ok) == 0 && ok
+        };
+        let metal = unsafe {
+            let mut ok = false;
+            mlx_sys::mlx_metal_is_available(&mut ok) == 0 && ok
+        };
+        if cuda || metal {
+            Device::Gpu
+        } else {
+            Device::Cpu
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    /// Activation/weight dtype; None picks per device (f32 on CPU, bf16 on GPU).
+    pub dtype: Option<Dtype>,
+    /// Dequantize at load; None picks per device (yes on CPU, no on GPU).
+    pub dequantize: Option<bool>,
+    pub device: Device,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            dtype: None,
+            dequantize: None,
+            device: Device::detect(),
+        }
+    }
+}
+
+impl LoadOptions {
+    pub fn policy(&self) -> WeightPolicy {
+        let cpu = self.device == Device::Cpu;
+        WeightPolicy {
+            dtype: self
+                .dtype
+                .unwrap_or(if cpu { Dtype::Float32 } else { Dtype::Bfloat16 }),
+            dequantize: self.dequantize.unwrap_or(cpu),
+        }
+    }
+}
+
+pub struct LoadedModel {
+    pub model: LlamaModel,
+    pub tokenizer: Tokenizer,
+}
+
+pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
+    if !dir.is_dir() {
+        return Err(ModelError::Invalid(format!(
+            "model directory {} does not exist",
+            dir.display()
+        )));
+    }
+    let config = ModelConfig::load(dir)?;
+    let tokenizer = Tokenizer::load(dir)?;
+    let weights = Weights::load_dir(dir)?;
+    let model = LlamaModel::from_weights(config, weights, opts.policy())?;
+    Ok(LoadedModel { model, tokenizer })
+}

@@ -1,0 +1,117 @@
+"""mlx-lm as the parity oracle for Weft's tests.
+
+  fixture --arch llama|qwen3 --out DIR [--quantize]   random-weight model dir
+  run --model DIR --requests FILE                      logits + greedy tokens
+
+`run` reads JSON {"max_tokens": N, "prompts": [{"ids": [...]} or {"text": "..."}],
+"batch": bool} and prints JSON results. Everything runs in float32 so it matches
+Weft's CPU policy (dequantized f32 weights); quantized fixtures keep MLX's
+quantized matmul on the oracle side.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+
+def make_fixture(arch, out, quantize):
+    mx.random.seed(7 if arch == "llama" else 11)
+    if arch == "llama":
+        from mlx_lm.models import llama as mod
+
+        cfg = dict(model_type="llama", hidden_size=128, num_hidden_layers=3,
+                   intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
+                   rms_norm_eps=1e-5, vocab_size=512, rope_theta=10000.0,
+                   tie_word_embeddings=False, max_position_embeddings=2048)
+    else:
+        from mlx_lm.models import qwen3 as mod
+
+        cfg = dict(model_type="qwen3", hidden_size=128, num_hidden_layers=3,
+                   intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=48, rms_norm_eps=1e-6, vocab_size=512, rope_theta=1000000.0,
+                   tie_word_embeddings=True, max_position_embeddings=4096)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+
+    # Default inits give near-uniform logits (greedy ties); rescale so each
+    # layer keeps O(1) activations and logits spread out.
+    def reinit(path, p):
+        if p.ndim == 2:
+            fan_in = p.shape[1]
+            scale = 1.0 if "embed" in path else fan_in ** -0.5
+            return mx.random.normal(p.shape) * scale
+        return 1.0 + 0.1 * mx.random.normal(p.shape)
+
+    flat = [(k, reinit(k, v)) for k, v in tree_flatten(model.parameters())]
+    model.load_weights(flat)
+    if quantize:
+        def pred(path, m):
+            if not hasattr(m, "to_quantized"):
+                return False
+            if path == "model.embed_tokens":
+                return {"group_size": 32, "bits": 8}
+            return True
+
+        nn.quantize(model, group_size=64, bits=4, class_predicate=pred)
+        cfg["quantization"] = {"group_size": 64, "bits": 4,
+                               "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def run(model_dir, requests):
+    from mlx_lm.utils import load_model
+    from mlx_lm.generate import generate_step
+
+    model_dir = Path(model_dir)
+    model, _ = load_model(model_dir)
+    model.set_dtype(mx.float32)
+    req = json.loads(Path(requests).read_text())
+    tok = None
+    if any("text" in p for p in req["prompts"]):
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        tok = load_tokenizer(model_dir)
+    results = []
+    for p in req["prompts"]:
+        if "text" in p:
+            text = p["text"]
+            add_special = tok.bos_token is None or not text.startswith(tok.bos_token)
+            ids = tok.encode(text, add_special_tokens=add_special)
+        else:
+            ids = p["ids"]
+        logits = model(mx.array(ids)[None])[0, -1].astype(mx.float32)
+        greedy = []
+        for token, _ in generate_step(mx.array(ids), model, max_tokens=req["max_tokens"],
+                                      sampler=lambda x: mx.argmax(x, axis=-1)):
+            greedy.append(int(token))
+        top2 = mx.sort(logits)[-2:].tolist()
+        results.append({"ids": ids, "logits": logits.tolist(), "greedy": greedy,
+                        "margin": top2[1] - top2[0]})
+    json.dump({"results": results}, sys.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fixture")
+    f.add_argument("--arch", choices=["llama", "qwen3"], required=True)
+    f.add_argument("--out", required=True)
+    f.add_argument("--quantize", action="store_true")
+    r = sub.add_parser("run")
+    r.add_argument("--model", required=True)
+    r.add_argument("--requests", required=True)
+    a = ap.parse_args()
+    if a.cmd == "fixture":
+        make_fixture(a.arch, a.out, a.quantize)
+    else:
+        run(a.model, a.requests)
+
+
+if __name__ == "__main__":
+    main()
