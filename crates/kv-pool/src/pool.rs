@@ -529,7 +529,7 @@ impl KvPool {
                 },
             };
             let id = p.insert_seq(state);
-            if spec.salt.is_some() {
+            if spec.salt.is_some() && !tokens.is_empty() {
                 p.prefix.lookups += 1;
                 p.prefix.query_tokens += tokens.len() as u64;
                 p.prefix.hit_tokens += n as u64;
