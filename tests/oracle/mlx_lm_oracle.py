@@ -96,6 +96,49 @@ def run(model_dir, requests):
     json.dump({"results": results}, sys.stdout)
 
 
+def batch(model_dir, requests):
+    """Greedy continuous batching with mlx-lm's BatchGenerator.
+
+    requests: {"batch_size": B, "rows": [{"ids": [...], "max_tokens": n,
+    "join_step": k}]}; a row is inserted before the k-th call of
+    next_generated(), so rows join and leave at different steps.
+    """
+    from mlx_lm.utils import load_model
+    from mlx_lm.generate import BatchGenerator
+
+    model, _ = load_model(Path(model_dir))
+    model.set_dtype(mx.float32)
+    req = json.loads(Path(requests).read_text())
+    rows = req["rows"]
+    gen = BatchGenerator(model, completion_batch_size=req["batch_size"],
+                         prefill_batch_size=req["batch_size"],
+                         sampler=lambda x: mx.argmax(x, axis=-1))
+    uid_of = {}
+    out = [{"tokens": [], "logprobs": [], "margins": [], "full": []} for _ in rows]
+    step = 0
+    done = 0
+    while done < len(rows):
+        joiners = [i for i, r in enumerate(rows) if r["join_step"] == step]
+        if joiners:
+            uids = gen.insert([rows[i]["ids"] for i in joiners],
+                              [rows[i]["max_tokens"] for i in joiners])
+            for i, u in zip(joiners, uids):
+                uid_of[u] = i
+        for r in gen.next_generated():
+            i = uid_of[r.uid]
+            lp = r.logprobs.astype(mx.float32)
+            top2 = mx.sort(lp)[-2:].tolist()
+            out[i]["tokens"].append(int(r.token))
+            out[i]["logprobs"].append(float(lp[r.token]))
+            out[i]["margins"].append(top2[1] - top2[0])
+            if lp.size <= 1024:
+                out[i]["full"].append(lp.tolist())
+            if r.finish_reason is not None:
+                done += 1
+        step += 1
+    json.dump({"rows": out}, sys.stdout)
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -106,11 +149,16 @@ def main():
     r = sub.add_parser("run")
     r.add_argument("--model", required=True)
     r.add_argument("--requests", required=True)
+    b = sub.add_parser("batch")
+    b.add_argument("--model", required=True)
+    b.add_argument("--requests", required=True)
     a = ap.parse_args()
     if a.cmd == "fixture":
         make_fixture(a.arch, a.out, a.quantize)
-    else:
+    elif a.cmd == "run":
         run(a.model, a.requests)
+    else:
+        batch(a.model, a.requests)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,11 @@ impl KvCache {
         Ok((k, v))
     }
 
+    /// Every K/V buffer (to evaluate a step that produced no logits).
+    pub fn arrays(&self) -> impl Iterator<Item = &Array> {
+        self.keys.iter().chain(self.values.iter()).flatten()
+    }
+
     pub fn commit(&mut self) {
         self.cursor += self.pending;
         self.pending = 0;

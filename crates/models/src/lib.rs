@@ -8,6 +8,7 @@ pub mod error;
 pub mod linear;
 pub mod llama;
 pub mod loader;
+pub mod runner;
 pub mod tokenizer;
 pub mod weights;
 
@@ -17,4 +18,5 @@ pub use error::ModelError;
 pub use linear::WeightPolicy;
 pub use llama::LlamaModel;
 pub use loader::{load, Device, LoadOptions, LoadedModel};
+pub use runner::{BatchRunner, RowId, RowStep, StepLogits};
 pub use tokenizer::{ChatMessage, Tokenizer};

@@ -75,7 +75,7 @@ pub fn greedy(model: &LlamaModel, ids: &[u32], n: usize) -> (Vec<f32>, Vec<u32>)
         let t = Array::from_slice(&[*out.last().unwrap() as i32], &[1, 1]);
         let l = model.forward(&t, &mut cache, true).unwrap();
         cache.commit();
-        let next = mlx_rs::ops::indexing::argmax(&l.reshape(&[-1]).unwrap(), None).unwrap();
+        let next = mlx_rs::ops::indexing::argmax(l.reshape(&[-1]).unwrap(), None).unwrap();
         out.push(next.item_cast::<u32>());
     }
     (first, out)

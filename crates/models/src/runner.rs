@@ -1,0 +1,340 @@
+//! Runs one engine step over rows that join, decode and leave independently.
+//!
+//! Decoding rows share one left-padded [`KvCache`] so a step is a single
+//! batched forward; prefilling rows run on their own single-row caches and are
+//! merged into the decode batch the first time they decode. Every step is a
+//! transaction: `forward` stages, `commit` makes it visible, `rollback` leaves
+//! every row exactly as before the step.
+
+use std::collections::HashMap;
+
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{ops, Array, Dtype};
+
+use crate::cache::KvCache;
+use crate::error::{ModelError, Result};
+use crate::llama::LlamaModel;
+
+pub type RowId = u64;
+
+/// One row's work in a step.
+#[derive(Debug, Clone)]
+pub struct RowStep {
+    pub row: RowId,
+    /// A prefill chunk, or the single token to decode.
+    pub tokens: Vec<u32>,
+    /// Position of `tokens[0]`; must equal the row's committed length.
+    pub start_pos: usize,
+    pub want_logits: bool,
+}
+
+/// Last-position logits of the rows that asked for them, in step order.
+#[derive(Debug, Clone)]
+pub struct StepLogits {
+    pub rows: Vec<RowId>,
+    pub vocab: usize,
+    /// `[rows.len(), vocab]`, row-major.
+    pub data: Vec<f32>,
+}
+
+impl StepLogits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+/// Where a row's cache lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Home {
+    Batch(usize),
+    Solo,
+}
+
+pub struct BatchRunner {
+    model: LlamaModel,
+    batch: KvCache,
+    batch_rows: Vec<RowId>,
+    solo: HashMap<RowId, KvCache>,
+    /// Caches written by the open step, to commit or roll back together.
+    touched_batch: bool,
+    touched_solo: Vec<RowId>,
+    /// Rows created by the open step (dropped again on rollback).
+    created: Vec<RowId>,
+    /// Called after each layer of each forward: fault injection in tests.
+    layer_hook: Option<Box<dyn FnMut(usize) -> Result<()>>>,
+}
+
+impl BatchRunner {
+    pub fn new(model: LlamaModel) -> Self {
+        let layers = model.num_layers();
+        Self {
+            model,
+            batch: KvCache::new(layers, 0),
+            batch_rows: Vec::new(),
+            solo: HashMap::new(),
+            touched_batch: false,
+            touched_solo: Vec::new(),
+            created: Vec::new(),
+            layer_hook: None,
+        }
+    }
+
+    pub fn model(&self) -> &LlamaModel {
+        &self.model
+    }
+
+    pub fn set_layer_hook(&mut self, hook: Option<Box<dyn FnMut(usize) -> Result<()>>>) {
+        self.layer_hook = hook;
+    }
+
+    /// Committed length of a row, if it has state.
+    pub fn row_len(&self, row: RowId) -> Option<usize> {
+        match self.home(row)? {
+            Home::Batch(i) => Some(self.batch.lengths()[i] as usize),
+            Home::Solo => self.solo.get(&row).map(|c| c.lengths()[0] as usize),
+        }
+    }
+
+    pub fn num_rows(&self) -> usize {
+        self.batch_rows.len() + self.solo.len()
+    }
+
+    fn home(&self, row: RowId) -> Option<Home> {
+        if let Some(i) = self.batch_rows.iter().position(|&r| r == row) {
+            Some(Home::Batch(i))
+        } else if self.solo.contains_key(&row) {
+            Some(Home::Solo)
+        } else {
+            None
+        }
+    }
+
+    /// Forgets a row's state. Not part of a step transaction.
+    pub fn release(&mut self, row: RowId) -> Result<()> {
+        match self.home(row) {
+            Some(Home::Batch(i)) => {
+                let keep: Vec<usize> = (0..self.batch_rows.len()).filter(|&j| j != i).collect();
+                self.batch.filter(&keep)?;
+                self.batch_rows.remove(i);
+            }
+            Some(Home::Solo) => {
+                self.solo.remove(&row);
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Stages one step. On error the step is rolled back before returning.
+    pub fn forward(&mut self, steps: &[RowStep]) -> Result<StepLogits> {
+        if self.touched_batch || !self.touched_solo.is_empty() || !self.created.is_empty() {
+            return Err(ModelError::Invalid(
+                "forward called inside an open step".into(),
+            ));
+        }
+        let result = self.forward_inner(steps);
+        if result.is_err() {
+            self.rollback();
+        }
+        result
+    }
+
+    fn forward_inner(&mut self, steps: &[RowStep]) -> Result<StepLogits> {
+        let mut seen = std::collections::HashSet::new();
+        for s in steps {
+            if !seen.insert(s.row) {
+                return Err(ModelError::Invalid(format!(
+                    "row {} appears twice in one step",
+                    s.row
+                )));
+            }
+            if s.tokens.is_empty() {
+                return Err(ModelError::Invalid(format!("row {} has no tokens", s.row)));
+            }
+            let have = self.row_len(s.row).unwrap_or(0);
+            if have != s.start_pos {
+                return Err(ModelError::Invalid(format!(
+                    "row {} starts at {} but its cache holds {have} tokens",
+                    s.row, s.start_pos
+                )));
+            }
+        }
+        // Decode rows: one new token on top of existing state.
+        let decode: Vec<&RowStep> = steps
+            .iter()
+            .filter(|s| s.tokens.len() == 1 && s.start_pos > 0)
+            .collect();
+        self.compose_batch(&decode.iter().map(|s| s.row).collect::<Vec<_>>())?;
+
+        let mut outputs: HashMap<RowId, Array> = HashMap::new();
+        for s in steps
+            .iter()
+            .filter(|s| !(s.tokens.len() == 1 && s.start_pos > 0))
+        {
+            if !self.solo.contains_key(&s.row) {
+                self.solo
+                    .insert(s.row, KvCache::new(self.model.num_layers(), 1));
+                self.created.push(s.row);
+            }
+            let ids: Vec<i32> = s.tokens.iter().map(|&t| t as i32).collect();
+            let tokens = Array::from_slice(&ids, &[1, ids.len() as i32]);
+            let cache = self
+                .solo
+                .get_mut(&s.row)
+                .ok_or_else(|| ModelError::Invalid("solo cache vanished".into()))?;
+            self.touched_solo.push(s.row);
+            let logits = run(&self.model, &tokens, cache, &mut self.layer_hook)?;
+            if s.want_logits {
+                outputs.insert(s.row, logits.reshape(&[-1])?);
+            }
+        }
+        if !decode.is_empty() {
+            let ids: Vec<i32> = decode.iter().map(|s| s.tokens[0] as i32).collect();
+            let tokens = Array::from_slice(&ids, &[ids.len() as i32, 1]);
+            self.touched_batch = true;
+            let logits = run(&self.model, &tokens, &mut self.batch, &mut self.layer_hook)?;
+            for (i, s) in decode.iter().enumerate() {
+                if s.want_logits {
+                    outputs.insert(s.row, logits.try_index((i as i32, 0, ..))?);
+                }
+            }
+        }
+        let rows: Vec<RowId> = steps
+            .iter()
+            .filter(|s| s.want_logits)
+            .map(|s| s.row)
+            .collect();
+        let vocab = self.model.config.vocab_size as usize;
+        if rows.is_empty() {
+            mlx_rs::transforms::eval(self.pending_arrays())?;
+            return Ok(StepLogits {
+                rows,
+                vocab,
+                data: vec![],
+            });
+        }
+        let parts: Vec<Array> = rows
+            .iter()
+            .map(|r| {
+                outputs
+                    .remove(r)
+                    .ok_or_else(|| ModelError::Invalid("missing logits".into()))
+            })
+            .collect::<Result<_>>()?;
+        let all = ops::stack(&parts, 0)?.as_dtype(Dtype::Float32)?;
+        all.eval()?;
+        let data = all.as_slice::<f32>().to_vec();
+        Ok(StepLogits { rows, vocab, data })
+    }
+
+    /// Arrays a logits-free step must still evaluate (its cache writes).
+    fn pending_arrays(&self) -> Vec<&Array> {
+        // Cache arrays are lazily written; evaluating the batch and touched
+        // solo caches materialises the step.
+        let mut v = Vec::new();
+        if self.touched_batch {
+            v.extend(self.batch.arrays());
+        }
+        for r in &self.touched_solo {
+            if let Some(c) = self.solo.get(r) {
+                v.extend(c.arrays());
+            }
+        }
+        v
+    }
+
+    /// Makes the decode batch hold exactly `rows`, in that order. Moving rows
+    /// between the batch and solo caches changes no row's contents, so it
+    /// happens outside the step transaction.
+    fn compose_batch(&mut self, rows: &[RowId]) -> Result<()> {
+        if self.batch_rows == rows {
+            return Ok(());
+        }
+        // Park rows that do not decode this step.
+        let leaving: Vec<usize> = (0..self.batch_rows.len())
+            .filter(|&i| !rows.contains(&self.batch_rows[i]))
+            .collect();
+        for &i in &leaving {
+            let one = self.batch.extract(i)?;
+            self.solo.insert(self.batch_rows[i], one);
+        }
+        let staying: Vec<usize> = (0..self.batch_rows.len())
+            .filter(|i| !leaving.contains(i))
+            .collect();
+        let mut order: Vec<RowId> = staying.iter().map(|&i| self.batch_rows[i]).collect();
+        let mut batch = if staying.is_empty() {
+            None
+        } else {
+            let mut b = self.batch.clone();
+            b.filter(&staying)?;
+            Some(b)
+        };
+        for &r in rows {
+            if !order.contains(&r) {
+                let c = self.solo.get(&r).ok_or_else(|| {
+                    ModelError::Invalid(format!("row {r} has no state to decode from"))
+                })?;
+                match batch.as_mut() {
+                    Some(b) => b.merge(c)?,
+                    None => batch = Some(c.clone()),
+                }
+                order.push(r);
+            }
+        }
+        let mut batch = batch.unwrap_or_else(|| KvCache::new(self.model.num_layers(), 0));
+        // Reorder to the requested order.
+        let perm: Vec<usize> = rows
+            .iter()
+            .map(|r| order.iter().position(|o| o == r).unwrap_or(0))
+            .collect();
+        if perm.iter().enumerate().any(|(i, &p)| i != p) {
+            batch.filter(&perm)?;
+        }
+        for r in rows {
+            self.solo.remove(r);
+        }
+        self.batch = batch;
+        self.batch_rows = rows.to_vec();
+        Ok(())
+    }
+
+    pub fn commit(&mut self) {
+        if self.touched_batch {
+            self.batch.commit();
+        }
+        for r in self.touched_solo.drain(..) {
+            if let Some(c) = self.solo.get_mut(&r) {
+                c.commit();
+            }
+        }
+        self.touched_batch = false;
+        self.created.clear();
+    }
+
+    pub fn rollback(&mut self) {
+        if self.touched_batch {
+            self.batch.rollback();
+        }
+        for r in self.touched_solo.drain(..) {
+            if let Some(c) = self.solo.get_mut(&r) {
+                c.rollback();
+            }
+        }
+        for r in self.created.drain(..) {
+            self.solo.remove(&r);
+        }
+        self.touched_batch = false;
+    }
+}
+
+fn run(
+    model: &LlamaModel,
+    tokens: &Array,
+    cache: &mut KvCache,
+    hook: &mut Option<Box<dyn FnMut(usize) -> Result<()>>>,
+) -> Result<Array> {
+    match hook {
+        Some(h) => model.forward_with_hook(tokens, cache, true, &mut |i| h(i)),
+        None => model.forward(tokens, cache, true),
+    }
+}
