@@ -1,0 +1,121 @@
+//! Engine configuration.
+
+use std::collections::HashMap;
+
+use crate::fault::FaultPlan;
+
+/// Limits that apply to each tenant separately.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantLimits {
+    /// Rows of this tenant in the running batch at once.
+    pub max_running: usize,
+    /// Requests of this tenant waiting (submitted, not running) at once.
+    pub max_waiting: usize,
+    /// Token-rate budget: prompt + max_tokens charged at submit, unused generation
+    /// refunded at finish. None: unlimited.
+    pub tokens_per_minute: Option<u64>,
+}
+
+impl Default for TenantLimits {
+    fn default() -> Self {
+        Self { max_running: usize::MAX, max_waiting: 1024, tokens_per_minute: None }
+    }
+}
+
+/// Virtual token counter weights (Sheng et al., OSDI'24). A tenant's counter grows by
+/// `(input * prompt_tokens + output * generated_tokens) / tenant_weight`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VtcWeights {
+    pub input: f64,
+    pub output: f64,
+}
+
+impl Default for VtcWeights {
+    fn default() -> Self {
+        Self { input: 1.0, output: 2.0 }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Rows in one forward call.
+    pub max_batch_rows: usize,
+    /// Tokens (decode + prefill) in one forward call. Must be >= max_batch_rows so every
+    /// decoding row advances each step.
+    pub max_step_tokens: usize,
+    /// Largest prefill piece of one row in one step.
+    pub prefill_chunk: usize,
+    /// Requests waiting across all tenants.
+    pub max_waiting: usize,
+    /// Limits of tenants named here; their names are also the only `tenant` label values
+    /// in metrics (everyone else is "other"), which keeps label cardinality bounded.
+    pub tenants: HashMap<String, TenantLimits>,
+    /// Limits of tenants not named in `tenants`.
+    pub default_tenant: TenantLimits,
+    pub vtc: VtcWeights,
+    /// Tokens per KV block (for the built-in block counter and for capacity checks).
+    pub kv_block_size: usize,
+    /// Blocks in the built-in block counter (`Engine::start`).
+    pub kv_total_blocks: usize,
+    /// Blocks kept free when admitting new rows, so running rows can keep decoding
+    /// without preempting right away.
+    pub kv_watermark_blocks: usize,
+    /// Attempts of a failed step before its rows are isolated (bisected).
+    pub max_step_retries: u32,
+    /// Largest accepted `Request::logprobs`.
+    pub max_logprobs: usize,
+    /// Seeds requests that carry no seed (mixed with the request key).
+    pub seed: u64,
+    /// Test-only fault injection; empty in production.
+    pub faults: FaultPlan,
+    /// Test-only: after every rolled-back attempt, compare a fingerprint of the whole
+    /// scheduler state with the pre-step one and count mismatches in `Stats`.
+    pub verify_rollback: bool,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_rows: 256,
+            max_step_tokens: 2048,
+            prefill_chunk: 512,
+            max_waiting: 4096,
+            tenants: HashMap::new(),
+            default_tenant: TenantLimits::default(),
+            vtc: VtcWeights::default(),
+            kv_block_size: 16,
+            kv_total_blocks: 4096,
+            kv_watermark_blocks: 0,
+            max_step_retries: 3,
+            max_logprobs: 20,
+            seed: 0x5eed,
+            faults: FaultPlan::default(),
+            verify_rollback: false,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.max_batch_rows == 0 {
+            return Err("max_batch_rows must be > 0".into());
+        }
+        if self.max_step_tokens < self.max_batch_rows {
+            return Err("max_step_tokens must be >= max_batch_rows".into());
+        }
+        if self.prefill_chunk == 0 {
+            return Err("prefill_chunk must be > 0".into());
+        }
+        if self.kv_block_size == 0 {
+            return Err("kv_block_size must be > 0".into());
+        }
+        if !(self.vtc.input >= 0.0 && self.vtc.output >= 0.0) {
+            return Err("vtc weights must be >= 0".into());
+        }
+        Ok(())
+    }
+
+    pub(crate) fn limits(&self, tenant: &str) -> &TenantLimits {
+        self.tenants.get(tenant).unwrap_or(&self.default_tenant)
+    }
+}

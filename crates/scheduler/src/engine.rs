@@ -1,0 +1,282 @@
+//! The engine thread and its async-friendly handle.
+//!
+//! One dedicated `std::thread` owns the model (MLX arrays must never cross threads, so
+//! the model is built on that thread by a factory closure) and the scheduler. Tokio front
+//! ends talk to it through channels only: submit and cancel are commands, each request
+//! gets its own unbounded event channel (bounded in practice by `max_tokens`), and stats
+//! are a snapshot the engine publishes after every step. Admission limits are checked in
+//! the caller's thread against shared counters, so `submit` answers at once.
+
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tracing::{error, info};
+
+use crate::admission::Admission;
+use crate::config::SchedulerConfig;
+use crate::kv::{BlockBudget, KvBudget};
+use crate::model::{Detokenizer, Model, ModelInfo};
+use crate::request::{Event, EventStream, Request, RequestKey, SubmitError};
+use crate::scheduler::{Scheduler, Stats};
+
+/// How long an idle engine sleeps between checks for new work (deadlines, shutdown).
+const IDLE_POLL: Duration = Duration::from_millis(50);
+/// Pause after a step that planned nothing although work exists, so the loop never spins.
+const STALL_PAUSE: Duration = Duration::from_millis(1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("model factory failed: {0}")]
+    Factory(String),
+    #[error("invalid config: {0}")]
+    Config(String),
+    #[error("could not spawn the engine thread: {0}")]
+    Spawn(String),
+    #[error("engine thread exited during startup")]
+    Startup,
+}
+
+enum Command {
+    Submit { key: RequestKey, req: Box<Request>, tx: mpsc::UnboundedSender<Event>, arrival: Instant },
+    Cancel { tenant: String, request_id: String },
+    Shutdown,
+}
+
+struct Shared {
+    admission: Arc<Admission>,
+    stats: Mutex<Stats>,
+    info: ModelInfo,
+}
+
+/// Cheap to clone; every clone talks to the same engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: std_mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+}
+
+impl EngineHandle {
+    /// Queue a request or refuse it at once. The returned stream carries token deltas and
+    /// ends with one `Event::Finished`; dropping it cancels the request.
+    pub fn submit(&self, req: Request) -> Result<EventStream, SubmitError> {
+        let now = Instant::now();
+        let key = self.shared.admission.admit(&req, now)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Err(std_mpsc::SendError(cmd)) = self.tx.send(Command::Submit { key, req: Box::new(req), tx, arrival: now }) {
+            if let Command::Submit { req, .. } = cmd {
+                self.shared.admission.abandon(&req);
+            }
+            return Err(SubmitError::ShuttingDown);
+        }
+        Ok(EventStream::new(key, rx))
+    }
+
+    /// Cancel by client request id. Returns false if no live request has that id.
+    pub fn cancel(&self, tenant: &str, request_id: &str) -> bool {
+        if !self.shared.admission.knows(tenant, request_id) {
+            return false;
+        }
+        self.tx
+            .send(Command::Cancel { tenant: tenant.to_string(), request_id: request_id.to_string() })
+            .is_ok()
+    }
+
+    /// The snapshot published after the latest step (waiting/running include requests
+    /// still in flight to the engine thread).
+    pub fn stats(&self) -> Stats {
+        let mut s = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let (waiting, running) = self.shared.admission.counts();
+        s.waiting = waiting;
+        s.running = running;
+        s
+    }
+
+    pub fn model_info(&self) -> &ModelInfo {
+        &self.shared.info
+    }
+}
+
+/// Owns the engine thread; dropping it shuts the engine down (live requests get an
+/// error event) and joins the thread.
+pub struct Engine {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Start the engine with the built-in block counter sized by `config`. Blocks until
+    /// the model is built (on the engine thread) or the factory failed.
+    pub fn start<M, E, F>(config: SchedulerConfig, factory: F, detok: Arc<dyn Detokenizer>) -> Result<Self, EngineError>
+    where
+        M: Model + 'static,
+        E: std::fmt::Display,
+        F: FnOnce() -> Result<M, E> + Send + 'static,
+    {
+        let (bs, blocks) = (config.kv_block_size, config.kv_total_blocks);
+        Self::start_with_budget(
+            config,
+            move || factory().map(|m| (m, BlockBudget::new(bs, blocks))),
+            detok,
+        )
+    }
+
+    /// Start the engine with a KV budget built on the engine thread next to the model
+    /// (for a pool whose storage, like the model's, must stay on that thread).
+    pub fn start_with_budget<M, K, E, F>(
+        config: SchedulerConfig,
+        factory: F,
+        detok: Arc<dyn Detokenizer>,
+    ) -> Result<Self, EngineError>
+    where
+        M: Model + 'static,
+        K: KvBudget + 'static,
+        E: std::fmt::Display,
+        F: FnOnce() -> Result<(M, K), E> + Send + 'static,
+    {
+        config.validate().map_err(EngineError::Config)?;
+        let (cmd_tx, cmd_rx) = std_mpsc::channel::<Command>();
+        let (ready_tx, ready_rx) = std_mpsc::channel::<Result<Arc<Shared>, EngineError>>();
+        let thread = std::thread::Builder::new()
+            .name("weft-engine".into())
+            .spawn(move || {
+                let sched = match factory() {
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(EngineError::Factory(e.to_string())));
+                        return;
+                    }
+                    Ok((model, kv)) => match Scheduler::with_budget(config, model, kv, detok) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(EngineError::Config(e.to_string())));
+                            return;
+                        }
+                    },
+                };
+                let shared = Arc::new(Shared {
+                    admission: sched.admission(),
+                    stats: Mutex::new(sched.stats()),
+                    info: sched.info().clone(),
+                });
+                if ready_tx.send(Ok(shared.clone())).is_err() {
+                    return;
+                }
+                run_loop(sched, cmd_rx, shared);
+            })
+            .map_err(|e| EngineError::Spawn(e.to_string()))?;
+        let shared = match ready_rx.recv() {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(EngineError::Startup);
+            }
+        };
+        info!("engine started");
+        Ok(Self { handle: EngineHandle { tx: cmd_tx, shared }, thread: Some(thread) })
+    }
+
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    pub fn submit(&self, req: Request) -> Result<EventStream, SubmitError> {
+        self.handle.submit(req)
+    }
+
+    pub fn cancel(&self, tenant: &str, request_id: &str) -> bool {
+        self.handle.cancel(tenant, request_id)
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.handle.stats()
+    }
+
+    /// Stop the engine: live requests finish with an error event.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self.handle.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                error!("engine thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Closes admission when the engine loop ends for any reason, panics included, so
+/// later submits fail fast instead of queueing into nothing.
+struct CloseOnExit(Arc<Admission>);
+
+impl Drop for CloseOnExit {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+fn run_loop<M: Model, K: KvBudget>(mut sched: Scheduler<M, K>, rx: std_mpsc::Receiver<Command>, shared: Arc<Shared>) {
+    let _close = CloseOnExit(shared.admission.clone());
+    let mut stalled = false;
+    'outer: loop {
+        let now = Instant::now();
+        if !sched.has_work() || stalled {
+            let wait = if stalled {
+                STALL_PAUSE
+            } else {
+                sched.next_deadline(now).map_or(IDLE_POLL, |d| d.min(IDLE_POLL))
+            };
+            match rx.recv_timeout(wait) {
+                Ok(cmd) => {
+                    if !handle(&mut sched, cmd) {
+                        break 'outer;
+                    }
+                }
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => break 'outer,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => {
+                    if !handle(&mut sched, cmd) {
+                        break 'outer;
+                    }
+                }
+                Err(std_mpsc::TryRecvError::Empty) => break,
+                Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
+            }
+        }
+        let rep = sched.step(Instant::now());
+        stalled = rep.rows == 0 && sched.has_work();
+        *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();
+    }
+    sched.shutdown(Instant::now());
+    *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();
+    info!("engine stopped");
+}
+
+/// Returns false on shutdown.
+fn handle<M: Model, K: KvBudget>(sched: &mut Scheduler<M, K>, cmd: Command) -> bool {
+    match cmd {
+        Command::Submit { key, req, tx, arrival } => sched.enqueue(key, *req, tx, arrival),
+        Command::Cancel { tenant, request_id } => {
+            sched.cancel(&tenant, &request_id, Instant::now());
+        }
+        Command::Shutdown => return false,
+    }
+    true
+}

@@ -1,0 +1,175 @@
+//! KV memory accounting as the scheduler sees it.
+//!
+//! The scheduler only needs to know whether a row can grow, to reserve that growth for
+//! the step, and to give it back. [`BlockBudget`] counts blocks of `block_size` tokens per
+//! row against a fixed total. The paged pool in `weft-kv-pool` (block tables, tenant-salted
+//! prefix cache, begin/commit/rollback) is meant to back this trait in production, with the
+//! same transaction shape: reservations made between `begin` and `rollback` vanish.
+
+use std::collections::HashMap;
+
+use crate::model::RowId;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("KV pool exhausted: need {needed} blocks, {free} free")]
+    Exhausted { needed: usize, free: usize },
+    #[error("KV transaction misuse: {0}")]
+    Misuse(String),
+}
+
+pub trait KvBudget {
+    fn block_size(&self) -> usize;
+    fn total_blocks(&self) -> usize;
+    fn free_blocks(&self) -> usize;
+    /// Tokens currently reserved for `row` (0 for an unknown row).
+    fn row_tokens(&self, row: RowId) -> usize;
+    /// Extra blocks `row` needs to hold `tokens` tokens in total.
+    fn blocks_needed(&self, row: RowId, tokens: usize) -> usize {
+        let bs = self.block_size().max(1);
+        tokens.div_ceil(bs).saturating_sub(self.row_tokens(row).div_ceil(bs))
+    }
+    /// Whether `row` can grow by `n` tokens now.
+    fn can_grow(&self, row: RowId, n: usize) -> bool {
+        self.blocks_needed(row, self.row_tokens(row) + n) <= self.free_blocks()
+    }
+    /// Grow `row`'s reservation to hold `tokens` tokens in total (never shrinks).
+    fn reserve(&mut self, row: RowId, tokens: usize) -> Result<(), KvError>;
+    /// Return all of `row`'s blocks. Not transactional: rows are released outside steps.
+    fn release(&mut self, row: RowId);
+    /// Start a step; reservations until `commit`/`rollback` are provisional.
+    fn begin(&mut self);
+    fn commit(&mut self);
+    fn rollback(&mut self);
+    /// Digest of the whole reservation state; used only to verify rollbacks in tests.
+    fn fingerprint(&self) -> u64 {
+        self.free_blocks() as u64
+    }
+}
+
+/// Counts `ceil(tokens / block_size)` blocks per row against a fixed total.
+#[derive(Debug, Clone)]
+pub struct BlockBudget {
+    block_size: usize,
+    total: usize,
+    used: usize,
+    rows: HashMap<RowId, usize>,
+    /// Tokens each row held before its first reservation in the open transaction.
+    journal: Option<Vec<(RowId, usize)>>,
+}
+
+impl BlockBudget {
+    pub fn new(block_size: usize, total_blocks: usize) -> Self {
+        Self {
+            block_size: block_size.max(1),
+            total: total_blocks,
+            used: 0,
+            rows: HashMap::new(),
+            journal: None,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn blocks(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+}
+
+impl KvBudget for BlockBudget {
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+    fn total_blocks(&self) -> usize {
+        self.total
+    }
+    fn free_blocks(&self) -> usize {
+        self.total - self.used
+    }
+    fn row_tokens(&self, row: RowId) -> usize {
+        self.rows.get(&row).copied().unwrap_or(0)
+    }
+    fn reserve(&mut self, row: RowId, tokens: usize) -> Result<(), KvError> {
+        let old = self.row_tokens(row);
+        if tokens <= old {
+            return Ok(());
+        }
+        let needed = self.blocks(tokens) - self.blocks(old);
+        let free = self.free_blocks();
+        if needed > free {
+            return Err(KvError::Exhausted { needed, free });
+        }
+        if let Some(j) = &mut self.journal {
+            if !j.iter().any(|(r, _)| *r == row) {
+                j.push((row, old));
+            }
+        }
+        self.used += needed;
+        self.rows.insert(row, tokens);
+        Ok(())
+    }
+    fn release(&mut self, row: RowId) {
+        if let Some(t) = self.rows.remove(&row) {
+            self.used -= self.blocks(t);
+        }
+    }
+    fn fingerprint(&self) -> u64 {
+        // Order-independent, so HashMap iteration order does not matter.
+        let mut acc = self.used as u64;
+        for (r, t) in &self.rows {
+            acc = acc.wrapping_add(crate::util::mix64(r.wrapping_mul(0x9e37_79b9) ^ (*t as u64)));
+        }
+        acc
+    }
+    fn begin(&mut self) {
+        self.journal = Some(Vec::new());
+    }
+    fn commit(&mut self) {
+        self.journal = None;
+    }
+    fn rollback(&mut self) {
+        let Some(j) = self.journal.take() else { return };
+        for (row, old) in j.into_iter().rev() {
+            if let Some(t) = self.rows.get(&row).copied() {
+                self.used -= self.blocks(t);
+            }
+            if old == 0 {
+                self.rows.remove(&row);
+            } else {
+                self.used += self.blocks(old);
+                self.rows.insert(row, old);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_blocks_and_rolls_back() {
+        let mut b = BlockBudget::new(4, 10);
+        b.begin();
+        b.reserve(1, 5).unwrap();
+        b.commit();
+        assert_eq!(b.free_blocks(), 8);
+        assert_eq!(b.blocks_needed(1, 8), 0);
+        assert_eq!(b.blocks_needed(1, 9), 1);
+        b.begin();
+        b.reserve(1, 12).unwrap();
+        b.reserve(2, 3).unwrap();
+        assert_eq!(b.free_blocks(), 6);
+        b.rollback();
+        assert_eq!(b.free_blocks(), 8);
+        assert_eq!(b.row_tokens(1), 5);
+        assert_eq!(b.row_tokens(2), 0);
+        assert!(matches!(b.reserve(3, 100), Err(KvError::Exhausted { .. })));
+        b.release(1);
+        assert_eq!(b.free_blocks(), 10);
+        assert_eq!(b.rows(), 0);
+    }
+}

@@ -1,0 +1,109 @@
+//! Metric names and handles (through the `metrics` facade).
+//!
+//! Handles are resolved once, when the scheduler starts, so install the recorder (e.g.
+//! `metrics-exporter-prometheus`) before `Engine::start`. The only label is `tenant`, whose
+//! values are the tenants named in the config plus "other": bounded cardinality.
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter, Gauge, Histogram, Unit};
+
+pub const REQUESTS_RUNNING: &str = "weft_requests_running";
+pub const REQUESTS_WAITING: &str = "weft_requests_waiting";
+pub const KV_BLOCKS_USED: &str = "weft_kv_blocks_used";
+pub const KV_BLOCKS_FREE: &str = "weft_kv_blocks_free";
+pub const KV_USAGE_RATIO: &str = "weft_kv_usage_ratio";
+pub const PREEMPTIONS: &str = "weft_preemptions_total";
+pub const STEP_ROLLBACKS: &str = "weft_step_rollbacks_total";
+pub const STEP_DURATION: &str = "weft_step_duration_seconds";
+pub const BATCH_SIZE: &str = "weft_batch_size";
+pub const TTFT: &str = "weft_time_to_first_token_seconds";
+pub const ITL: &str = "weft_inter_token_latency_seconds";
+pub const QUEUE_TIME: &str = "weft_request_queue_seconds";
+pub const E2E: &str = "weft_request_e2e_seconds";
+pub const PROMPT_TOKENS: &str = "weft_prompt_tokens_total";
+pub const GENERATION_TOKENS: &str = "weft_generation_tokens_total";
+pub const PREFIX_QUERIES: &str = "weft_prefix_cache_queries_total";
+pub const PREFIX_HITS: &str = "weft_prefix_cache_hits_total";
+pub const REQUESTS_FINISHED: &str = "weft_requests_finished_total";
+
+/// Suggested histogram buckets for the exporter; they include common SLO thresholds
+/// (a 2 s TTFT bucket among them).
+pub const LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0];
+pub const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.0];
+pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
+
+pub fn describe() {
+    describe_gauge!(REQUESTS_RUNNING, "Requests with a row in the running batch");
+    describe_gauge!(REQUESTS_WAITING, "Requests queued, including preempted ones");
+    describe_gauge!(KV_BLOCKS_USED, "KV blocks reserved by rows");
+    describe_gauge!(KV_BLOCKS_FREE, "KV blocks free");
+    describe_gauge!(KV_USAGE_RATIO, "Used / total KV blocks");
+    describe_counter!(PREEMPTIONS, "Rows preempted (recomputed later) for lack of KV memory");
+    describe_counter!(STEP_ROLLBACKS, "Step attempts rolled back after a failure");
+    describe_histogram!(STEP_DURATION, Unit::Seconds, "Wall time of one committed step");
+    describe_histogram!(BATCH_SIZE, "Rows in one forward call");
+    describe_histogram!(TTFT, Unit::Seconds, "Submit to first token");
+    describe_histogram!(ITL, Unit::Seconds, "Time between consecutive tokens of a request");
+    describe_histogram!(QUEUE_TIME, Unit::Seconds, "Submit to first scheduled");
+    describe_histogram!(E2E, Unit::Seconds, "Submit to final event");
+    describe_counter!(PROMPT_TOKENS, "Prompt tokens of admitted requests");
+    describe_counter!(GENERATION_TOKENS, "Generated tokens");
+    describe_counter!(PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache");
+    describe_counter!(PREFIX_HITS, "Prompt tokens served from the prefix cache");
+    describe_counter!(REQUESTS_FINISHED, "Finished requests by reason");
+}
+
+pub(crate) struct EngineMetrics {
+    pub kv_used: Gauge,
+    pub kv_free: Gauge,
+    pub kv_ratio: Gauge,
+    pub preemptions: Counter,
+    pub rollbacks: Counter,
+    pub step_duration: Histogram,
+    pub batch_size: Histogram,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub queue: Histogram,
+    pub e2e: Histogram,
+}
+
+impl EngineMetrics {
+    pub fn new() -> Self {
+        describe();
+        Self {
+            kv_used: gauge!(KV_BLOCKS_USED),
+            kv_free: gauge!(KV_BLOCKS_FREE),
+            kv_ratio: gauge!(KV_USAGE_RATIO),
+            preemptions: counter!(PREEMPTIONS),
+            rollbacks: counter!(STEP_ROLLBACKS),
+            step_duration: histogram!(STEP_DURATION),
+            batch_size: histogram!(BATCH_SIZE),
+            ttft: histogram!(TTFT),
+            itl: histogram!(ITL),
+            queue: histogram!(QUEUE_TIME),
+            e2e: histogram!(E2E),
+        }
+    }
+}
+
+pub(crate) struct TenantMetrics {
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+}
+
+impl TenantMetrics {
+    pub fn new(label: &str) -> Self {
+        let l = label.to_string();
+        Self {
+            running: gauge!(REQUESTS_RUNNING, "tenant" => l.clone()),
+            waiting: gauge!(REQUESTS_WAITING, "tenant" => l.clone()),
+            prompt_tokens: counter!(PROMPT_TOKENS, "tenant" => l.clone()),
+            generation_tokens: counter!(GENERATION_TOKENS, "tenant" => l),
+        }
+    }
+}
+
+pub(crate) fn finished(reason: crate::request::FinishReason) {
+    counter!(REQUESTS_FINISHED, "reason" => reason.as_str()).increment(1);
+}

@@ -1,0 +1,293 @@
+//! What callers send in and what they get back.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+/// Sampling knobs of one request. Defaults are greedy with no penalties.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means off.
+    pub top_k: u32,
+    /// 1.0 means off.
+    pub top_p: f32,
+    /// 0.0 means off.
+    pub min_p: f32,
+    /// Multiplicative (CTRL-style) over prompt and generated tokens; 1.0 means off.
+    pub repetition_penalty: f32,
+    /// Subtracted once from every token already generated (OpenAI semantics).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence of a token already generated (OpenAI semantics).
+    pub frequency_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub(crate) fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+
+    pub(crate) fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+}
+
+/// One generation request, as the front end hands it over (already tokenized and
+/// authenticated: `tenant` and `tenant_weight` come from the API key, not the client).
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub tenant: String,
+    /// Share of the engine relative to other tenants (> 0).
+    pub tenant_weight: f64,
+    /// Higher runs first within the tenant and is preempted last.
+    pub priority: i32,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    /// Matched on the detokenized output; never emitted.
+    pub stop_strings: Vec<String>,
+    pub ignore_eos: bool,
+    /// Makes sampling reproducible and independent of the rest of the batch.
+    pub seed: Option<u64>,
+    /// Number of top alternatives to report per token (None: no logprobs at all).
+    pub logprobs: Option<usize>,
+    /// Client-chosen id, unique per tenant among live requests; needed for `cancel`.
+    pub request_id: Option<String>,
+    pub deadline: Option<Instant>,
+}
+
+impl Request {
+    /// A greedy request with defaults everywhere else; handy in tests and examples.
+    pub fn new(tenant: impl Into<String>, prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            tenant: tenant.into(),
+            tenant_weight: 1.0,
+            priority: 0,
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            seed: None,
+            logprobs: None,
+            request_id: None,
+            deadline: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// `max_tokens` reached.
+    Length,
+    /// A stop token id or stop string matched.
+    Stop,
+    /// The model's end-of-sequence token (and `ignore_eos` was off).
+    Eos,
+    /// `cancel()` was called or the event receiver was dropped.
+    Cancelled,
+    /// The request could not be served; `Finished::error` says why.
+    Error,
+    /// The request's deadline passed before it finished.
+    Deadline,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Eos => "eos",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::Error => "error",
+            FinishReason::Deadline => "deadline",
+        }
+    }
+}
+
+/// What matched when `FinishReason::Stop`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopMatch {
+    TokenId(u32),
+    String(String),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// The `n` most likely tokens at this position, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// New output of one request. `text` may be empty while text is held back (a possible
+/// stop-string start or an incomplete UTF-8 character); it is never retracted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenDelta {
+    pub ids: Vec<u32>,
+    pub text: String,
+    /// One entry per id when the request asked for logprobs.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache (0 until the KV pool provides one).
+    pub cached_prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Submit until first scheduled.
+    pub queue_time: Duration,
+    /// Submit until first token; None if no token was produced.
+    pub time_to_first_token: Option<Duration>,
+    /// How many times the request was preempted and recomputed.
+    pub preemptions: u32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub stop: Option<StopMatch>,
+    pub usage: Usage,
+    /// Set for `FinishReason::Error`.
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token(TokenDelta),
+    /// Always the last event of a stream.
+    Finished(Finished),
+}
+
+/// Engine-assigned id of a request, unique for the engine's lifetime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestKey(pub u64);
+
+/// Why `submit` refused a request. Returned at once; nothing is queued.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SubmitError {
+    /// The request can never be served as asked (maps to INVALID_ARGUMENT).
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// A queue or rate limit is full now; try again after `retry_after`
+    /// (maps to RESOURCE_EXHAUSTED).
+    #[error("overloaded ({reason}); retry after {retry_after:?}")]
+    Overloaded { retry_after: Duration, reason: String },
+    /// The engine has stopped (maps to UNAVAILABLE).
+    #[error("engine is not running")]
+    ShuttingDown,
+}
+
+/// The event stream of one request. Dropping it cancels the request within one step.
+///
+/// If the engine goes away without a final event (a panic on the engine thread), the
+/// stream ends with a synthesized `Finished { reason: Error }` so callers never hang or
+/// mistake a crash for a clean end.
+#[derive(Debug)]
+pub struct EventStream {
+    key: RequestKey,
+    rx: mpsc::UnboundedReceiver<Event>,
+    done: bool,
+}
+
+impl EventStream {
+    pub(crate) fn new(key: RequestKey, rx: mpsc::UnboundedReceiver<Event>) -> Self {
+        Self { key, rx, done: false }
+    }
+
+    pub fn key(&self) -> RequestKey {
+        self.key
+    }
+
+    fn observe(&mut self, ev: Option<Event>) -> Option<Event> {
+        if self.done {
+            return None;
+        }
+        match ev {
+            Some(ev) => {
+                if matches!(ev, Event::Finished(_)) {
+                    self.done = true;
+                }
+                Some(ev)
+            }
+            None => {
+                self.done = true;
+                Some(Event::Finished(Finished {
+                    reason: FinishReason::Error,
+                    stop: None,
+                    usage: Usage::default(),
+                    error: Some("engine stopped without finishing the request".into()),
+                }))
+            }
+        }
+    }
+
+    pub async fn recv(&mut self) -> Option<Event> {
+        if self.done {
+            return None;
+        }
+        let ev = self.rx.recv().await;
+        self.observe(ev)
+    }
+
+    /// Non-blocking receive for synchronous callers (simulation tests). `None` means
+    /// nothing is ready yet or the stream is over; see [`EventStream::is_done`].
+    pub fn try_recv(&mut self) -> Option<Event> {
+        if self.done {
+            return None;
+        }
+        match self.rx.try_recv() {
+            Ok(ev) => self.observe(Some(ev)),
+            Err(mpsc::error::TryRecvError::Empty) => None,
+            Err(mpsc::error::TryRecvError::Disconnected) => self.observe(None),
+        }
+    }
+
+    /// Blocking receive; must not be called from an async context.
+    pub fn blocking_recv(&mut self) -> Option<Event> {
+        if self.done {
+            return None;
+        }
+        let ev = self.rx.blocking_recv();
+        self.observe(ev)
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+}
+
+impl futures_core::Stream for EventStream {
+    type Item = Event;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(ev) => Poll::Ready(self.observe(ev)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+

@@ -1,0 +1,277 @@
+//! Per-row sampling on the host.
+//!
+//! Randomness is indexed, not streamed: the draw for generated token `i` of a request
+//! comes from a ChaCha8 stream seeded by the request seed at word position `2 * i`. That
+//! is a per-row RNG advanced exactly once per generated token, with no state to stage or
+//! roll back, so a seeded request's tokens do not depend on the batch, on retries after
+//! a failed step, or on preemption.
+
+use std::collections::{HashMap, HashSet};
+
+use rand_chacha::ChaCha8Rng;
+use rand_core::{RngCore, SeedableRng};
+
+use crate::request::{SamplingParams, TokenLogprob};
+
+/// Candidates whose scaled logit is this far below the best one have relative
+/// probability < 1e-10; dropping them before sorting keeps large vocabularies cheap and
+/// changes no practical outcome (and determinism is unaffected).
+const CANDIDATE_WINDOW: f32 = 23.0;
+
+/// Tokens seen so far by one request, for penalties. Built lazily: requests without
+/// penalties never pay for it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct PenaltyState {
+    pub prompt: HashSet<u32>,
+    pub generated: HashMap<u32, u32>,
+}
+
+impl PenaltyState {
+    pub fn new(prompt: &[u32], generated: &[u32]) -> Self {
+        let mut s = Self { prompt: prompt.iter().copied().collect(), generated: HashMap::new() };
+        for &t in generated {
+            s.push(t);
+        }
+        s
+    }
+
+    pub fn push(&mut self, t: u32) {
+        *self.generated.entry(t).or_insert(0) += 1;
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    work: Vec<f32>,
+    cand: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Sampled {
+    pub token: u32,
+    pub logprob: Option<TokenLogprob>,
+}
+
+pub(crate) struct SampleCtx<'a> {
+    pub params: &'a SamplingParams,
+    pub penalties: Option<&'a PenaltyState>,
+    pub seed: u64,
+    /// Index of the token being generated (0 for the first).
+    pub index: u64,
+    pub logprobs: Option<usize>,
+}
+
+pub(crate) fn sample(logits: &[f32], ctx: &SampleCtx<'_>, scratch: &mut Scratch) -> Result<Sampled, String> {
+    if logits.is_empty() {
+        return Err("empty logits".into());
+    }
+    let p = ctx.params;
+    let penalized: &[f32] = match ctx.penalties {
+        Some(pen) if p.has_penalties() => {
+            scratch.work.clear();
+            scratch.work.extend_from_slice(logits);
+            apply_penalties(&mut scratch.work, p, pen);
+            &scratch.work
+        }
+        _ => logits,
+    };
+    let token = if p.is_greedy() {
+        argmax(penalized).ok_or("logits are all NaN")?
+    } else {
+        let mut rng = ChaCha8Rng::seed_from_u64(ctx.seed);
+        rng.set_word_pos(u128::from(ctx.index) * 2);
+        let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        draw(penalized, p, u, &mut scratch.cand)?
+    };
+    let logprob = match ctx.logprobs {
+        Some(n) => Some(logprobs(logits, token, n)?),
+        None => None,
+    };
+    Ok(Sampled { token, logprob })
+}
+
+fn apply_penalties(x: &mut [f32], p: &SamplingParams, pen: &PenaltyState) {
+    if p.repetition_penalty != 1.0 {
+        let r = p.repetition_penalty;
+        let seen = pen.prompt.iter().chain(pen.generated.keys().filter(|t| !pen.prompt.contains(t)));
+        for &t in seen {
+            if let Some(v) = x.get_mut(t as usize) {
+                *v = if *v > 0.0 { *v / r } else { *v * r };
+            }
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        for (&t, &c) in &pen.generated {
+            if let Some(v) = x.get_mut(t as usize) {
+                *v -= p.presence_penalty + p.frequency_penalty * c as f32;
+            }
+        }
+    }
+}
+
+/// First index of the largest value; NaN never wins.
+fn argmax(x: &[f32]) -> Option<u32> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in x.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        match best {
+            Some((_, b)) if v <= b => {}
+            _ => best = Some((i, v)),
+        }
+    }
+    best.map(|(i, _)| i as u32)
+}
+
+fn draw(x: &[f32], p: &SamplingParams, u: f64, cand: &mut Vec<(u32, f32)>) -> Result<u32, String> {
+    let inv_t = 1.0 / p.temperature;
+    let max = x.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return Err("logits have no finite maximum".into());
+    }
+    let floor = max * inv_t - CANDIDATE_WINDOW;
+    cand.clear();
+    cand.extend(
+        x.iter()
+            .enumerate()
+            .map(|(i, &v)| (i as u32, v * inv_t))
+            .filter(|&(_, v)| v >= floor),
+    );
+    // Descending by value, ties by id, so the order (and so the draw) is deterministic.
+    let by_value = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let k = p.top_k as usize;
+    if k > 0 && k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, by_value);
+        cand.truncate(k);
+    }
+    cand.sort_unstable_by(by_value);
+    let top = cand[0].1;
+    let mut total = 0.0f64;
+    for c in cand.iter_mut() {
+        c.1 = (c.1 - top).exp();
+        total += f64::from(c.1);
+    }
+    let mut keep = cand.len();
+    if p.top_p < 1.0 {
+        let mut cum = 0.0f64;
+        for (i, c) in cand.iter().enumerate() {
+            cum += f64::from(c.1) / total;
+            if cum >= f64::from(p.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if p.min_p > 0.0 {
+        // cand[0] has weight 1 (the maximum), so the threshold is min_p itself.
+        let n = cand[..keep].iter().take_while(|c| c.1 >= p.min_p).count();
+        keep = n.max(1);
+    }
+    cand.truncate(keep);
+    let kept: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
+    let mut target = u * kept;
+    for c in cand.iter() {
+        target -= f64::from(c.1);
+        if target < 0.0 {
+            return Ok(c.0);
+        }
+    }
+    Ok(cand[cand.len() - 1].0)
+}
+
+/// Log-softmax of the raw model logits: the chosen token and the `n` best.
+fn logprobs(x: &[f32], token: u32, n: usize) -> Result<TokenLogprob, String> {
+    let max = x.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return Err("logits have no finite maximum".into());
+    }
+    let lse = max + x.iter().filter(|v| !v.is_nan()).map(|&v| (v - max).exp()).sum::<f32>().ln();
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        for (i, &v) in x.iter().enumerate() {
+            if v.is_nan() || (top.len() == n && v <= top[n - 1].1) {
+                continue;
+            }
+            let pos = top.partition_point(|&(_, t)| t >= v);
+            top.insert(pos, (i as u32, v));
+            top.truncate(n);
+        }
+    }
+    let lp = x.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY) - lse;
+    Ok(TokenLogprob { id: token, logprob: lp, top: top.into_iter().map(|(i, v)| (i, v - lse)).collect() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx<'a>(p: &'a SamplingParams, index: u64) -> SampleCtx<'a> {
+        SampleCtx { params: p, penalties: None, seed: 7, index, logprobs: None }
+    }
+
+    #[test]
+    fn greedy_picks_first_max_and_skips_nan() {
+        let p = SamplingParams::default();
+        let mut s = Scratch::default();
+        let out = sample(&[0.0, f32::NAN, 3.0, 3.0, 1.0], &ctx(&p, 0), &mut s).unwrap();
+        assert_eq!(out.token, 2);
+        assert!(sample(&[f32::NAN], &ctx(&p, 0), &mut s).is_err());
+    }
+
+    #[test]
+    fn seeded_draws_are_reproducible_and_indexed() {
+        let p = SamplingParams { temperature: 1.0, ..Default::default() };
+        let logits: Vec<f32> = (0..64).map(|i| (i % 7) as f32 * 0.3).collect();
+        let mut s = Scratch::default();
+        let a: Vec<u32> = (0..50).map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap().token).collect();
+        let b: Vec<u32> = (0..50).rev().map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap().token).collect();
+        let b: Vec<u32> = b.into_iter().rev().collect();
+        assert_eq!(a, b);
+        let distinct: HashSet<u32> = a.iter().copied().collect();
+        assert!(distinct.len() > 3, "temperature 1 should spread: {a:?}");
+    }
+
+    #[test]
+    fn top_k_top_p_min_p_restrict_support() {
+        let logits = [5.0, 4.9, 4.8, 0.0, -1.0, -2.0];
+        let mut s = Scratch::default();
+        for (params, allowed) in [
+            (SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() }, vec![0, 1]),
+            (SamplingParams { temperature: 1.0, top_p: 0.5, ..Default::default() }, vec![0, 1]),
+            (SamplingParams { temperature: 1.0, min_p: 0.5, ..Default::default() }, vec![0, 1, 2]),
+        ] {
+            for i in 0..200 {
+                let t = sample(&logits, &ctx(&params, i), &mut s).unwrap().token;
+                assert!(allowed.contains(&t), "{params:?} drew {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn penalties_change_the_choice() {
+        let logits = [2.0, 1.9, 0.0];
+        let mut s = Scratch::default();
+        let pen = PenaltyState::new(&[], &[0, 0]);
+        let p = SamplingParams { frequency_penalty: 0.1, ..Default::default() };
+        let c = SampleCtx { params: &p, penalties: Some(&pen), seed: 0, index: 0, logprobs: None };
+        assert_eq!(sample(&logits, &c, &mut s).unwrap().token, 1);
+        let p = SamplingParams { presence_penalty: 0.05, ..Default::default() };
+        let c = SampleCtx { params: &p, penalties: Some(&pen), seed: 0, index: 0, logprobs: None };
+        assert_eq!(sample(&logits, &c, &mut s).unwrap().token, 0);
+        let pen = PenaltyState::new(&[0], &[]);
+        let p = SamplingParams { repetition_penalty: 1.2, ..Default::default() };
+        let c = SampleCtx { params: &p, penalties: Some(&pen), seed: 0, index: 0, logprobs: None };
+        assert_eq!(sample(&logits, &c, &mut s).unwrap().token, 1);
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax() {
+        let logits = [1.0f32, 2.0, 3.0];
+        let lp = logprobs(&logits, 0, 2).unwrap();
+        let z: f32 = logits.iter().map(|v| v.exp()).sum();
+        assert!((lp.logprob - (1.0f32.exp() / z).ln()).abs() < 1e-5);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+        assert!((lp.top[0].1 - (3.0f32.exp() / z).ln()).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,892 @@
+//! The synchronous scheduler core: queues, fair share, step planning, preemption, the
+//! step transaction and sampling. It runs on whatever thread owns it (the engine thread
+//! in production, the test thread in simulations) and takes `now` from the caller, so
+//! simulations are deterministic.
+
+use std::cmp::Reverse;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tracing::{debug, error, warn};
+
+use crate::admission::Admission;
+use crate::config::SchedulerConfig;
+use crate::detok::{TextState, TextUpdate};
+use crate::fault::{FaultPlan, FaultPoint};
+use crate::kv::{BlockBudget, KvBudget};
+use crate::metrics::{EngineMetrics, TenantMetrics};
+use crate::model::{Detokenizer, Model, ModelInfo, RowId, RowInput};
+use crate::request::{
+    Event, EventStream, FinishReason, Finished, Request, RequestKey, StopMatch, SubmitError, TokenDelta, Usage,
+};
+use crate::sampling::{sample, PenaltyState, SampleCtx, Sampled, Scratch};
+use crate::util::mix64;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedulerError {
+    #[error("invalid scheduler config: {0}")]
+    Config(String),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantStats {
+    pub tenant: String,
+    pub weight: f64,
+    pub running: usize,
+    pub waiting: usize,
+    /// The tenant's virtual token counter (weighted service received).
+    pub virtual_counter: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Stats {
+    pub running: usize,
+    pub waiting: usize,
+    pub tenants: Vec<TenantStats>,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_free: usize,
+    pub steps: u64,
+    pub rollbacks: u64,
+    pub preemptions: u64,
+    /// Steps that failed every retry (their rows were bisected or failed).
+    pub failed_steps: u64,
+    /// Requests finished with `FinishReason::Error` because their step kept failing.
+    pub failed_requests: u64,
+    /// With `verify_rollback`: rolled-back attempts whose state differed from the
+    /// pre-step state. Must stay 0.
+    pub rollback_mismatches: u64,
+}
+
+/// What one call to [`Scheduler::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepReport {
+    pub rows: usize,
+    pub tokens: usize,
+    pub sampled: usize,
+    pub attempts: u32,
+    pub committed: bool,
+}
+
+struct Tenant {
+    name: String,
+    weight: f64,
+    counter: f64,
+    queue: BTreeMap<(Reverse<i32>, u64), RequestKey>,
+    running: usize,
+    max_running: usize,
+    label: usize,
+}
+
+struct Req {
+    key: RequestKey,
+    tenant: usize,
+    seq: u64,
+    r: Request,
+    tx: mpsc::UnboundedSender<Event>,
+    row: Option<RowId>,
+    generated: Vec<u32>,
+    /// Tokens of prompt ++ generated that the model has committed for `row`.
+    computed: usize,
+    text: TextState,
+    penalties: Option<PenaltyState>,
+    seed: u64,
+    arrival: Instant,
+    scheduled_at: Option<Instant>,
+    first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    /// Input tokens are charged to the tenant's counter once, not again on recompute
+    /// after preemption (that is the engine's choice, not the tenant's use).
+    charged: bool,
+    preemptions: u32,
+}
+
+impl Req {
+    fn seq_len(&self) -> usize {
+        self.r.prompt.len() + self.generated.len()
+    }
+
+    fn tokens(&self, start: usize, n: usize) -> Vec<u32> {
+        self.r.prompt.iter().chain(self.generated.iter()).skip(start).take(n).copied().collect()
+    }
+
+    fn queue_slot(&self) -> (Reverse<i32>, u64) {
+        (Reverse(self.r.priority), self.seq)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    key: RequestKey,
+    row: RowId,
+    start: usize,
+    n: usize,
+    want_logits: bool,
+}
+
+struct Plan {
+    rows: Vec<Planned>,
+    probation: bool,
+}
+
+/// Staged outcome of one row in one step, applied only after the model committed.
+struct RowCommit {
+    sampled: Option<(Sampled, TextUpdate)>,
+    finish: Option<(FinishReason, Option<StopMatch>)>,
+}
+
+pub struct Scheduler<M: Model, K: KvBudget = BlockBudget> {
+    cfg: SchedulerConfig,
+    info: ModelInfo,
+    model: M,
+    kv: K,
+    detok: Arc<dyn Detokenizer>,
+    admission: Arc<Admission>,
+    faults: FaultPlan,
+    tenants: Vec<Tenant>,
+    tenant_ix: HashMap<String, usize>,
+    labels: Vec<(String, TenantMetrics)>,
+    reqs: HashMap<RequestKey, Req>,
+    running: Vec<RequestKey>,
+    by_client_id: HashMap<(usize, String), RequestKey>,
+    next_row: RowId,
+    next_seq: u64,
+    /// Groups of rows under isolation after a step kept failing: only the front group
+    /// runs until it succeeds, or is split again.
+    probation: VecDeque<Vec<RequestKey>>,
+    /// Counter of the tenant whose queue emptied last; lifts a tenant that becomes
+    /// backlogged while nobody else is.
+    last_departed: f64,
+    scratch: Scratch,
+    stats: Stats,
+    metrics: EngineMetrics,
+}
+
+impl<M: Model> Scheduler<M, BlockBudget> {
+    /// A scheduler with the built-in block counter sized by the config.
+    pub fn new(cfg: SchedulerConfig, model: M, detok: Arc<dyn Detokenizer>) -> Result<Self, SchedulerError> {
+        let kv = BlockBudget::new(cfg.kv_block_size, cfg.kv_total_blocks);
+        Self::with_budget(cfg, model, kv, detok)
+    }
+}
+
+impl<M: Model, K: KvBudget> Scheduler<M, K> {
+    pub fn with_budget(
+        cfg: SchedulerConfig,
+        model: M,
+        kv: K,
+        detok: Arc<dyn Detokenizer>,
+    ) -> Result<Self, SchedulerError> {
+        cfg.validate().map_err(SchedulerError::Config)?;
+        if kv.block_size() != cfg.kv_block_size {
+            return Err(SchedulerError::Config(format!(
+                "KV budget block size {} differs from kv_block_size {}",
+                kv.block_size(),
+                cfg.kv_block_size
+            )));
+        }
+        let info = model.info();
+        if info.vocab_size == 0 {
+            return Err(SchedulerError::Config("model reports an empty vocabulary".into()));
+        }
+        let capacity = kv.total_blocks() * kv.block_size();
+        let admission = Arc::new(Admission::new(cfg.clone(), info.clone(), capacity));
+        let mut labels: Vec<(String, TenantMetrics)> = Vec::new();
+        let mut named: Vec<&String> = cfg.tenants.keys().collect();
+        named.sort();
+        for n in named {
+            labels.push((n.clone(), TenantMetrics::new(n)));
+        }
+        labels.push(("other".into(), TenantMetrics::new("other")));
+        Ok(Self {
+            faults: cfg.faults.clone(),
+            cfg,
+            info,
+            model,
+            kv,
+            detok,
+            admission,
+            tenants: Vec::new(),
+            tenant_ix: HashMap::new(),
+            labels,
+            reqs: HashMap::new(),
+            running: Vec::new(),
+            by_client_id: HashMap::new(),
+            next_row: 1,
+            next_seq: 0,
+            probation: VecDeque::new(),
+            last_departed: 0.0,
+            scratch: Scratch::default(),
+            stats: Stats::default(),
+            metrics: EngineMetrics::new(),
+        })
+    }
+
+    pub(crate) fn admission(&self) -> Arc<Admission> {
+        self.admission.clone()
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    pub fn kv(&self) -> &K {
+        &self.kv
+    }
+
+    /// Submit-time fault counters (tests read how many faults fired).
+    pub fn faults(&self) -> &FaultPlan {
+        &self.faults
+    }
+
+    /// Any request not yet finished?
+    pub fn has_work(&self) -> bool {
+        !self.reqs.is_empty()
+    }
+
+    /// Validate, apply limits, and queue a request. Same checks as `Engine::submit`.
+    pub fn submit(&mut self, req: Request, now: Instant) -> Result<EventStream, SubmitError> {
+        let key = self.admission.admit(&req, now)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.enqueue(key, req, tx, now);
+        Ok(EventStream::new(key, rx))
+    }
+
+    /// Queue a request that already passed admission.
+    pub(crate) fn enqueue(&mut self, key: RequestKey, r: Request, tx: mpsc::UnboundedSender<Event>, arrival: Instant) {
+        let tenant = self.tenant_index(&r.tenant, r.tenant_weight);
+        let seed = r.seed.unwrap_or_else(|| mix64(self.cfg.seed ^ key.0));
+        if let Some(id) = &r.request_id {
+            self.by_client_id.insert((tenant, id.clone()), key);
+        }
+        let penalties = r.sampling.has_penalties().then(|| PenaltyState::new(&r.prompt, &[]));
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.reqs.insert(
+            key,
+            Req {
+                key,
+                tenant,
+                seq,
+                r,
+                tx,
+                row: None,
+                generated: Vec::new(),
+                computed: 0,
+                text: TextState::default(),
+                penalties,
+                seed,
+                arrival,
+                scheduled_at: None,
+                first_token_at: None,
+                last_token_at: None,
+                charged: false,
+                preemptions: 0,
+            },
+        );
+        self.push_waiting(key);
+    }
+
+    fn tenant_index(&mut self, name: &str, weight: f64) -> usize {
+        if let Some(&i) = self.tenant_ix.get(name) {
+            // The front end is authoritative for weights; the newest one wins.
+            self.tenants[i].weight = weight;
+            return i;
+        }
+        let label = self.labels.iter().position(|(l, _)| l == name).unwrap_or(self.labels.len() - 1);
+        let i = self.tenants.len();
+        self.tenants.push(Tenant {
+            name: name.to_string(),
+            weight,
+            counter: 0.0,
+            queue: BTreeMap::new(),
+            running: 0,
+            max_running: self.cfg.limits(name).max_running,
+            label,
+        });
+        self.tenant_ix.insert(name.to_string(), i);
+        i
+    }
+
+    fn push_waiting(&mut self, key: RequestKey) {
+        let Some(r) = self.reqs.get(&key) else { return };
+        let (t, slot) = (r.tenant, r.queue_slot());
+        if self.tenants[t].queue.is_empty() {
+            // VTC: a tenant that becomes backlogged starts no lower than the least-served
+            // backlogged tenant, so idle time is not banked as credit.
+            let floor = self
+                .tenants
+                .iter()
+                .enumerate()
+                .filter(|(i, x)| *i != t && !x.queue.is_empty())
+                .map(|(_, x)| x.counter)
+                .min_by(f64::total_cmp)
+                .unwrap_or(self.last_departed);
+            let c = &mut self.tenants[t].counter;
+            *c = c.max(floor);
+        }
+        self.tenants[t].queue.insert(slot, key);
+    }
+
+    fn remove_waiting(&mut self, t: usize, slot: (Reverse<i32>, u64)) {
+        let tenant = &mut self.tenants[t];
+        tenant.queue.remove(&slot);
+        if tenant.queue.is_empty() {
+            self.last_departed = tenant.counter;
+        }
+    }
+
+    /// Cancel a live request by its client id. Returns whether it was found.
+    pub fn cancel(&mut self, tenant: &str, request_id: &str, now: Instant) -> bool {
+        let Some(&t) = self.tenant_ix.get(tenant) else { return false };
+        let Some(&key) = self.by_client_id.get(&(t, request_id.to_string())) else { return false };
+        self.finish(key, FinishReason::Cancelled, None, None, now);
+        true
+    }
+
+    /// Finish every live request with an error (engine shutdown).
+    pub fn shutdown(&mut self, now: Instant) {
+        let mut keys: Vec<RequestKey> = self.reqs.keys().copied().collect();
+        keys.sort();
+        for k in keys {
+            self.finish(k, FinishReason::Error, None, Some("engine shut down".into()), now);
+        }
+        self.admission.close();
+    }
+
+    /// One engine step: reap cancelled and expired requests, plan (preempting and
+    /// admitting as needed), then run the step as one transaction.
+    pub fn step(&mut self, now: Instant) -> StepReport {
+        let wall = Instant::now();
+        self.reap(now);
+        let plan = self.plan(now);
+        let report = if plan.rows.is_empty() { StepReport::default() } else { self.run(plan, now) };
+        if report.committed {
+            self.stats.steps += 1;
+            self.metrics.step_duration.record(wall.elapsed().as_secs_f64());
+            self.metrics.batch_size.record(report.rows as f64);
+        }
+        self.publish();
+        report
+    }
+
+    fn reap(&mut self, now: Instant) {
+        let mut gone: Vec<(RequestKey, FinishReason)> = self
+            .reqs
+            .values()
+            .filter_map(|r| {
+                if r.tx.is_closed() {
+                    Some((r.key, FinishReason::Cancelled))
+                } else if r.r.deadline.is_some_and(|d| d <= now) {
+                    Some((r.key, FinishReason::Deadline))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        gone.sort_by_key(|g| g.0);
+        for (k, why) in gone {
+            self.finish(k, why, None, None, now);
+        }
+    }
+
+    /// Preemption order, best kept first: higher priority, then the tenant least ahead
+    /// in fair share, then older.
+    fn keep_key(&self, k: RequestKey) -> (Reverse<i32>, u64, u64) {
+        let r = &self.reqs[&k];
+        let c = self.tenants[r.tenant].counter;
+        // Counters are >= 0, so the IEEE bit pattern orders like the value.
+        (Reverse(r.r.priority), c.max(0.0).to_bits(), r.seq)
+    }
+
+    fn held_blocks(&self, row: RowId) -> usize {
+        self.kv.row_tokens(row).div_ceil(self.kv.block_size())
+    }
+
+    fn plan(&mut self, now: Instant) -> Plan {
+        let bs = self.kv.block_size();
+        loop {
+            let group: Option<HashSet<RequestKey>> = self.probation.front().map(|g| {
+                g.iter().copied().filter(|k| self.reqs.get(k).is_some_and(|r| r.row.is_some())).collect()
+            });
+            if group.as_ref().is_some_and(|g| g.is_empty()) {
+                self.probation.pop_front();
+                continue;
+            }
+            let mut order: Vec<RequestKey> = self
+                .running
+                .iter()
+                .copied()
+                .filter(|k| group.as_ref().is_none_or(|g| g.contains(k)))
+                .collect();
+            order.sort_by_cached_key(|&k| self.keep_key(k));
+            let remaining = |s: &Self, k: RequestKey| {
+                let r = &s.reqs[&k];
+                r.seq_len() - r.computed
+            };
+            let decodes = order.iter().filter(|&&k| remaining(self, k) == 1).count();
+            let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
+            let mut free = self.kv.free_blocks();
+            let mut rows: Vec<Planned> = Vec::with_capacity(order.len());
+            let mut end = order.len();
+
+            // Decoding rows first; they may preempt the least-kept rows for memory.
+            let mut i = 0;
+            while i < end {
+                let k = order[i];
+                if remaining(self, k) != 1 {
+                    i += 1;
+                    continue;
+                }
+                let (row, start) = {
+                    let r = &self.reqs[&k];
+                    (r.row.unwrap_or(0), r.computed)
+                };
+                let need = self.kv.blocks_needed(row, start + 1);
+                let mut preempted_self = false;
+                while need > free {
+                    end -= 1;
+                    let v = order[end];
+                    if v == k {
+                        self.preempt(v);
+                        preempted_self = true;
+                        break;
+                    }
+                    if remaining(self, v) == 1 {
+                        budget += 1;
+                    }
+                    if let Some(vrow) = self.reqs[&v].row {
+                        free += self.held_blocks(vrow);
+                    }
+                    self.preempt(v);
+                }
+                if preempted_self {
+                    break;
+                }
+                free -= need;
+                rows.push(Planned { key: k, row, start, n: 1, want_logits: true });
+                i += 1;
+            }
+
+            // Then prefill chunks of running rows, shrunk to what memory allows.
+            for &k in &order[..end] {
+                let rem = remaining(self, k);
+                if rem == 1 || budget == 0 {
+                    continue;
+                }
+                let r = &self.reqs[&k];
+                let row = r.row.unwrap_or(0);
+                let cap = (self.held_blocks(row) + free) * bs;
+                let n = self.cfg.prefill_chunk.min(rem).min(budget).min(cap.saturating_sub(r.computed));
+                if n == 0 {
+                    continue;
+                }
+                let need = self.kv.blocks_needed(row, r.computed + n);
+                free -= need;
+                budget -= n;
+                rows.push(Planned { key: k, row, start: r.computed, n, want_logits: n == rem });
+            }
+
+            if rows.is_empty() && end > 0 {
+                // Every running row is stalled on memory: free the least-kept one so the
+                // others can move, then plan again.
+                self.preempt(order[end - 1]);
+                continue;
+            }
+
+            if group.is_none() {
+                self.admit_joiners(now, &mut rows, &mut budget, &mut free);
+            }
+            return Plan { rows, probation: group.is_some() };
+        }
+    }
+
+    fn pick_tenant(&self) -> Option<usize> {
+        self.tenants
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !t.queue.is_empty() && t.running < t.max_running)
+            .min_by(|a, b| a.1.counter.total_cmp(&b.1.counter).then(a.0.cmp(&b.0)))
+            .map(|(i, _)| i)
+    }
+
+    fn admit_joiners(&mut self, now: Instant, rows: &mut Vec<Planned>, budget: &mut usize, free: &mut usize) {
+        let bs = self.kv.block_size();
+        while self.running.len() < self.cfg.max_batch_rows && *budget > 0 {
+            let Some(t) = self.pick_tenant() else { break };
+            let Some((_, &k)) = self.tenants[t].queue.first_key_value() else { break };
+            let total = self.reqs[&k].seq_len();
+            let n = self.cfg.prefill_chunk.min(total).min(*budget);
+            let need = n.div_ceil(bs);
+            let watermark = if self.running.is_empty() { 0 } else { self.cfg.kv_watermark_blocks };
+            if need + watermark > *free {
+                // Head-of-line: admitting someone further back would break fair order.
+                break;
+            }
+            let row = self.start(k, now);
+            *free -= need;
+            *budget -= n;
+            rows.push(Planned { key: k, row, start: 0, n, want_logits: n == total });
+        }
+    }
+
+    /// Move a waiting request into the running batch with a fresh row.
+    fn start(&mut self, k: RequestKey, now: Instant) -> RowId {
+        let row = self.next_row;
+        self.next_row += 1;
+        let (t, slot, prompt_len, first) = {
+            let r = &self.reqs[&k];
+            (r.tenant, r.queue_slot(), r.r.prompt.len(), !r.charged)
+        };
+        self.remove_waiting(t, slot);
+        let w_in = self.cfg.vtc.input;
+        let tenant = &mut self.tenants[t];
+        tenant.running += 1;
+        if first {
+            tenant.counter += w_in * prompt_len as f64 / tenant.weight;
+            self.labels[tenant.label].1.prompt_tokens.increment(prompt_len as u64);
+        }
+        self.admission.started(&tenant.name);
+        self.running.push(k);
+        if let Some(r) = self.reqs.get_mut(&k) {
+            r.row = Some(row);
+            r.computed = 0;
+            if first {
+                r.charged = true;
+                r.scheduled_at = Some(now);
+                self.metrics.queue.record(now.saturating_duration_since(r.arrival).as_secs_f64());
+            }
+        }
+        row
+    }
+
+    /// Recompute-style preemption: drop the row's state; the request waits again with
+    /// its generated tokens and resumes by prefilling prompt ++ generated.
+    fn preempt(&mut self, k: RequestKey) {
+        let Some(r) = self.reqs.get_mut(&k) else { return };
+        let Some(row) = r.row.take() else { return };
+        r.computed = 0;
+        r.preemptions += 1;
+        let t = r.tenant;
+        debug!(request = k.0, row, generated = r.generated.len(), "preempting row");
+        self.model.release_row(row);
+        self.kv.release(row);
+        self.running.retain(|&x| x != k);
+        self.tenants[t].running -= 1;
+        self.admission.preempted(&self.tenants[t].name);
+        self.stats.preemptions += 1;
+        self.metrics.preemptions.increment(1);
+        self.push_waiting(k);
+    }
+
+    fn run(&mut self, plan: Plan, now: Instant) -> StepReport {
+        let before = self.cfg.verify_rollback.then(|| self.fingerprint());
+        let mut last_err = String::new();
+        for attempt in 1..=self.cfg.max_step_retries.max(1) {
+            match self.attempt(&plan.rows, now) {
+                Ok(mut rep) => {
+                    rep.attempts = attempt;
+                    if plan.probation {
+                        self.probation.pop_front();
+                    }
+                    return rep;
+                }
+                Err(e) => {
+                    self.model.rollback();
+                    self.kv.rollback();
+                    self.stats.rollbacks += 1;
+                    self.metrics.rollbacks.increment(1);
+                    if let Some(fp) = before {
+                        if fp != self.fingerprint() {
+                            self.stats.rollback_mismatches += 1;
+                            error!("state after rollback differs from the pre-step state");
+                        }
+                    }
+                    warn!(attempt, rows = plan.rows.len(), error = %e, "step rolled back");
+                    last_err = e;
+                }
+            }
+        }
+        self.stats.failed_steps += 1;
+        if plan.probation {
+            self.probation.pop_front();
+        }
+        let keys: Vec<RequestKey> = plan.rows.iter().map(|p| p.key).collect();
+        if let [k] = keys[..] {
+            self.stats.failed_requests += 1;
+            let msg = format!("step failed {} times: {last_err}", self.cfg.max_step_retries.max(1));
+            error!(request = k.0, error = %msg, "failing request");
+            self.finish(k, FinishReason::Error, None, Some(msg), now);
+        } else {
+            // Bisect: some row may be poisoned; isolate it without failing the others.
+            let (a, b) = keys.split_at(keys.len() / 2);
+            self.probation.push_front(b.to_vec());
+            self.probation.push_front(a.to_vec());
+        }
+        StepReport { rows: plan.rows.len(), attempts: self.cfg.max_step_retries.max(1), ..Default::default() }
+    }
+
+    /// One try of the step. Touches nothing but the model's and the budget's staged
+    /// state until the model has committed; after that nothing can fail.
+    fn attempt(&mut self, rows: &[Planned], now: Instant) -> Result<StepReport, String> {
+        self.kv.begin();
+        for p in rows {
+            self.kv.reserve(p.row, p.start + p.n).map_err(|e| e.to_string())?;
+        }
+        if self.faults.hit(FaultPoint::AfterPlan) {
+            return Err("injected fault after planning".into());
+        }
+        let inputs: Vec<RowInput> = rows
+            .iter()
+            .map(|p| RowInput {
+                row: p.row,
+                tokens: self.reqs[&p.key].tokens(p.start, p.n),
+                start_pos: p.start,
+                want_logits: p.want_logits,
+            })
+            .collect();
+        let logits = self.model.forward(&inputs).map_err(|e| e.to_string())?;
+        let wanted: Vec<RowId> = rows.iter().filter(|p| p.want_logits).map(|p| p.row).collect();
+        if logits.vocab != self.info.vocab_size
+            || logits.rows != wanted
+            || logits.data.len() != wanted.len() * logits.vocab
+        {
+            return Err(format!(
+                "model returned logits for rows {:?} (vocab {}, {} values), expected rows {:?} (vocab {})",
+                logits.rows,
+                logits.vocab,
+                logits.data.len(),
+                wanted,
+                self.info.vocab_size
+            ));
+        }
+        if self.faults.hit(FaultPoint::AfterForward) {
+            return Err("injected fault after forward".into());
+        }
+
+        let fault_row = wanted.len() / 2;
+        let mut sampled: Vec<Option<Sampled>> = Vec::with_capacity(rows.len());
+        let mut li = 0;
+        for p in rows {
+            if !p.want_logits {
+                sampled.push(None);
+                continue;
+            }
+            if li == fault_row && self.faults.hit(FaultPoint::Sampling) {
+                return Err("injected fault during sampling".into());
+            }
+            let r = &self.reqs[&p.key];
+            let lg = logits.row(li).ok_or("logits shorter than the batch")?;
+            li += 1;
+            let ctx = SampleCtx {
+                params: &r.r.sampling,
+                penalties: r.penalties.as_ref(),
+                seed: r.seed,
+                index: r.generated.len() as u64,
+                logprobs: r.r.logprobs,
+            };
+            let s = sample(lg, &ctx, &mut self.scratch).map_err(|e| format!("sampling request {}: {e}", p.key.0))?;
+            sampled.push(Some(s));
+        }
+
+        let fault_at = rows.len() / 2;
+        let mut commits: Vec<RowCommit> = Vec::with_capacity(rows.len());
+        for (i, (p, s)) in rows.iter().zip(sampled).enumerate() {
+            if i == fault_at && self.faults.hit(FaultPoint::CommitBookkeeping) {
+                return Err("injected fault during commit bookkeeping".into());
+            }
+            let Some(s) = s else {
+                commits.push(RowCommit { sampled: None, finish: None });
+                continue;
+            };
+            let r = &self.reqs[&p.key];
+            let t = s.token;
+            let detok = self.detok.as_ref();
+            let stops = &r.r.stop_strings;
+            let (update, finish) = if !r.r.ignore_eos && self.info.eos_token_ids.contains(&t) {
+                (r.text.stage(None, true, detok, stops)?, Some((FinishReason::Eos, None)))
+            } else if r.r.stop_token_ids.contains(&t) {
+                (r.text.stage(None, true, detok, stops)?, Some((FinishReason::Stop, Some(StopMatch::TokenId(t)))))
+            } else {
+                let last = r.generated.len() + 1 >= r.r.max_tokens;
+                let u = r.text.stage(Some(t), last, detok, stops)?;
+                let f = match &u.stop {
+                    Some(s) => Some((FinishReason::Stop, Some(StopMatch::String(s.clone())))),
+                    None if last => Some((FinishReason::Length, None)),
+                    None => None,
+                };
+                (u, f)
+            };
+            // A stop token or EOS also ends a request at max_tokens; Length only if nothing
+            // else matched.
+            let finish = finish.or_else(|| (r.generated.len() + 1 >= r.r.max_tokens).then_some((FinishReason::Length, None)));
+            commits.push(RowCommit { sampled: Some((s, update)), finish });
+        }
+
+        self.model.commit().map_err(|e| e.to_string())?;
+        self.kv.commit();
+        Ok(self.apply(rows, commits, now))
+    }
+
+    fn apply(&mut self, rows: &[Planned], commits: Vec<RowCommit>, now: Instant) -> StepReport {
+        let mut rep = StepReport { rows: rows.len(), committed: true, ..Default::default() };
+        let w_out = self.cfg.vtc.output;
+        let mut done: Vec<(RequestKey, FinishReason, Option<StopMatch>)> = Vec::new();
+        for (p, c) in rows.iter().zip(commits) {
+            rep.tokens += p.n;
+            let Some(r) = self.reqs.get_mut(&p.key) else { continue };
+            r.computed += p.n;
+            let Some((s, update)) = c.sampled else { continue };
+            rep.sampled += 1;
+            r.generated.push(s.token);
+            if let Some(pen) = &mut r.penalties {
+                pen.push(s.token);
+            }
+            let text = update.emit.clone();
+            r.text.apply(update);
+            let tenant = &mut self.tenants[r.tenant];
+            tenant.counter += w_out / tenant.weight;
+            self.labels[tenant.label].1.generation_tokens.increment(1);
+            match r.last_token_at {
+                None => {
+                    r.first_token_at = Some(now);
+                    self.metrics.ttft.record(now.saturating_duration_since(r.arrival).as_secs_f64());
+                }
+                Some(prev) => self.metrics.itl.record(now.saturating_duration_since(prev).as_secs_f64()),
+            }
+            r.last_token_at = Some(now);
+            let logprobs = s.logprob.map(|l| vec![l]);
+            // A closed receiver is noticed by the next reap; nothing to do here.
+            let _ = r.tx.send(Event::Token(TokenDelta { ids: vec![s.token], text, logprobs }));
+            if let Some((reason, stop)) = c.finish {
+                done.push((p.key, reason, stop));
+            }
+        }
+        for (k, reason, stop) in done {
+            self.finish(k, reason, stop, None, now);
+        }
+        rep
+    }
+
+    /// Remove a request wherever it is, return its memory, and send its final event.
+    fn finish(
+        &mut self,
+        k: RequestKey,
+        reason: FinishReason,
+        stop: Option<StopMatch>,
+        error: Option<String>,
+        now: Instant,
+    ) {
+        let Some(r) = self.reqs.remove(&k) else { return };
+        let t = r.tenant;
+        let was_waiting = match r.row {
+            Some(row) => {
+                self.model.release_row(row);
+                self.kv.release(row);
+                self.running.retain(|&x| x != k);
+                self.tenants[t].running -= 1;
+                false
+            }
+            None => {
+                self.remove_waiting(t, r.queue_slot());
+                true
+            }
+        };
+        if let Some(id) = &r.r.request_id {
+            self.by_client_id.remove(&(t, id.clone()));
+        }
+        let unused = r.r.max_tokens.saturating_sub(r.generated.len());
+        self.admission.finished(&r.r.tenant, r.r.request_id.as_deref(), was_waiting, unused);
+        let usage = Usage {
+            prompt_tokens: r.r.prompt.len(),
+            cached_prompt_tokens: 0,
+            generated_tokens: r.generated.len(),
+            queue_time: r.scheduled_at.unwrap_or(now).saturating_duration_since(r.arrival),
+            time_to_first_token: r.first_token_at.map(|f| f.saturating_duration_since(r.arrival)),
+            preemptions: r.preemptions,
+        };
+        crate::metrics::finished(reason);
+        self.metrics.e2e.record(now.saturating_duration_since(r.arrival).as_secs_f64());
+        let _ = r.tx.send(Event::Finished(Finished { reason, stop, usage, error }));
+    }
+
+    fn publish(&mut self) {
+        let total = self.kv.total_blocks();
+        let free = self.kv.free_blocks();
+        self.metrics.kv_used.set((total - free) as f64);
+        self.metrics.kv_free.set(free as f64);
+        self.metrics.kv_ratio.set(if total == 0 { 0.0 } else { (total - free) as f64 / total as f64 });
+        let mut sums = vec![(0usize, 0usize); self.labels.len()];
+        for t in &self.tenants {
+            sums[t.label].0 += t.running;
+            sums[t.label].1 += t.queue.len();
+        }
+        for ((_, m), (run, wait)) in self.labels.iter().zip(sums) {
+            m.running.set(run as f64);
+            m.waiting.set(wait as f64);
+        }
+    }
+
+    pub fn stats(&self) -> Stats {
+        let total = self.kv.total_blocks();
+        let free = self.kv.free_blocks();
+        let mut s = self.stats.clone();
+        s.running = self.running.len();
+        s.waiting = self.reqs.len() - self.running.len();
+        s.kv_blocks_total = total;
+        s.kv_blocks_free = free;
+        s.kv_blocks_used = total - free;
+        s.tenants = self
+            .tenants
+            .iter()
+            .map(|t| TenantStats {
+                tenant: t.name.clone(),
+                weight: t.weight,
+                running: t.running,
+                waiting: t.queue.len(),
+                virtual_counter: t.counter,
+            })
+            .collect();
+        s
+    }
+
+    /// Digest of all scheduler state a step may touch (tests compare it across rollbacks).
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        let mut keys: Vec<&RequestKey> = self.reqs.keys().collect();
+        keys.sort();
+        for k in keys {
+            let r = &self.reqs[k];
+            (k.0, r.row, r.computed, &r.generated, &r.text, r.charged, r.preemptions).hash(&mut h);
+            r.penalties.as_ref().map(|p| {
+                let mut g: Vec<_> = p.generated.iter().collect();
+                g.sort();
+                g
+            })
+            .hash(&mut h);
+        }
+        self.running.hash(&mut h);
+        for t in &self.tenants {
+            (t.counter.to_bits(), t.running, t.weight.to_bits()).hash(&mut h);
+            for (slot, k) in &t.queue {
+                (slot.0 .0, slot.1, k.0).hash(&mut h);
+            }
+        }
+        self.probation.hash(&mut h);
+        self.kv.fingerprint().hash(&mut h);
+        h.finish()
+    }
+
+    /// Time until the earliest deadline of a live request (the engine sleeps no longer).
+    pub(crate) fn next_deadline(&self, now: Instant) -> Option<Duration> {
+        self.reqs.values().filter_map(|r| r.r.deadline).min().map(|d| d.saturating_duration_since(now))
+    }
+}
