@@ -429,6 +429,34 @@ impl Harness {
         }
         if self.txn.is_none() {
             self.check_contents()?;
+            self.check_no_false_misses()?;
+        }
+        Ok(())
+    }
+
+    /// A sequence's own indexed leading blocks must be found by a lookup of its
+    /// tokens (full-attention-only configurations, where the hit is exactly
+    /// those blocks).
+    fn check_no_false_misses(&self) -> Result<(), TestCaseError> {
+        if self.kinds.iter().any(|k| *k != AttentionKind::Full) {
+            return Ok(());
+        }
+        let bs = self.bs();
+        for t in &self.seqs {
+            let Some(salt) = t.salt else { continue };
+            let table = self.pool.table(t.id, 0).unwrap();
+            let gp = self.pool.group(0).unwrap();
+            let k = table
+                .blocks
+                .iter()
+                .take(t.tokens.len() / bs)
+                .take_while(|&&b| gp.cached_entry(b).is_some_and(|e| e.salt == salt))
+                .count();
+            let hit = self.pool.lookup(salt, &t.tokens[..k * bs]);
+            prop_assert_eq!(hit.tokens, k * bs);
+            for (g, gh) in hit.groups.iter().enumerate() {
+                prop_assert_eq!(&gh.blocks[..], &self.pool.table(t.id, g).unwrap().blocks[..k]);
+            }
         }
         Ok(())
     }

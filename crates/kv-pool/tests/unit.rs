@@ -79,6 +79,27 @@ fn block_pool_alloc_free_and_errors() {
     p.check_invariants().unwrap();
 }
 
+/// Hits are verified against the stored salt, parent and tokens, so even a
+/// hash collision cannot cross tenants or return other tokens' KV.
+#[test]
+fn block_lookup_verifies_entry() {
+    let mut p = BlockPool::with_blocks(2, 2).unwrap();
+    let b = p.alloc().unwrap();
+    assert!(p.register(b, 42, Salt(1), 7, &[1, 2]).unwrap());
+    assert_eq!(p.lookup(42, Salt(1), 7, &[1, 2]), Some(b));
+    assert_eq!(p.lookup(42, Salt(2), 7, &[1, 2]), None);
+    assert_eq!(p.lookup(42, Salt(1), 8, &[1, 2]), None);
+    assert_eq!(p.lookup(42, Salt(1), 7, &[1, 3]), None);
+    // A second block under the same hash is not indexed.
+    let c = p.alloc().unwrap();
+    assert!(!p.register(c, 42, Salt(1), 7, &[1, 2]).unwrap());
+    p.release(c).unwrap();
+    assert_eq!(p.stats().free, 1);
+    p.release(b).unwrap();
+    assert_eq!(p.stats().cached, 1);
+    p.check_invariants().unwrap();
+}
+
 #[test]
 fn block_pool_transaction_restores_order() {
     let mut p = BlockPool::with_blocks(6, 4).unwrap();
