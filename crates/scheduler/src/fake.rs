@@ -50,8 +50,9 @@ pub struct FakeFaults {
     pub commit_fail_calls: Vec<u64>,
     /// Fail forward and commit each with this probability (seeded, deterministic).
     pub random: Option<(u64, f64)>,
-    /// Every forward whose input contains this token fails: a request that can never be
-    /// served, to exercise isolation of persistent failures.
+    /// Every forward containing a new row (start_pos 0) whose first token is this one
+    /// fails: a request that can never be served, to exercise isolation of persistent
+    /// failures without hitting rows that merely generate the token.
     pub poison_token: Option<u32>,
 }
 
@@ -210,7 +211,7 @@ impl Model for FakeModel {
         let poisoned = self
             .faults
             .poison_token
-            .is_some_and(|p| batch.iter().any(|r| r.tokens.contains(&p)));
+            .is_some_and(|p| batch.iter().any(|r| r.start_pos == 0 && r.tokens.first() == Some(&p)));
         for layer in 0..self.cfg.layers.max(1) {
             if (fail_here && layer == self.faults.fail_after_layer) || (poisoned && layer == 0) {
                 // Leave half-written state staged, as a real model would after writing
