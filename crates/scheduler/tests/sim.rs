@@ -103,6 +103,7 @@ fn mixed_workload_under_kv_pressure_matches_unpressured_run() {
             assert!(r.tokens.starts_with(&p.tokens), "cut-short request {i} is not a prefix of its reference");
         }
     }
+    eprintln!("compared {compared} preempted {preempted_compared} {reasons:?} steps {} st {:?}", pressured.steps, st);
     assert!(compared > 1800, "compared {compared}");
     assert!(preempted_compared > 20, "preempted requests compared: {preempted_compared}");
     for r in [FinishReason::Length, FinishReason::Stop, FinishReason::Eos, FinishReason::Cancelled, FinishReason::Deadline] {
@@ -220,6 +221,7 @@ fn fair_share_follows_weights_within_vtc_bound() {
     });
     assert_clean(&r);
     assert!(checked_steps > 100, "all three tenants should be backlogged together for a while ({checked_steps})");
+    eprintln!("gap {max_gap} bound {bound} checked {checked_steps}");
     assert!(max_gap <= bound, "service gap {max_gap} exceeds VTC bound {bound}");
     // Starvation: each trickling request starts within a bounded number of steps.
     for (s, o) in specs.iter().zip(&r.outcomes) {
