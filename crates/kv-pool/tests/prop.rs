@@ -455,7 +455,10 @@ impl Harness {
             let hit = self.pool.lookup(salt, &t.tokens[..k * bs]);
             prop_assert_eq!(hit.tokens, k * bs);
             for (g, gh) in hit.groups.iter().enumerate() {
-                prop_assert_eq!(&gh.blocks[..], &self.pool.table(t.id, g).unwrap().blocks[..k]);
+                prop_assert_eq!(
+                    &gh.blocks[..],
+                    &self.pool.table(t.id, g).unwrap().blocks[..k]
+                );
             }
         }
         Ok(())
