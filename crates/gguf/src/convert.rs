@@ -80,9 +80,15 @@ impl LlamaParams {
             )));
         }
         let k = |s: &str| format!("llama.{s}");
-        let hidden_size = positive(&k("embedding_length"), usize_key(g, &k("embedding_length"))?)?;
+        let hidden_size = positive(
+            &k("embedding_length"),
+            usize_key(g, &k("embedding_length"))?,
+        )?;
         let num_hidden_layers = positive(&k("block_count"), usize_key(g, &k("block_count"))?)?;
-        let intermediate_size = positive(&k("feed_forward_length"), usize_key(g, &k("feed_forward_length"))?)?;
+        let intermediate_size = positive(
+            &k("feed_forward_length"),
+            usize_key(g, &k("feed_forward_length"))?,
+        )?;
         let heads_key = k("attention.head_count");
         let num_attention_heads = positive(&heads_key, usize_key(g, &heads_key)?)?;
         let kv_key = k("attention.head_count_kv");
@@ -120,12 +126,16 @@ impl LlamaParams {
             }
         }
         if head_dim % 2 != 0 {
-            return Err(GgufError::Unsupported(format!("odd head dimension {head_dim}")));
+            return Err(GgufError::Unsupported(format!(
+                "odd head dimension {head_dim}"
+            )));
         }
         let scaling_key = k("rope.scaling.type");
         if let Some(t) = g.get_str_opt(&scaling_key)? {
             if t != "none" {
-                return Err(GgufError::Unsupported(format!("{scaling_key} = {t:?} (RoPE scaling)")));
+                return Err(GgufError::Unsupported(format!(
+                    "{scaling_key} = {t:?} (RoPE scaling)"
+                )));
             }
         }
         let eps_key = k("attention.layer_norm_rms_epsilon");
@@ -203,20 +213,43 @@ fn target_for(name: &str, p: &LlamaParams, vocab: usize) -> Option<Target> {
             name: format!("{base}.post_attention_layernorm.weight"),
             len: h,
         },
-        "attn_q.weight" => matrix(format!("{base}.self_attn.q_proj"), q_dim, h, Some(p.num_attention_heads)),
-        "attn_k.weight" => matrix(format!("{base}.self_attn.k_proj"), kv_dim, h, Some(p.num_key_value_heads)),
+        "attn_q.weight" => matrix(
+            format!("{base}.self_attn.q_proj"),
+            q_dim,
+            h,
+            Some(p.num_attention_heads),
+        ),
+        "attn_k.weight" => matrix(
+            format!("{base}.self_attn.k_proj"),
+            kv_dim,
+            h,
+            Some(p.num_key_value_heads),
+        ),
         "attn_v.weight" => matrix(format!("{base}.self_attn.v_proj"), kv_dim, h, None),
         "attn_output.weight" => matrix(format!("{base}.self_attn.o_proj"), h, q_dim, None),
-        "ffn_gate.weight" => matrix(format!("{base}.mlp.gate_proj"), p.intermediate_size, h, None),
+        "ffn_gate.weight" => matrix(
+            format!("{base}.mlp.gate_proj"),
+            p.intermediate_size,
+            h,
+            None,
+        ),
         "ffn_up.weight" => matrix(format!("{base}.mlp.up_proj"), p.intermediate_size, h, None),
-        "ffn_down.weight" => matrix(format!("{base}.mlp.down_proj"), h, p.intermediate_size, None),
+        "ffn_down.weight" => matrix(
+            format!("{base}.mlp.down_proj"),
+            h,
+            p.intermediate_size,
+            None,
+        ),
         _ => return None,
     })
 }
 
 /// The GGUF tensors a llama model must have.
 fn required_tensors(p: &LlamaParams) -> Vec<String> {
-    let mut names = vec!["token_embd.weight".to_string(), "output_norm.weight".to_string()];
+    let mut names = vec![
+        "token_embd.weight".to_string(),
+        "output_norm.weight".to_string(),
+    ];
     for l in 0..p.num_hidden_layers {
         for t in [
             "attn_norm",
@@ -308,7 +341,9 @@ pub fn convert_weights(g: &GgufFile, p: &LlamaParams) -> Result<ConvertedWeights
     }
     let embd = g.require_tensor("token_embd.weight")?;
     let vocab = match embd.dims.as_slice() {
-        [_, v] => usize::try_from(*v).map_err(|_| GgufError::bad_tensor(&embd.name, "too large"))?,
+        [_, v] => {
+            usize::try_from(*v).map_err(|_| GgufError::bad_tensor(&embd.name, "too large"))?
+        }
         dims => {
             return Err(GgufError::bad_tensor(
                 &embd.name,
@@ -340,9 +375,11 @@ pub fn convert_weights(g: &GgufFile, p: &LlamaParams) -> Result<ConvertedWeights
         match target {
             Target::Vector { name, len } => {
                 check_dims(info, &[len])?;
-                let dtype = plain_dtype(info.ggml_type).ok_or_else(|| GgufError::UnsupportedTensorType {
-                    name: info.name.clone(),
-                    type_name: format!("{} (for a vector)", info.ggml_type),
+                let dtype = plain_dtype(info.ggml_type).ok_or_else(|| {
+                    GgufError::UnsupportedTensorType {
+                        name: info.name.clone(),
+                        type_name: format!("{} (for a vector)", info.ggml_type),
+                    }
                 })?;
                 out.tensors.insert(
                     name,
@@ -364,7 +401,9 @@ pub fn convert_weights(g: &GgufFile, p: &LlamaParams) -> Result<ConvertedWeights
                     out.has_lm_head = true;
                 }
                 let data: Cow<[u8]> = match unpermute_heads {
-                    Some(heads) => Cow::Owned(quant::unpermute_rows(&info.name, data, rows, heads)?),
+                    Some(heads) => {
+                        Cow::Owned(quant::unpermute_rows(&info.name, data, rows, heads)?)
+                    }
                     None => Cow::Borrowed(data),
                 };
                 if let Some(dtype) = plain_dtype(info.ggml_type) {
@@ -419,14 +458,20 @@ fn quantization_config(quantized: &BTreeMap<String, u32>) -> Option<Value> {
     for &b in quantized.values() {
         *counts.entry(b).or_insert(0) += 1;
     }
-    let default_bits = counts.into_iter().max_by_key(|&(bits, n)| (n, std::cmp::Reverse(bits)))?.0;
+    let default_bits = counts
+        .into_iter()
+        .max_by_key(|&(bits, n)| (n, std::cmp::Reverse(bits)))?
+        .0;
     let mut q = Map::new();
     q.insert("group_size".into(), json!(GROUP_SIZE));
     q.insert("bits".into(), json!(default_bits));
     q.insert("mode".into(), json!("affine"));
     for (module, &bits) in quantized {
         if bits != default_bits {
-            q.insert(module.clone(), json!({"group_size": GROUP_SIZE, "bits": bits}));
+            q.insert(
+                module.clone(),
+                json!({"group_size": GROUP_SIZE, "bits": bits}),
+            );
         }
     }
     Some(Value::Object(q))
@@ -472,7 +517,10 @@ pub fn convert(g: &GgufFile, out_dir: &Path) -> Result<()> {
     config.insert("rms_norm_eps".into(), json!(p.rms_norm_eps));
     config.insert("vocab_size".into(), json!(vocab_size));
     config.insert("rope_theta".into(), json!(p.rope_theta));
-    config.insert("max_position_embeddings".into(), json!(p.max_position_embeddings));
+    config.insert(
+        "max_position_embeddings".into(),
+        json!(p.max_position_embeddings),
+    );
     config.insert("tie_word_embeddings".into(), json!(!weights.has_lm_head));
     config.insert("hidden_act".into(), json!("silu"));
     config.insert("attention_bias".into(), json!(false));
@@ -510,15 +558,23 @@ pub fn convert(g: &GgufFile, out_dir: &Path) -> Result<()> {
     let path = out_dir.join(WEIGHTS_FILE);
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), "mlx".to_string());
-    let source = g.path().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let source = g
+        .path()
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     meta.insert("weft_gguf_source".to_string(), source);
-    safetensors::serialize_to_file(weights.tensors.iter(), Some(meta), &path).map_err(|e| {
+    // Serialized in memory and written with std::fs so the file gets the
+    // usual permissions (the directory is moved into place atomically by
+    // `pull_default`, so a temporary file is not needed here).
+    let bytes = safetensors::serialize(weights.tensors.iter(), Some(meta)).map_err(|e| {
         GgufError::Safetensors {
             path: path.clone(),
             reason: e.to_string(),
         }
     })?;
-    Ok(())
+    drop(weights);
+    std::fs::write(&path, bytes).map_err(|e| GgufError::io("write", &path, e))
 }
 
 #[cfg(test)]
@@ -572,7 +628,10 @@ mod tests {
         let v = quantization_config(&q).unwrap();
         assert_eq!(v["bits"], 4);
         assert_eq!(v["group_size"], 32);
-        assert_eq!(v["model.embed_tokens"], json!({"group_size": 32, "bits": 8}));
+        assert_eq!(
+            v["model.embed_tokens"],
+            json!({"group_size": 32, "bits": 8})
+        );
         assert!(v.get("model.layers.0.mlp.up_proj").is_none());
         assert_eq!(quantization_config(&BTreeMap::new()), None);
     }

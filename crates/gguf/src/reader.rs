@@ -340,7 +340,10 @@ impl GgufFile {
 
     fn parse(path: PathBuf, storage: Storage) -> Result<GgufFile> {
         let bytes = storage.bytes();
-        let mut cur = Cursor { data: bytes, pos: 0 };
+        let mut cur = Cursor {
+            data: bytes,
+            pos: 0,
+        };
         let magic = cur.take(4, "magic").map_err(|_| GgufError::BadMagic {
             path: path.clone(),
             found: bytes.iter().take(4).copied().collect(),
@@ -368,7 +371,9 @@ impl GgufFile {
             let type_code = cur.u32(&format!("type of metadata key {key:?}"))?;
             let value = cur.value(&key, type_code, 0)?;
             if metadata_index.insert(key.clone(), metadata.len()).is_some() {
-                return Err(GgufError::Malformed(format!("metadata key {key:?} appears twice")));
+                return Err(GgufError::Malformed(format!(
+                    "metadata key {key:?} appears twice"
+                )));
             }
             metadata.push((key, value));
         }
@@ -428,11 +433,14 @@ impl GgufFile {
             let mut n_elements: u64 = 1;
             for &d in &dims {
                 if d == 0 {
-                    return Err(GgufError::bad_tensor(&name, format!("has a zero dimension ({dims:?})")));
+                    return Err(GgufError::bad_tensor(
+                        &name,
+                        format!("has a zero dimension ({dims:?})"),
+                    ));
                 }
-                n_elements = n_elements
-                    .checked_mul(d)
-                    .ok_or_else(|| GgufError::bad_tensor(&name, format!("dimensions {dims:?} overflow")))?;
+                n_elements = n_elements.checked_mul(d).ok_or_else(|| {
+                    GgufError::bad_tensor(&name, format!("dimensions {dims:?} overflow"))
+                })?;
             }
             if offset % alignment != 0 {
                 return Err(GgufError::bad_tensor(
@@ -470,7 +478,9 @@ impl GgufFile {
                 }
             };
             if tensor_index.insert(name.clone(), tensors.len()).is_some() {
-                return Err(GgufError::Malformed(format!("tensor {name:?} appears twice")));
+                return Err(GgufError::Malformed(format!(
+                    "tensor {name:?} appears twice"
+                )));
             }
             tensors.push(TensorInfo {
                 name,
@@ -527,12 +537,16 @@ impl GgufFile {
 
     /// One metadata value; a `MissingKey` error when absent.
     pub fn require(&self, key: &str) -> Result<&GgufValue> {
-        self.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_string() })
+        self.get(key).ok_or_else(|| GgufError::MissingKey {
+            key: key.to_string(),
+        })
     }
 
     fn wrong(key: &str, expected: &str, found: &GgufValue) -> GgufError {
         let shown = match found {
-            GgufValue::Array(items) => format!("{} with {} elements", found.type_name(), items.len()),
+            GgufValue::Array(items) => {
+                format!("{} with {} elements", found.type_name(), items.len())
+            }
             GgufValue::String(s) if s.len() > 80 => format!("STRING of {} bytes", s.len()),
             other => format!("{} {:?}", other.type_name(), other),
         };
@@ -653,15 +667,19 @@ impl GgufFile {
 
     /// One tensor info; a `MissingTensor` error when absent.
     pub fn require_tensor(&self, name: &str) -> Result<&TensorInfo> {
-        self.tensor(name).ok_or_else(|| GgufError::MissingTensor { name: name.to_string() })
+        self.tensor(name).ok_or_else(|| GgufError::MissingTensor {
+            name: name.to_string(),
+        })
     }
 
     /// The raw bytes of a tensor (in its ggml storage type).
     pub fn tensor_data(&self, info: &TensorInfo) -> Result<&[u8]> {
-        let n = info.n_bytes.ok_or_else(|| GgufError::UnsupportedTensorType {
-            name: info.name.clone(),
-            type_name: info.ggml_type.name(),
-        })?;
+        let n = info
+            .n_bytes
+            .ok_or_else(|| GgufError::UnsupportedTensorType {
+                name: info.name.clone(),
+                type_name: info.ggml_type.name(),
+            })?;
         let bytes = self.storage.bytes();
         let start = self.data_offset.checked_add(info.offset);
         let end = start.and_then(|s| s.checked_add(n));
@@ -671,7 +689,8 @@ impl GgufFile {
                 what: format!("data of tensor {:?}", info.name),
                 offset: self.data_offset.saturating_add(info.offset),
                 needed: n,
-                available: (bytes.len() as u64).saturating_sub(self.data_offset.saturating_add(info.offset)),
+                available: (bytes.len() as u64)
+                    .saturating_sub(self.data_offset.saturating_add(info.offset)),
             }),
         }
     }
@@ -737,7 +756,9 @@ impl<'a> Cursor<'a> {
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.u64(&format!("length of {what}"))?;
         let b = self.take(len, what)?;
-        String::from_utf8(b.to_vec()).map_err(|_| GgufError::InvalidUtf8 { what: what.to_string() })
+        String::from_utf8(b.to_vec()).map_err(|_| GgufError::InvalidUtf8 {
+            what: what.to_string(),
+        })
     }
 
     fn value(&mut self, key: &str, type_code: u32, depth: u32) -> Result<GgufValue> {
@@ -784,7 +805,11 @@ impl<'a> Cursor<'a> {
                         })
                     }
                 };
-                self.check_count(count, min_size, &format!("element count of metadata key {key:?}"))?;
+                self.check_count(
+                    count,
+                    min_size,
+                    &format!("element count of metadata key {key:?}"),
+                )?;
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(key, elem_type, depth + 1)?);
@@ -826,7 +851,8 @@ impl GgufBuilder {
 
     /// Adds a tensor; `dims` innermost first, `data` in the ggml storage type.
     pub fn tensor(mut self, name: &str, dims: &[u64], ggml_type: GgmlType, data: Vec<u8>) -> Self {
-        self.tensors.push((name.to_string(), dims.to_vec(), ggml_type, data));
+        self.tensors
+            .push((name.to_string(), dims.to_vec(), ggml_type, data));
         self
     }
 
@@ -923,15 +949,29 @@ mod tests {
             .kv("some.float", GgufValue::F32(1e-5))
             .kv(
                 "some.strings",
-                GgufValue::Array(vec![GgufValue::String("a".into()), GgufValue::String("b c".into())]),
+                GgufValue::Array(vec![
+                    GgufValue::String("a".into()),
+                    GgufValue::String("b c".into()),
+                ]),
             )
             .kv(
                 "some.nested",
-                GgufValue::Array(vec![GgufValue::Array(vec![GgufValue::I8(-1)]), GgufValue::Array(vec![])]),
+                GgufValue::Array(vec![
+                    GgufValue::Array(vec![GgufValue::I8(-1)]),
+                    GgufValue::Array(vec![]),
+                ]),
             )
             .kv("some.bool", GgufValue::Bool(true))
             .kv("some.i64", GgufValue::I64(-5))
-            .tensor("a", &[3], GgmlType::F32, [1f32, 2., 3.].iter().flat_map(|v| v.to_le_bytes()).collect())
+            .tensor(
+                "a",
+                &[3],
+                GgmlType::F32,
+                [1f32, 2., 3.]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            )
             .tensor("b", &[2, 2], GgmlType::F16, vec![0; 8])
     }
 
@@ -945,15 +985,24 @@ mod tests {
         assert_eq!(f.get_str_array("some.strings").unwrap(), vec!["a", "b c"]);
         assert!(f.get_bool("some.bool").unwrap());
         assert_eq!(f.get_array("some.nested").unwrap().len(), 2);
-        assert!(matches!(f.get_u64("some.i64"), Err(GgufError::WrongType { .. })));
+        assert!(matches!(
+            f.get_u64("some.i64"),
+            Err(GgufError::WrongType { .. })
+        ));
         assert!(matches!(f.get_u32("nope"), Err(GgufError::MissingKey { key }) if key == "nope"));
         assert_eq!(f.tensors().len(), 2);
         let a = f.require_tensor("a").unwrap();
-        assert_eq!(f.tensor_data(a).unwrap(), &[0, 0, 128, 63, 0, 0, 0, 64, 0, 0, 64, 64]);
+        assert_eq!(
+            f.tensor_data(a).unwrap(),
+            &[0, 0, 128, 63, 0, 0, 0, 64, 0, 0, 64, 64]
+        );
         let b = f.require_tensor("b").unwrap();
         assert_eq!(b.shape(), vec![2, 2]);
         assert_eq!(b.n_bytes, Some(8));
-        assert!(matches!(f.require_tensor("c"), Err(GgufError::MissingTensor { .. })));
+        assert!(matches!(
+            f.require_tensor("c"),
+            Err(GgufError::MissingTensor { .. })
+        ));
     }
 
     #[test]
@@ -961,7 +1010,11 @@ mod tests {
         let bytes = sample().build();
         for cut in 0..bytes.len() {
             let r = GgufFile::from_bytes("cut", bytes[..cut].to_vec());
-            assert!(r.is_err(), "truncation at {cut} of {} was accepted", bytes.len());
+            assert!(
+                r.is_err(),
+                "truncation at {cut} of {} was accepted",
+                bytes.len()
+            );
         }
     }
 
@@ -987,11 +1040,16 @@ mod tests {
         b.extend_from_slice(&9u32.to_le_bytes());
         b.extend_from_slice(&8u32.to_le_bytes());
         b.extend_from_slice(&u64::MAX.to_le_bytes());
-        assert!(matches!(GgufFile::from_bytes("x", b), Err(GgufError::Truncated { .. })));
+        assert!(matches!(
+            GgufFile::from_bytes("x", b),
+            Err(GgufError::Truncated { .. })
+        ));
         // Unknown tensor types are listed but their data is refused by name.
         let f = GgufFile::from_bytes(
             "x",
-            GgufBuilder::new().tensor("weird", &[4], GgmlType(99), vec![0; 32]).build(),
+            GgufBuilder::new()
+                .tensor("weird", &[4], GgmlType(99), vec![0; 32])
+                .build(),
         )
         .unwrap();
         let info = f.require_tensor("weird").unwrap();

@@ -84,7 +84,9 @@ pub struct GgufTokenizer {
 /// printable Latin-1 bytes stand for themselves, every other byte `b` for
 /// the code point 256 + (its rank among the non-printable bytes).
 fn byte_to_char_table() -> [char; 256] {
-    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let printable = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..256u32 {
@@ -137,7 +139,10 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     for c in table {
         alphabet[c as usize] = true;
     }
-    let in_alphabet = |s: &str| s.chars().all(|c| (c as usize) < alphabet.len() && alphabet[c as usize]);
+    let in_alphabet = |s: &str| {
+        s.chars()
+            .all(|c| (c as usize) < alphabet.len() && alphabet[c as usize])
+    };
     let mut vocab: Vocab = Vocab::default();
     let mut added: Vec<(u32, String, bool)> = Vec::new();
     for (id, (&tok, &ty)) in tokens.iter().zip(&types).enumerate() {
@@ -158,7 +163,9 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     for (i, m) in merges_raw.iter().enumerate() {
         let mut parts = m.split(' ');
         match (parts.next(), parts.next(), parts.next()) {
-            (Some(a), Some(b), None) if !a.is_empty() && !b.is_empty() => merges.push((a.to_string(), b.to_string())),
+            (Some(a), Some(b), None) if !a.is_empty() && !b.is_empty() => {
+                merges.push((a.to_string(), b.to_string()))
+            }
             _ => {
                 return Err(GgufError::WrongType {
                     key: "tokenizer.ggml.merges".into(),
@@ -172,12 +179,18 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
-        .map_err(|e| GgufError::Tokenizer(format!("building BPE from tokenizer.ggml.tokens/merges: {e}")))?;
+        .map_err(|e| {
+            GgufError::Tokenizer(format!(
+                "building BPE from tokenizer.ggml.tokens/merges: {e}"
+            ))
+        })?;
     let mut tokenizer = Tokenizer::new(bpe);
     let byte_level = ByteLevel::new(false, true, true);
     let pre_tok: PreTokenizerWrapper = match pre {
         PreTokenizerKind::Gpt2 => byte_level.into(),
-        PreTokenizerKind::DigitsThenGpt2 => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+        PreTokenizerKind::DigitsThenGpt2 => {
+            Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        }
     };
     tokenizer.with_pre_tokenizer(Some(pre_tok));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
@@ -224,11 +237,15 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     let mut config = Map::new();
     config.insert(
         "add_bos_token".into(),
-        json!(gguf.get_bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(false)),
+        json!(gguf
+            .get_bool_opt("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(false)),
     );
     config.insert(
         "add_eos_token".into(),
-        json!(gguf.get_bool_opt("tokenizer.ggml.add_eos_token")?.unwrap_or(false)),
+        json!(gguf
+            .get_bool_opt("tokenizer.ggml.add_eos_token")?
+            .unwrap_or(false)),
     );
     config.insert("add_prefix_space".into(), json!(false));
     let mut decoder = Map::new();
@@ -249,7 +266,12 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     let additional: Vec<&String> = added.iter().filter(|a| a.2).map(|a| &a.1).collect();
     config.insert("additional_special_tokens".into(), json!(additional));
     let mut special_map = Map::new();
-    for (name, tok) in [("bos_token", &bos), ("eos_token", &eos), ("unk_token", &unk), ("pad_token", &pad)] {
+    for (name, tok) in [
+        ("bos_token", &bos),
+        ("eos_token", &eos),
+        ("unk_token", &unk),
+        ("pad_token", &pad),
+    ] {
         if let Some((_, t)) = tok {
             config.insert(name.into(), json!(t));
             special_map.insert(name.into(), json!(t));
@@ -294,7 +316,10 @@ impl GgufTokenizer {
             .save(&path, false)
             .map_err(|e| GgufError::Tokenizer(format!("saving {}: {e}", path.display())))?;
         write_json(&dir.join("tokenizer_config.json"), &self.config)?;
-        write_json(&dir.join("special_tokens_map.json"), &self.special_tokens_map)
+        write_json(
+            &dir.join("special_tokens_map.json"),
+            &self.special_tokens_map,
+        )
     }
 }
 
@@ -339,9 +364,15 @@ mod tests {
                 "tokenizer.ggml.token_type",
                 GgufValue::Array(types.into_iter().map(GgufValue::I32).collect()),
             )
-            .kv("tokenizer.ggml.merges", strings(&["a b", "Ġ ab", "1 2", "Ġ 1"]))
+            .kv(
+                "tokenizer.ggml.merges",
+                strings(&["a b", "Ġ ab", "1 2", "Ġ 1"]),
+            )
             .kv("tokenizer.ggml.eos_token_id", GgufValue::U32(0))
-            .kv("tokenizer.chat_template", GgufValue::String("{{ x }}".into()));
+            .kv(
+                "tokenizer.chat_template",
+                GgufValue::String("{{ x }}".into()),
+            );
         GgufFile::from_bytes("tiny", b.build()).unwrap()
     }
 
@@ -363,13 +394,25 @@ mod tests {
     fn tiny_tokenizer_encodes_and_splits_digits() {
         let g = tiny("smollm");
         let t = build_tokenizer(&g).unwrap();
-        assert_eq!(encode_ids(&t.tokenizer, "ab ab", false).unwrap(), vec![6, 7]);
+        assert_eq!(
+            encode_ids(&t.tokenizer, "ab ab", false).unwrap(),
+            vec![6, 7]
+        );
         // Digits are split one by one, so neither "12" nor "Ġ1" can be formed.
-        assert_eq!(encode_ids(&t.tokenizer, "ab 12", false).unwrap(), vec![6, 3, 4, 5]);
-        assert_eq!(encode_ids(&t.tokenizer, "a<|end|>b<tool>", false).unwrap(), vec![1, 0, 2, 10]);
+        assert_eq!(
+            encode_ids(&t.tokenizer, "ab 12", false).unwrap(),
+            vec![6, 3, 4, 5]
+        );
+        assert_eq!(
+            encode_ids(&t.tokenizer, "a<|end|>b<tool>", false).unwrap(),
+            vec![1, 0, 2, 10]
+        );
         let g = tiny("gpt-2");
         let t2 = build_tokenizer(&g).unwrap();
-        assert_eq!(encode_ids(&t2.tokenizer, "ab 12", false).unwrap(), vec![6, 3, 8]);
+        assert_eq!(
+            encode_ids(&t2.tokenizer, "ab 12", false).unwrap(),
+            vec![6, 3, 8]
+        );
         assert_eq!(t.config["eos_token"], "<|end|>");
         assert_eq!(t.config["chat_template"], "{{ x }}");
         assert_eq!(t.config["added_tokens_decoder"]["0"]["special"], true);
@@ -380,7 +423,9 @@ mod tests {
 
     #[test]
     fn unknown_pre_tokenizer_and_model_are_errors() {
-        let err = build_tokenizer(&tiny("some-new-thing")).unwrap_err().to_string();
+        let err = build_tokenizer(&tiny("some-new-thing"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("some-new-thing"), "{err}");
         let g = GgufFile::from_bytes(
             "x",
@@ -389,6 +434,9 @@ mod tests {
                 .build(),
         )
         .unwrap();
-        assert!(matches!(build_tokenizer(&g), Err(GgufError::Unsupported(_))));
+        assert!(matches!(
+            build_tokenizer(&g),
+            Err(GgufError::Unsupported(_))
+        ));
     }
 }
