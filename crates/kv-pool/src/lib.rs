@@ -18,6 +18,8 @@
 //!   slots ([`SlotPool`], [`SlotBatch`]) and step transactions with exact
 //!   rollback ([`KvPool::snapshot`]).
 
+#![warn(missing_docs)]
+
 mod block_pool;
 mod error;
 mod hash;

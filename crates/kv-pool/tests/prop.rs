@@ -525,7 +525,7 @@ impl Harness {
                 let doc = *doc as usize;
                 let tokens = self.docs[doc][..*len as usize].to_vec();
                 let salt = salt.map(|s| Salt(u64::from(s)));
-                let mut spec = SeqSpec::new(OwnerId(u32::from(salt.map_or(9, |s| s.0 as u32))));
+                let mut spec = SeqSpec::new(OwnerId(salt.map_or(9, |s| s.0 as u32)));
                 spec.salt = salt;
                 spec.state_slot = *slot;
                 let expect_hit = match salt {
