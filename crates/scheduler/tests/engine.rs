@@ -1,0 +1,186 @@
+//! The engine thread through its async API.
+
+mod common;
+
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use weft_scheduler::fake::{FakeDetokenizer, FakeModel};
+use weft_scheduler::{
+    Engine, EngineError, Event, EventStream, FinishReason, Finished, Logits, Model, ModelError, ModelInfo, Request,
+    RowId, RowInput, SubmitError,
+};
+
+/// Not `Send` (holds an `Rc`), like an MLX-backed model: proves the engine builds and
+/// keeps the model on its own thread.
+struct ThreadBound {
+    inner: FakeModel,
+    _not_send: Rc<()>,
+}
+
+impl Model for ThreadBound {
+    fn info(&self) -> ModelInfo {
+        self.inner.info()
+    }
+    fn forward(&mut self, batch: &[RowInput]) -> Result<Logits, ModelError> {
+        self.inner.forward(batch)
+    }
+    fn commit(&mut self) -> Result<(), ModelError> {
+        self.inner.commit()
+    }
+    fn rollback(&mut self) {
+        self.inner.rollback()
+    }
+    fn release_row(&mut self, row: RowId) {
+        self.inner.release_row(row)
+    }
+}
+
+fn start() -> Engine {
+    Engine::start(
+        sched_config(),
+        || Ok::<_, String>(ThreadBound { inner: FakeModel::new(fake_config()), _not_send: Rc::new(()) }),
+        Arc::new(FakeDetokenizer),
+    )
+    .expect("engine starts")
+}
+
+async fn collect(mut s: EventStream) -> (Vec<u32>, String, Finished) {
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    while let Some(ev) = s.recv().await {
+        match ev {
+            Event::Token(d) => {
+                ids.extend(d.ids);
+                text.push_str(&d.text);
+            }
+            Event::Finished(f) => return (ids, text, f),
+        }
+    }
+    panic!("stream ended without a final event");
+}
+
+/// Bounded wait for a condition the engine reaches within a few steps.
+async fn eventually(mut f: impl FnMut() -> bool) {
+    for _ in 0..2000 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("condition not reached");
+}
+
+#[tokio::test]
+async fn concurrent_requests_stream_to_completion() {
+    let engine = start();
+    let h = engine.handle();
+    let mut tasks = Vec::new();
+    for i in 0..40u32 {
+        let h = h.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut r = Request::new(format!("t{}", i % 4), vec![1 + i % 60, 2, 3], 20);
+            r.ignore_eos = true;
+            let s = h.submit(r).expect("admitted");
+            collect(s).await
+        }));
+    }
+    let oracle = FakeModel::new(fake_config());
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (ids, text, f) = t.await.unwrap();
+        assert_eq!(f.reason, FinishReason::Length);
+        assert_eq!(ids.len(), 20);
+        assert_eq!(f.usage.generated_tokens, 20);
+        assert!(f.usage.time_to_first_token.is_some());
+        // Greedy: first token is the argmax after the prompt.
+        let l = oracle.logits_for_history(&[1 + i as u32 % 60, 2, 3]);
+        let best = (0..l.len()).fold(0, |b, j| if l[j] > l[b] { j } else { b });
+        assert_eq!(ids[0], best as u32);
+        assert!(!text.is_empty());
+    }
+    eventually(|| {
+        let st = engine.stats();
+        st.running == 0 && st.waiting == 0 && st.kv_blocks_free == st.kv_blocks_total
+    })
+    .await;
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn dropping_the_stream_or_cancelling_frees_the_row() {
+    let engine = start();
+    let mut r = Request::new("t", vec![5; 10], 3000);
+    r.ignore_eos = true;
+    let mut s = engine.submit(r.clone()).unwrap();
+    assert!(matches!(s.recv().await, Some(Event::Token(_))));
+    drop(s);
+    eventually(|| engine.stats().running == 0).await;
+    let st = engine.stats();
+    assert_eq!(st.kv_blocks_free, st.kv_blocks_total);
+
+    r.request_id = Some("job-1".into());
+    let mut s = engine.submit(r).unwrap();
+    assert!(matches!(s.recv().await, Some(Event::Token(_))));
+    assert!(engine.cancel("t", "job-1"));
+    assert!(!engine.cancel("t", "no-such-job"));
+    let (_, _, f) = collect(s).await;
+    assert_eq!(f.reason, FinishReason::Cancelled);
+}
+
+#[tokio::test]
+async fn deadline_ends_a_request() {
+    let engine = start();
+    let mut r = Request::new("t", vec![5; 10], 3000);
+    r.ignore_eos = true;
+    // Already expired: the engine must notice before it schedules the request.
+    r.deadline = Some(std::time::Instant::now());
+    let (ids, _, f) = collect(engine.submit(r).unwrap()).await;
+    assert_eq!(f.reason, FinishReason::Deadline);
+    assert!(ids.is_empty());
+}
+
+#[tokio::test]
+async fn shutdown_finishes_live_requests_and_refuses_new_ones() {
+    let engine = start();
+    let h = engine.handle();
+    let mut r = Request::new("t", vec![5; 10], 3000);
+    r.ignore_eos = true;
+    let s = h.submit(r.clone()).unwrap();
+    engine.shutdown();
+    let (_, _, f) = collect(s).await;
+    assert_eq!(f.reason, FinishReason::Error);
+    assert!(f.error.unwrap().contains("shut down"));
+    assert_eq!(h.submit(r).err(), Some(SubmitError::ShuttingDown));
+}
+
+#[test]
+fn factory_errors_are_reported() {
+    let r = Engine::start(
+        sched_config(),
+        || Err::<FakeModel, _>("weights not found"),
+        Arc::new(FakeDetokenizer),
+    );
+    match r {
+        Err(EngineError::Factory(m)) => assert!(m.contains("weights not found")),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("expected an error"),
+    }
+    let mut bad = sched_config();
+    bad.max_step_tokens = 1;
+    assert!(matches!(
+        Engine::start(bad, || Ok::<_, String>(FakeModel::new(fake_config())), Arc::new(FakeDetokenizer)),
+        Err(EngineError::Config(_))
+    ));
+}
+
+#[test]
+fn submit_errors_are_immediate() {
+    let engine = Engine::start(
+        sched_config(),
+        || Ok::<_, String>(FakeModel::new(fake_config())),
+        Arc::new(FakeDetokenizer),
+    )
+    .unwrap();
+    assert!(matches!(engine.submit(Request::new("t", vec![1; 5000], 10)), Err(SubmitError::Invalid(_))));
+}
