@@ -636,6 +636,164 @@ mod tests {
         assert_eq!(quantization_config(&BTreeMap::new()), None);
     }
 
+    /// A tiny but complete llama GGUF: hidden 256, 1 layer, 4 heads, 2 KV
+    /// heads, FFN 64, vocab 8; q/k/v/o/ffn Q4_1, embeddings Q8_0, norms F32.
+    fn tiny_llama(
+        skip: Option<&str>,
+        retype: Option<(&str, GgmlType)>,
+        extra: Option<&str>,
+    ) -> Vec<u8> {
+        use crate::reader::{GgufBuilder, GgufValue};
+        let s = |v: &str| GgufValue::String(v.into());
+        let toks = ["<|end|>", "a", "b", "ab", "c", "Ġ", "Ġa", "d"];
+        let mut b = GgufBuilder::new()
+            .kv("general.architecture", s("llama"))
+            .kv("llama.embedding_length", GgufValue::U32(256))
+            .kv("llama.block_count", GgufValue::U32(1))
+            .kv("llama.feed_forward_length", GgufValue::U32(64))
+            .kv("llama.attention.head_count", GgufValue::U32(4))
+            .kv("llama.attention.head_count_kv", GgufValue::U32(2))
+            .kv(
+                "llama.attention.layer_norm_rms_epsilon",
+                GgufValue::F32(1e-6),
+            )
+            .kv("llama.rope.freq_base", GgufValue::F32(10000.0))
+            .kv("llama.context_length", GgufValue::U32(128))
+            .kv("tokenizer.ggml.model", s("gpt2"))
+            .kv("tokenizer.ggml.pre", s("smollm"))
+            .kv(
+                "tokenizer.ggml.tokens",
+                GgufValue::Array(toks.iter().map(|t| s(t)).collect()),
+            )
+            .kv(
+                "tokenizer.ggml.token_type",
+                GgufValue::Array(
+                    [3, 1, 1, 1, 1, 1, 1, 1]
+                        .into_iter()
+                        .map(GgufValue::I32)
+                        .collect(),
+                ),
+            )
+            .kv(
+                "tokenizer.ggml.merges",
+                GgufValue::Array(vec![s("a b"), s("Ġ a")]),
+            )
+            .kv("tokenizer.ggml.eos_token_id", GgufValue::U32(0));
+        let bytes_for = |ty: GgmlType, n: usize| -> Vec<u8> {
+            let (be, bb) = ty.block_layout().unwrap();
+            let len = n / be as usize * bb as usize;
+            // Small positive f16 scales (0x2c00 = 1/16) and varied payload bytes.
+            let mut v: Vec<u8> = (0..len).map(|i| (i * 37 % 251) as u8).collect();
+            if ty == GgmlType::Q4_1 || ty == GgmlType::Q8_0 || ty == GgmlType::Q4_0 {
+                for blk in v.chunks_exact_mut(bb as usize) {
+                    blk[0] = 0x00;
+                    blk[1] = 0x2c;
+                }
+            }
+            v
+        };
+        let mut tensors: Vec<(&str, Vec<u64>, GgmlType)> = vec![
+            ("token_embd.weight", vec![256, 8], GgmlType::Q8_0),
+            ("output_norm.weight", vec![256], GgmlType::F32),
+            ("blk.0.attn_norm.weight", vec![256], GgmlType::F32),
+            ("blk.0.ffn_norm.weight", vec![256], GgmlType::F32),
+            ("blk.0.attn_q.weight", vec![256, 256], GgmlType::Q4_1),
+            ("blk.0.attn_k.weight", vec![256, 128], GgmlType::Q4_1),
+            ("blk.0.attn_v.weight", vec![256, 128], GgmlType::Q4_0),
+            ("blk.0.attn_output.weight", vec![256, 256], GgmlType::F16),
+            ("blk.0.ffn_gate.weight", vec![256, 64], GgmlType::Q4_1),
+            ("blk.0.ffn_up.weight", vec![256, 64], GgmlType::Q4_1),
+            ("blk.0.ffn_down.weight", vec![64, 256], GgmlType::Q4_1),
+        ];
+        if let Some(name) = extra {
+            tensors.push((name, vec![256], GgmlType::F32));
+        }
+        for (name, dims, ty) in tensors {
+            if Some(name) == skip {
+                continue;
+            }
+            let ty = match retype {
+                Some((n, t)) if n == name => t,
+                _ => ty,
+            };
+            let n = dims.iter().product::<u64>() as usize;
+            b = b.tensor(name, &dims, ty, bytes_for(ty, n));
+        }
+        b.build()
+    }
+
+    fn tmp_dir(tag: &str) -> std::path::PathBuf {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        std::env::temp_dir().join(format!("weft-gguf-{tag}-{}-{nanos}", std::process::id()))
+    }
+
+    #[test]
+    fn converts_a_synthetic_llama() {
+        let g = GgufFile::from_bytes("tiny.gguf", tiny_llama(None, None, None)).unwrap();
+        let dir = tmp_dir("tiny");
+        convert(&g, &dir).unwrap();
+        let cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cfg["head_dim"], 64);
+        assert_eq!(cfg["num_key_value_heads"], 2);
+        assert_eq!(cfg["vocab_size"], 8);
+        assert_eq!(cfg["rms_norm_eps"].as_f64(), Some(1e-6));
+        assert_eq!(cfg["quantization"]["bits"], 4);
+        assert_eq!(cfg["quantization"]["model.embed_tokens"]["bits"], 8);
+        let bytes = std::fs::read(dir.join(WEIGHTS_FILE)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let k = st.tensor("model.layers.0.self_attn.k_proj.weight").unwrap();
+        assert_eq!((k.dtype(), k.shape()), (Dtype::U32, &[128usize, 32][..]));
+        let e = st.tensor("model.embed_tokens.weight").unwrap();
+        assert_eq!(e.shape(), &[8, 64]);
+        let o = st.tensor("model.layers.0.self_attn.o_proj.weight").unwrap();
+        assert_eq!((o.dtype(), o.shape()), (Dtype::F16, &[256usize, 256][..]));
+        assert!(st.tensor("model.layers.0.self_attn.o_proj.scales").is_err());
+        assert_eq!(st.tensor("model.norm.weight").unwrap().dtype(), Dtype::F32);
+        // 3 quantized tensors per quantized matrix (7) + o_proj + 3 norms.
+        assert_eq!(st.len(), 7 * 3 + 1 + 3);
+        let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        assert_eq!(
+            tok.encode("ab a<|end|>", false).unwrap().get_ids(),
+            &[3, 6, 0]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn conversion_errors_name_the_tensor() {
+        let dir = tmp_dir("bad");
+        let g =
+            GgufFile::from_bytes("x", tiny_llama(Some("blk.0.ffn_up.weight"), None, None)).unwrap();
+        let err = convert(&g, &dir).unwrap_err();
+        assert!(
+            matches!(&err, GgufError::MissingTensor { name } if name == "blk.0.ffn_up.weight"),
+            "{err}"
+        );
+        let g = GgufFile::from_bytes(
+            "x",
+            tiny_llama(None, Some(("blk.0.ffn_up.weight", GgmlType::Q4_K)), None),
+        )
+        .unwrap();
+        let err = convert(&g, &dir).unwrap_err().to_string();
+        assert!(
+            err.contains("blk.0.ffn_up.weight") && err.contains("Q4_K"),
+            "{err}"
+        );
+        let g = GgufFile::from_bytes("x", tiny_llama(None, None, Some("blk.0.mystery.weight")))
+            .unwrap();
+        let err = convert(&g, &dir).unwrap_err().to_string();
+        assert!(err.contains("blk.0.mystery.weight"), "{err}");
+        assert!(
+            !dir.exists(),
+            "nothing is written before the input is validated"
+        );
+    }
+
     #[test]
     fn f32_values_get_their_short_form() {
         assert_eq!(clean_f32(f64::from(1e-5f32)), 1e-5);

@@ -1019,6 +1019,23 @@ mod tests {
     }
 
     #[test]
+    fn corrupted_bytes_never_panic() {
+        let bytes = sample().build();
+        for i in 0..bytes.len() {
+            for v in [0x00u8, 0xff, 0x7f, 0x80, 0x09] {
+                let mut b = bytes.clone();
+                b[i] = v;
+                // Any outcome but a panic (or a huge allocation) is fine.
+                let _ = GgufFile::from_bytes("fuzz", b).map(|f| {
+                    for t in f.tensors() {
+                        let _ = f.tensor_data(t);
+                    }
+                });
+            }
+        }
+    }
+
+    #[test]
     fn garbage_is_rejected() {
         assert!(matches!(
             GgufFile::from_bytes("x", b"GGML\x03\0\0\0".to_vec()),
