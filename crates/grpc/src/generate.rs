@@ -1,0 +1,142 @@
+//! `weft generate`: one prompt through the real engine, streamed to stdout.
+
+use std::io::Write;
+use std::time::Instant;
+
+use clap::Args;
+use weft_models::{ChatMessage, LoadOptions};
+use weft_scheduler::{Event, Request, SamplingParams, SchedulerConfig};
+
+use crate::runtime;
+
+/// Device/dtype policy flags shared by `generate` and `serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ComputeArgs {
+    /// Activation dtype: auto (f32 on CPU, bf16 on GPU), f32, f16 or bf16.
+    #[arg(long, default_value = "auto", env = "WEFT_COMPUTE_DTYPE")]
+    pub compute_dtype: String,
+    /// Quantized weights: auto (dequantize on CPU, keep on GPU), keep or dequantize.
+    #[arg(long, default_value = "auto", env = "WEFT_WEIGHTS")]
+    pub weights: String,
+}
+
+impl ComputeArgs {
+    pub fn load_options(&self) -> anyhow::Result<LoadOptions> {
+        let mut o = LoadOptions::default();
+        o.dtype = match self.compute_dtype.as_str() {
+            "auto" => None,
+            "f32" | "float32" => Some(mlx_rs::Dtype::Float32),
+            "f16" | "float16" => Some(mlx_rs::Dtype::Float16),
+            "bf16" | "bfloat16" => Some(mlx_rs::Dtype::Bfloat16),
+            other => anyhow::bail!("--compute-dtype {other:?}: expected auto, f32, f16 or bf16"),
+        };
+        o.dequantize = match self.weights.as_str() {
+            "auto" => None,
+            "keep" => Some(false),
+            "dequantize" => Some(true),
+            other => anyhow::bail!("--weights {other:?}: expected auto, keep or dequantize"),
+        };
+        Ok(o)
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// The prompt text.
+    #[arg(long, short)]
+    pub prompt: String,
+    /// Model directory, or the default model's name (fetched on first use).
+    #[arg(long, short, default_value = "", env = "WEFT_MODEL")]
+    pub model: String,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Apply the model's chat template to the prompt (as one user message).
+    #[arg(long)]
+    pub chat: bool,
+    /// Keep generating past end-of-sequence.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    if !(args.temperature >= 0.0) {
+        anyhow::bail!("--temperature must be >= 0");
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        anyhow::bail!("--top-p must be in (0, 1]");
+    }
+    let dir = runtime::resolve_model(&args.model, true)?;
+    let opts = args.compute.load_options()?;
+    let (engine, tokenizer, _served) =
+        runtime::start_engine(&dir, opts, SchedulerConfig::default())?;
+    let text = if args.chat {
+        tokenizer.apply_chat_template(
+            &[ChatMessage {
+                role: "user".into(),
+                content: args.prompt.clone(),
+            }],
+            true,
+        )?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt = tokenizer.encode(&text)?;
+    let mut req = Request::new("local", prompt, args.max_tokens);
+    req.sampling = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        ..SamplingParams::default()
+    };
+    req.seed = args.seed;
+    req.ignore_eos = args.ignore_eos;
+    let start = Instant::now();
+    let mut stream = engine.submit(req)?;
+    let mut first: Option<Instant> = None;
+    let mut out = std::io::stdout().lock();
+    while let Some(ev) = stream.blocking_recv() {
+        match ev {
+            Event::Token(d) => {
+                first.get_or_insert_with(Instant::now);
+                out.write_all(d.text.as_bytes())?;
+                out.flush()?;
+            }
+            Event::Finished(f) => {
+                writeln!(out)?;
+                let end = Instant::now();
+                let u = &f.usage;
+                let ttft = first.map(|t| t - start).unwrap_or_default();
+                let decode = first.map(|t| end - t).unwrap_or_default();
+                let decode_tps = if u.generated_tokens > 1 && decode.as_secs_f64() > 0.0 {
+                    (u.generated_tokens - 1) as f64 / decode.as_secs_f64()
+                } else {
+                    0.0
+                };
+                eprintln!(
+                    "-- {} prompt tokens, {} generated ({}); prefill {:.1} tok/s (TTFT {:.0} ms), decode {:.1} tok/s",
+                    u.prompt_tokens,
+                    u.generated_tokens,
+                    f.reason.as_str(),
+                    u.prompt_tokens as f64 / ttft.as_secs_f64().max(1e-9),
+                    ttft.as_secs_f64() * 1e3,
+                    decode_tps,
+                );
+                if let Some(e) = f.error {
+                    anyhow::bail!("generation failed: {e}");
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,14 @@
+//! Weft's front end: the `weft.v1` gRPC services, tenants and limits, the
+//! metrics endpoint, and the subcommands of the `weft` binary.
+
+pub mod generate;
+pub mod paths;
+pub mod runtime;
+
+/// Generated `weft.v1` types, client and server.
+pub mod pb {
+    tonic::include_proto!("weft.v1");
+
+    /// Encoded file descriptors, for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("weft_descriptor");
+}

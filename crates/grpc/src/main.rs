@@ -1,0 +1,39 @@
+use clap::{Parser, Subcommand};
+
+use weft_grpc::generate::{self, GenerateArgs};
+
+#[derive(Parser)]
+#[command(name = "weft", version, about = "Multi-tenant LLM serving on MLX")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download and convert the default model (SmolLM2-135M-Instruct) into the cache.
+    Pull,
+    /// Generate a completion for one prompt, streaming it to stdout.
+    Generate(GenerateArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Pull => weft_grpc::runtime::resolve_model("", true).map(|dir| {
+            println!("{}", dir.display());
+        }),
+        Command::Generate(args) => generate::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
