@@ -60,7 +60,13 @@ pub(crate) struct Admission {
 
 impl Admission {
     pub fn new(cfg: SchedulerConfig, info: ModelInfo, kv_capacity_tokens: usize) -> Self {
-        Self { cfg, info, kv_capacity_tokens, next_key: AtomicU64::new(1), inner: Mutex::new(Inner::default()) }
+        Self {
+            cfg,
+            info,
+            kv_capacity_tokens,
+            next_key: AtomicU64::new(1),
+            inner: Mutex::new(Inner::default()),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -76,7 +82,10 @@ impl Admission {
             return inv("tenant must not be empty".into());
         }
         if !(r.tenant_weight.is_finite() && r.tenant_weight > 0.0) {
-            return inv(format!("tenant_weight must be a positive number, got {}", r.tenant_weight));
+            return inv(format!(
+                "tenant_weight must be a positive number, got {}",
+                r.tenant_weight
+            ));
         }
         if r.prompt.is_empty() {
             return inv("prompt must contain at least one token".into());
@@ -84,8 +93,15 @@ impl Admission {
         if r.max_tokens == 0 {
             return inv("max_tokens must be at least 1".into());
         }
-        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= self.info.vocab_size) {
-            return inv(format!("prompt token {t} is outside the vocabulary ({})", self.info.vocab_size));
+        if let Some(&t) = r
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.info.vocab_size)
+        {
+            return inv(format!(
+                "prompt token {t} is outside the vocabulary ({})",
+                self.info.vocab_size
+            ));
         }
         let total = r.prompt.len().saturating_add(r.max_tokens);
         if total > self.info.max_context {
@@ -114,14 +130,20 @@ impl Admission {
             return inv(format!("min_p must be in [0, 1], got {}", s.min_p));
         }
         if !(s.repetition_penalty.is_finite() && s.repetition_penalty > 0.0) {
-            return inv(format!("repetition_penalty must be > 0, got {}", s.repetition_penalty));
+            return inv(format!(
+                "repetition_penalty must be > 0, got {}",
+                s.repetition_penalty
+            ));
         }
         if !(s.presence_penalty.is_finite() && s.frequency_penalty.is_finite()) {
             return inv("presence_penalty and frequency_penalty must be finite".into());
         }
         if let Some(n) = r.logprobs {
             if n > self.cfg.max_logprobs {
-                return inv(format!("logprobs {n} exceeds the limit of {}", self.cfg.max_logprobs));
+                return inv(format!(
+                    "logprobs {n} exceeds the limit of {}",
+                    self.cfg.max_logprobs
+                ));
             }
         }
         if r.stop_strings.iter().any(|s| s.is_empty()) {
@@ -160,7 +182,9 @@ impl Admission {
         }
         if let Some(id) = &r.request_id {
             if t.ids.contains(id) {
-                return Err(SubmitError::Invalid(format!("request_id {id:?} is already in use")));
+                return Err(SubmitError::Invalid(format!(
+                    "request_id {id:?} is already in use"
+                )));
             }
         }
         let cost = (r.prompt.len() + r.max_tokens) as f64;
@@ -215,7 +239,13 @@ impl Admission {
     }
 
     /// `unused_tokens` of generation budget go back to the tenant's token bucket.
-    pub fn finished(&self, tenant: &str, request_id: Option<&str>, was_waiting: bool, unused_tokens: usize) {
+    pub fn finished(
+        &self,
+        tenant: &str,
+        request_id: Option<&str>,
+        was_waiting: bool,
+        unused_tokens: usize,
+    ) {
         let mut g = self.lock();
         if was_waiting {
             g.waiting = g.waiting.saturating_sub(1);
@@ -246,7 +276,10 @@ impl Admission {
     }
 
     pub fn knows(&self, tenant: &str, request_id: &str) -> bool {
-        self.lock().tenants.get(tenant).is_some_and(|t| t.ids.contains(request_id))
+        self.lock()
+            .tenants
+            .get(tenant)
+            .is_some_and(|t| t.ids.contains(request_id))
     }
 
     pub fn close(&self) {

@@ -18,7 +18,11 @@ pub struct TenantLimits {
 
 impl Default for TenantLimits {
     fn default() -> Self {
-        Self { max_running: usize::MAX, max_waiting: 1024, tokens_per_minute: None }
+        Self {
+            max_running: usize::MAX,
+            max_waiting: 1024,
+            tokens_per_minute: None,
+        }
     }
 }
 
@@ -32,7 +36,10 @@ pub struct VtcWeights {
 
 impl Default for VtcWeights {
     fn default() -> Self {
-        Self { input: 1.0, output: 2.0 }
+        Self {
+            input: 1.0,
+            output: 2.0,
+        }
     }
 }
 

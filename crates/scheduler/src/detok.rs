@@ -39,17 +39,32 @@ pub(crate) struct TextUpdate {
 impl TextState {
     /// The state after `id` is appended (None: no new id). `flush` emits everything left,
     /// incomplete characters included, because no more tokens will come.
+    ///
+    /// Takes `&mut self` only to append `id` while decoding (saving a copy of the window);
+    /// the state is unchanged when it returns, whatever the outcome.
     pub fn stage(
+        &mut self,
+        id: Option<u32>,
+        flush: bool,
+        detok: &dyn Detokenizer,
+        stops: &[String],
+    ) -> Result<TextUpdate, String> {
+        let len = self.ids.len();
+        self.ids.extend(id);
+        let out = self.stage_appended(id, flush, detok, stops);
+        self.ids.truncate(len);
+        out
+    }
+
+    fn stage_appended(
         &self,
         id: Option<u32>,
         flush: bool,
         detok: &dyn Detokenizer,
         stops: &[String],
     ) -> Result<TextUpdate, String> {
-        let mut window: Vec<u32> = self.ids[self.prefix_offset..].to_vec();
-        window.extend(id);
         let prefix_text = detok.decode(&self.ids[self.prefix_offset..self.read_offset])?;
-        let new_text = detok.decode(&window)?;
+        let new_text = detok.decode(&self.ids[self.prefix_offset..])?;
         let (mut po, mut ro) = (self.prefix_offset, self.read_offset);
         let mut delta = "";
         let grew = new_text.len() > prefix_text.len();
@@ -60,9 +75,20 @@ impl TextState {
                 if new_text.starts_with(prefix_text.as_str()) {
                     delta = d;
                     po = self.read_offset;
-                    ro = self.ids.len() + usize::from(id.is_some());
+                    ro = self.ids.len();
                 }
             }
+        }
+        if stops.is_empty() && self.pending.is_empty() {
+            // Nothing can be held back: skip the stop-string machinery.
+            return Ok(TextUpdate {
+                emit: delta.to_owned(),
+                stop: None,
+                push: id,
+                prefix_offset: po,
+                read_offset: ro,
+                pending: String::new(),
+            });
         }
         let mut pending = String::with_capacity(self.pending.len() + delta.len());
         pending.push_str(&self.pending);
@@ -81,7 +107,14 @@ impl TextState {
             let cut = pending.len() - hold;
             (pending[..cut].to_string(), None, pending[cut..].to_string())
         };
-        Ok(TextUpdate { emit, stop, push: id, prefix_offset: po, read_offset: ro, pending: keep })
+        Ok(TextUpdate {
+            emit,
+            stop,
+            push: id,
+            prefix_offset: po,
+            read_offset: ro,
+            pending: keep,
+        })
     }
 
     pub fn apply(&mut self, u: TextUpdate) {
@@ -105,7 +138,10 @@ fn held_suffix(text: &str, stops: &[String]) -> usize {
             continue;
         }
         let tail = &text[start..];
-        if stops.iter().any(|s| s.len() > tail.len() && s.starts_with(tail)) {
+        if stops
+            .iter()
+            .any(|s| s.len() > tail.len() && s.starts_with(tail))
+        {
             return tail.len();
         }
     }

@@ -40,8 +40,16 @@ pub enum EngineError {
 }
 
 enum Command {
-    Submit { key: RequestKey, req: Box<Request>, tx: mpsc::UnboundedSender<Event>, arrival: Instant },
-    Cancel { tenant: String, request_id: String },
+    Submit {
+        key: RequestKey,
+        req: Box<Request>,
+        tx: mpsc::UnboundedSender<Event>,
+        arrival: Instant,
+    },
+    Cancel {
+        tenant: String,
+        request_id: String,
+    },
     Shutdown,
 }
 
@@ -65,7 +73,12 @@ impl EngineHandle {
         let now = Instant::now();
         let key = self.shared.admission.admit(&req, now)?;
         let (tx, rx) = mpsc::unbounded_channel();
-        if let Err(std_mpsc::SendError(cmd)) = self.tx.send(Command::Submit { key, req: Box::new(req), tx, arrival: now }) {
+        if let Err(std_mpsc::SendError(cmd)) = self.tx.send(Command::Submit {
+            key,
+            req: Box::new(req),
+            tx,
+            arrival: now,
+        }) {
             if let Command::Submit { req, .. } = cmd {
                 self.shared.admission.abandon(&req);
             }
@@ -80,14 +93,22 @@ impl EngineHandle {
             return false;
         }
         self.tx
-            .send(Command::Cancel { tenant: tenant.to_string(), request_id: request_id.to_string() })
+            .send(Command::Cancel {
+                tenant: tenant.to_string(),
+                request_id: request_id.to_string(),
+            })
             .is_ok()
     }
 
     /// The snapshot published after the latest step (waiting/running include requests
     /// still in flight to the engine thread).
     pub fn stats(&self) -> Stats {
-        let mut s = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut s = self
+            .shared
+            .stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let (waiting, running) = self.shared.admission.counts();
         s.waiting = waiting;
         s.running = running;
@@ -109,7 +130,11 @@ pub struct Engine {
 impl Engine {
     /// Start the engine with the built-in block counter sized by `config`. Blocks until
     /// the model is built (on the engine thread) or the factory failed.
-    pub fn start<M, E, F>(config: SchedulerConfig, factory: F, detok: Arc<dyn Detokenizer>) -> Result<Self, EngineError>
+    pub fn start<M, E, F>(
+        config: SchedulerConfig,
+        factory: F,
+        detok: Arc<dyn Detokenizer>,
+    ) -> Result<Self, EngineError>
     where
         M: Model + 'static,
         E: std::fmt::Display,
@@ -178,7 +203,10 @@ impl Engine {
             }
         };
         info!("engine started");
-        Ok(Self { handle: EngineHandle { tx: cmd_tx, shared }, thread: Some(thread) })
+        Ok(Self {
+            handle: EngineHandle { tx: cmd_tx, shared },
+            thread: Some(thread),
+        })
     }
 
     pub fn handle(&self) -> EngineHandle {
@@ -228,7 +256,11 @@ impl Drop for CloseOnExit {
     }
 }
 
-fn run_loop<M: Model, K: KvBudget>(mut sched: Scheduler<M, K>, rx: std_mpsc::Receiver<Command>, shared: Arc<Shared>) {
+fn run_loop<M: Model, K: KvBudget>(
+    mut sched: Scheduler<M, K>,
+    rx: std_mpsc::Receiver<Command>,
+    shared: Arc<Shared>,
+) {
     let _close = CloseOnExit(shared.admission.clone());
     let mut stalled = false;
     'outer: loop {
@@ -237,7 +269,9 @@ fn run_loop<M: Model, K: KvBudget>(mut sched: Scheduler<M, K>, rx: std_mpsc::Rec
             let wait = if stalled {
                 STALL_PAUSE
             } else {
-                sched.next_deadline(now).map_or(IDLE_POLL, |d| d.min(IDLE_POLL))
+                sched
+                    .next_deadline(now)
+                    .map_or(IDLE_POLL, |d| d.min(IDLE_POLL))
             };
             match rx.recv_timeout(wait) {
                 Ok(cmd) => {
@@ -272,7 +306,12 @@ fn run_loop<M: Model, K: KvBudget>(mut sched: Scheduler<M, K>, rx: std_mpsc::Rec
 /// Returns false on shutdown.
 fn handle<M: Model, K: KvBudget>(sched: &mut Scheduler<M, K>, cmd: Command) -> bool {
     match cmd {
-        Command::Submit { key, req, tx, arrival } => sched.enqueue(key, *req, tx, arrival),
+        Command::Submit {
+            key,
+            req,
+            tx,
+            arrival,
+        } => sched.enqueue(key, *req, tx, arrival),
         Command::Cancel { tenant, request_id } => {
             sched.cancel(&tenant, &request_id, Instant::now());
         }

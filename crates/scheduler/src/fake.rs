@@ -35,7 +35,13 @@ pub struct FakeConfig {
 
 impl Default for FakeConfig {
     fn default() -> Self {
-        Self { vocab_size: 64, max_context: 4096, eos_token_ids: vec![0], layers: 4, logits: FakeLogits::Hash }
+        Self {
+            vocab_size: 64,
+            max_context: 4096,
+            eos_token_ids: vec![0],
+            layers: 4,
+            logits: FakeLogits::Hash,
+        }
     }
 }
 
@@ -123,7 +129,10 @@ impl FakeModel {
 
     /// The logits this model gives after `history` — for oracles in tests.
     pub fn logits_for_history(&self, history: &[u32]) -> Vec<f32> {
-        let h = history.iter().enumerate().fold(HISTORY_SEED, |h, (p, &t)| step_hash(h, t, p));
+        let h = history
+            .iter()
+            .enumerate()
+            .fold(HISTORY_SEED, |h, (p, &t)| step_hash(h, t, p));
         let mut out = vec![0.0; self.cfg.vocab_size];
         self.fill(h, &mut out);
         out
@@ -181,7 +190,10 @@ impl Model for FakeModel {
         }
         let mut staged: HashMap<RowId, RowState> = HashMap::with_capacity(batch.len());
         for r in batch {
-            let committed = self.rows.get(&r.row).copied().unwrap_or(RowState { len: 0, hash: HISTORY_SEED });
+            let committed = self.rows.get(&r.row).copied().unwrap_or(RowState {
+                len: 0,
+                hash: HISTORY_SEED,
+            });
             if staged.contains_key(&r.row) {
                 return Err(self.violation(format!("row {} appears twice in one batch", r.row)));
             }
@@ -197,7 +209,11 @@ impl Model for FakeModel {
             if r.start_pos + r.tokens.len() > self.cfg.max_context {
                 return Err(self.violation(format!("row {} grows past max_context", r.row)));
             }
-            if let Some(&t) = r.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            if let Some(&t) = r
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.cfg.vocab_size)
+            {
                 return Err(self.violation(format!("row {}: token {t} outside vocabulary", r.row)));
             }
             let mut s = committed;
@@ -208,10 +224,11 @@ impl Model for FakeModel {
             staged.insert(r.row, s);
         }
         let fail_here = self.faults.forward_fail_calls.contains(&call) || self.random_fault();
-        let poisoned = self
-            .faults
-            .poison_token
-            .is_some_and(|p| batch.iter().any(|r| r.start_pos == 0 && r.tokens.first() == Some(&p)));
+        let poisoned = self.faults.poison_token.is_some_and(|p| {
+            batch
+                .iter()
+                .any(|r| r.start_pos == 0 && r.tokens.first() == Some(&p))
+        });
         for layer in 0..self.cfg.layers.max(1) {
             if (fail_here && layer == self.faults.fail_after_layer) || (poisoned && layer == 0) {
                 // Leave half-written state staged, as a real model would after writing
@@ -219,7 +236,9 @@ impl Model for FakeModel {
                 let keep = staged.len() / 2;
                 self.staged = Some(staged.into_iter().take(keep).collect());
                 self.stats.failed_forwards += 1;
-                return Err(ModelError::Failed(format!("injected fault after layer {layer}")));
+                return Err(ModelError::Failed(format!(
+                    "injected fault after layer {layer}"
+                )));
             }
         }
         let wanted: Vec<&RowInput> = batch.iter().filter(|r| r.want_logits).collect();
@@ -260,7 +279,8 @@ impl Model for FakeModel {
 
     fn release_row(&mut self, row: RowId) {
         if self.staged.is_some() {
-            self.violations.push(format!("release_row({row}) while a step is staged"));
+            self.violations
+                .push(format!("release_row({row}) while a step is staged"));
         }
         self.rows.remove(&row);
     }
@@ -289,7 +309,10 @@ impl Detokenizer for FakeDetokenizer {
         for &i in ids {
             b.extend_from_slice(Self::bytes(i));
         }
-        Ok(String::from_utf8_lossy(&b).into_owned())
+        // Valid UTF-8 (the common case) reuses the buffer; only invalid bytes pay for the
+        // lossy copy.
+        Ok(String::from_utf8(b)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
     }
 }
 
@@ -298,7 +321,12 @@ mod tests {
     use super::*;
 
     fn row(row: RowId, tokens: Vec<u32>, start_pos: usize) -> RowInput {
-        RowInput { row, tokens, start_pos, want_logits: true }
+        RowInput {
+            row,
+            tokens,
+            start_pos,
+            want_logits: true,
+        }
     }
 
     #[test]
@@ -321,7 +349,10 @@ mod tests {
         let mut m = FakeModel::new(FakeConfig::default());
         m.forward(&[row(1, vec![1, 2], 0)]).unwrap();
         m.rollback();
-        assert!(matches!(m.forward(&[row(1, vec![3], 2)]), Err(ModelError::Contract(_))));
+        assert!(matches!(
+            m.forward(&[row(1, vec![3], 2)]),
+            Err(ModelError::Contract(_))
+        ));
         m.forward(&[row(1, vec![1, 2], 0)]).unwrap();
         assert!(m.forward(&[row(1, vec![1, 2], 0)]).is_err());
         m.commit().unwrap();
@@ -334,9 +365,16 @@ mod tests {
 
     #[test]
     fn injected_faults_leave_partial_staging() {
-        let faults = FakeFaults { forward_fail_calls: vec![1], fail_after_layer: 2, commit_fail_calls: vec![1], ..Default::default() };
+        let faults = FakeFaults {
+            forward_fail_calls: vec![1],
+            fail_after_layer: 2,
+            commit_fail_calls: vec![1],
+            ..Default::default()
+        };
         let mut m = FakeModel::with_faults(FakeConfig::default(), faults);
-        assert!(m.forward(&[row(1, vec![1], 0), row(2, vec![1], 0)]).is_err());
+        assert!(m
+            .forward(&[row(1, vec![1], 0), row(2, vec![1], 0)])
+            .is_err());
         assert!(m.has_staged());
         m.rollback();
         m.forward(&[row(1, vec![1], 0)]).unwrap();

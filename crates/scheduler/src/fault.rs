@@ -52,7 +52,10 @@ impl FaultPlan {
     }
 
     pub fn random(seed: u64, probability: f64) -> Self {
-        Self { random: Some((seed, probability)), ..Self::default() }
+        Self {
+            random: Some((seed, probability)),
+            ..Self::default()
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -75,7 +78,9 @@ impl FaultPlan {
             return true;
         }
         if let Some((seed, p)) = self.random {
-            let rng = self.rng.get_or_insert_with(|| ChaCha8Rng::seed_from_u64(seed));
+            let rng = self
+                .rng
+                .get_or_insert_with(|| ChaCha8Rng::seed_from_u64(seed));
             let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
             return u < p;
         }

@@ -6,9 +6,8 @@
 //! prefix cache, begin/commit/rollback) is meant to back this trait in production, with the
 //! same transaction shape: reservations made between `begin` and `rollback` vanish.
 
-use std::collections::HashMap;
-
 use crate::model::RowId;
+use crate::util::IdMap;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvError {
@@ -27,7 +26,9 @@ pub trait KvBudget {
     /// Extra blocks `row` needs to hold `tokens` tokens in total.
     fn blocks_needed(&self, row: RowId, tokens: usize) -> usize {
         let bs = self.block_size().max(1);
-        tokens.div_ceil(bs).saturating_sub(self.row_tokens(row).div_ceil(bs))
+        tokens
+            .div_ceil(bs)
+            .saturating_sub(self.row_tokens(row).div_ceil(bs))
     }
     /// Whether `row` can grow by `n` tokens now.
     fn can_grow(&self, row: RowId, n: usize) -> bool {
@@ -53,9 +54,11 @@ pub struct BlockBudget {
     block_size: usize,
     total: usize,
     used: usize,
-    rows: HashMap<RowId, usize>,
-    /// Tokens each row held before its first reservation in the open transaction.
-    journal: Option<Vec<(RowId, usize)>>,
+    rows: IdMap<RowId, usize>,
+    /// Tokens each row held before its first reservation in the open transaction. Kept
+    /// allocated across steps (cleared, not dropped) so a step does not rehash it.
+    journal: IdMap<RowId, usize>,
+    in_txn: bool,
 }
 
 impl BlockBudget {
@@ -64,8 +67,9 @@ impl BlockBudget {
             block_size: block_size.max(1),
             total: total_blocks,
             used: 0,
-            rows: HashMap::new(),
-            journal: None,
+            rows: IdMap::default(),
+            journal: IdMap::default(),
+            in_txn: false,
         }
     }
 
@@ -76,7 +80,6 @@ impl BlockBudget {
     fn blocks(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
-
 }
 
 impl KvBudget for BlockBudget {
@@ -102,10 +105,8 @@ impl KvBudget for BlockBudget {
         if needed > free {
             return Err(KvError::Exhausted { needed, free });
         }
-        if let Some(j) = &mut self.journal {
-            if !j.iter().any(|(r, _)| *r == row) {
-                j.push((row, old));
-            }
+        if self.in_txn {
+            self.journal.entry(row).or_insert(old);
         }
         self.used += needed;
         self.rows.insert(row, tokens);
@@ -120,19 +121,27 @@ impl KvBudget for BlockBudget {
         // Order-independent, so HashMap iteration order does not matter.
         let mut acc = self.used as u64;
         for (r, t) in &self.rows {
-            acc = acc.wrapping_add(crate::util::mix64(r.wrapping_mul(0x9e37_79b9) ^ (*t as u64)));
+            acc = acc.wrapping_add(crate::util::mix64(
+                r.wrapping_mul(0x9e37_79b9) ^ (*t as u64),
+            ));
         }
         acc
     }
     fn begin(&mut self) {
-        self.journal = Some(Vec::new());
+        self.journal.clear();
+        self.in_txn = true;
     }
     fn commit(&mut self) {
-        self.journal = None;
+        self.journal.clear();
+        self.in_txn = false;
     }
     fn rollback(&mut self) {
-        let Some(j) = self.journal.take() else { return };
-        for (row, old) in j.into_iter().rev() {
+        if !self.in_txn {
+            return;
+        }
+        self.in_txn = false;
+        let mut j = std::mem::take(&mut self.journal);
+        for (row, old) in j.drain() {
             if let Some(t) = self.rows.get(&row).copied() {
                 self.used -= self.blocks(t);
             }
@@ -143,6 +152,7 @@ impl KvBudget for BlockBudget {
                 self.rows.insert(row, old);
             }
         }
+        self.journal = j;
     }
 }
 

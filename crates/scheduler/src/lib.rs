@@ -30,7 +30,7 @@ pub use fault::{FaultPlan, FaultPoint};
 pub use kv::{BlockBudget, KvBudget, KvError};
 pub use model::{Detokenizer, Logits, Model, ModelError, ModelInfo, RowId, RowInput};
 pub use request::{
-    Event, EventStream, FinishReason, Finished, Request, RequestKey, SamplingParams, StopMatch, SubmitError,
-    TokenDelta, TokenLogprob, Usage,
+    Event, EventStream, FinishReason, Finished, Request, RequestKey, SamplingParams, StopMatch,
+    SubmitError, TokenDelta, TokenLogprob, Usage,
 };
 pub use scheduler::{Scheduler, SchedulerError, Stats, StepReport, TenantStats};

@@ -4,7 +4,10 @@
 //! `metrics-exporter-prometheus`) before `Engine::start`. The only label is `tenant`, whose
 //! values are the tenants named in the config plus "other": bounded cardinality.
 
-use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter, Gauge, Histogram, Unit};
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter,
+    Gauge, Histogram, Unit,
+};
 
 pub const REQUESTS_RUNNING: &str = "weft_requests_running";
 pub const REQUESTS_WAITING: &str = "weft_requests_waiting";
@@ -27,27 +30,48 @@ pub const REQUESTS_FINISHED: &str = "weft_requests_finished_total";
 
 /// Suggested histogram buckets for the exporter; they include common SLO thresholds
 /// (a 2 s TTFT bucket among them).
-pub const LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0];
-pub const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.0];
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+];
+pub const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.0,
+];
 pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
 pub fn describe() {
     describe_gauge!(REQUESTS_RUNNING, "Requests with a row in the running batch");
-    describe_gauge!(REQUESTS_WAITING, "Requests queued, including preempted ones");
+    describe_gauge!(
+        REQUESTS_WAITING,
+        "Requests queued, including preempted ones"
+    );
     describe_gauge!(KV_BLOCKS_USED, "KV blocks reserved by rows");
     describe_gauge!(KV_BLOCKS_FREE, "KV blocks free");
     describe_gauge!(KV_USAGE_RATIO, "Used / total KV blocks");
-    describe_counter!(PREEMPTIONS, "Rows preempted (recomputed later) for lack of KV memory");
+    describe_counter!(
+        PREEMPTIONS,
+        "Rows preempted (recomputed later) for lack of KV memory"
+    );
     describe_counter!(STEP_ROLLBACKS, "Step attempts rolled back after a failure");
-    describe_histogram!(STEP_DURATION, Unit::Seconds, "Wall time of one committed step");
+    describe_histogram!(
+        STEP_DURATION,
+        Unit::Seconds,
+        "Wall time of one committed step"
+    );
     describe_histogram!(BATCH_SIZE, "Rows in one forward call");
     describe_histogram!(TTFT, Unit::Seconds, "Submit to first token");
-    describe_histogram!(ITL, Unit::Seconds, "Time between consecutive tokens of a request");
+    describe_histogram!(
+        ITL,
+        Unit::Seconds,
+        "Time between consecutive tokens of a request"
+    );
     describe_histogram!(QUEUE_TIME, Unit::Seconds, "Submit to first scheduled");
     describe_histogram!(E2E, Unit::Seconds, "Submit to final event");
     describe_counter!(PROMPT_TOKENS, "Prompt tokens of admitted requests");
     describe_counter!(GENERATION_TOKENS, "Generated tokens");
-    describe_counter!(PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache");
+    describe_counter!(
+        PREFIX_QUERIES,
+        "Prompt tokens looked up in the prefix cache"
+    );
     describe_counter!(PREFIX_HITS, "Prompt tokens served from the prefix cache");
     describe_counter!(REQUESTS_FINISHED, "Finished requests by reason");
 }

@@ -45,7 +45,9 @@ impl SamplingParams {
     }
 
     pub(crate) fn has_penalties(&self) -> bool {
-        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
     }
 }
 
@@ -192,7 +194,10 @@ pub enum SubmitError {
     /// A queue or rate limit is full now; try again after `retry_after`
     /// (maps to RESOURCE_EXHAUSTED).
     #[error("overloaded ({reason}); retry after {retry_after:?}")]
-    Overloaded { retry_after: Duration, reason: String },
+    Overloaded {
+        retry_after: Duration,
+        reason: String,
+    },
     /// The engine has stopped (maps to UNAVAILABLE).
     #[error("engine is not running")]
     ShuttingDown,
@@ -212,7 +217,11 @@ pub struct EventStream {
 
 impl EventStream {
     pub(crate) fn new(key: RequestKey, rx: mpsc::UnboundedReceiver<Event>) -> Self {
-        Self { key, rx, done: false }
+        Self {
+            key,
+            rx,
+            done: false,
+        }
     }
 
     pub fn key(&self) -> RequestKey {
@@ -290,4 +299,3 @@ impl futures_core::Stream for EventStream {
         }
     }
 }
-

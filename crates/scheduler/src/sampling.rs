@@ -28,7 +28,10 @@ pub(crate) struct PenaltyState {
 
 impl PenaltyState {
     pub fn new(prompt: &[u32], generated: &[u32]) -> Self {
-        let mut s = Self { prompt: prompt.iter().copied().collect(), generated: HashMap::new() };
+        let mut s = Self {
+            prompt: prompt.iter().copied().collect(),
+            generated: HashMap::new(),
+        };
         for &t in generated {
             s.push(t);
         }
@@ -61,7 +64,11 @@ pub(crate) struct SampleCtx<'a> {
     pub logprobs: Option<usize>,
 }
 
-pub(crate) fn sample(logits: &[f32], ctx: &SampleCtx<'_>, scratch: &mut Scratch) -> Result<Sampled, String> {
+pub(crate) fn sample(
+    logits: &[f32],
+    ctx: &SampleCtx<'_>,
+    scratch: &mut Scratch,
+) -> Result<Sampled, String> {
     if logits.is_empty() {
         return Err("empty logits".into());
     }
@@ -93,7 +100,10 @@ pub(crate) fn sample(logits: &[f32], ctx: &SampleCtx<'_>, scratch: &mut Scratch)
 fn apply_penalties(x: &mut [f32], p: &SamplingParams, pen: &PenaltyState) {
     if p.repetition_penalty != 1.0 {
         let r = p.repetition_penalty;
-        let seen = pen.prompt.iter().chain(pen.generated.keys().filter(|t| !pen.prompt.contains(t)));
+        let seen = pen
+            .prompt
+            .iter()
+            .chain(pen.generated.keys().filter(|t| !pen.prompt.contains(t)));
         for &t in seen {
             if let Some(v) = x.get_mut(t as usize) {
                 *v = if *v > 0.0 { *v / r } else { *v * r };
@@ -111,22 +121,49 @@ fn apply_penalties(x: &mut [f32], p: &SamplingParams, pen: &PenaltyState) {
 
 /// First index of the largest value; NaN never wins.
 fn argmax(x: &[f32]) -> Option<u32> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in x.iter().enumerate() {
-        if v.is_nan() {
-            continue;
-        }
-        match best {
-            Some((_, b)) if v <= b => {}
-            _ => best = Some((i, v)),
+    // Lane-wise (value, index) maxima in one pass, written so the compiler can vectorize
+    // it (compare + blend); a NaN compares false and is skipped. Greedy decoding runs this
+    // once per row per step, so it is a large part of the host cost at big batch sizes.
+    const LANES: usize = 16;
+    let mut val = [f32::NEG_INFINITY; LANES];
+    let mut idx = [u32::MAX; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail_start = x.len() - chunks.remainder().len();
+    for (c, chunk) in chunks.enumerate() {
+        let base = (c * LANES) as u32;
+        for l in 0..LANES {
+            let v = chunk[l];
+            let better = v > val[l];
+            val[l] = if better { v } else { val[l] };
+            idx[l] = if better { base + l as u32 } else { idx[l] };
         }
     }
-    best.map(|(i, _)| i as u32)
+    let mut best: Option<(f32, u32)> = None;
+    let tail = x[tail_start..]
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (v, (tail_start + i) as u32));
+    for (v, i) in val.into_iter().zip(idx).chain(tail) {
+        if i == u32::MAX || v.is_nan() {
+            continue;
+        }
+        best = match best {
+            Some((bv, bi)) if bv > v || (bv == v && bi < i) => Some((bv, bi)),
+            _ => Some((v, i)),
+        };
+    }
+    // Only -inf values (or NaN) everywhere: the first non-NaN one.
+    best.map(|(_, i)| i)
+        .or_else(|| x.iter().position(|v| !v.is_nan()).map(|i| i as u32))
 }
 
 fn draw(x: &[f32], p: &SamplingParams, u: f64, cand: &mut Vec<(u32, f32)>) -> Result<u32, String> {
     let inv_t = 1.0 / p.temperature;
-    let max = x.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let max = x
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         return Err("logits have no finite maximum".into());
     }
@@ -182,11 +219,20 @@ fn draw(x: &[f32], p: &SamplingParams, u: f64, cand: &mut Vec<(u32, f32)>) -> Re
 
 /// Log-softmax of the raw model logits: the chosen token and the `n` best.
 fn logprobs(x: &[f32], token: u32, n: usize) -> Result<TokenLogprob, String> {
-    let max = x.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let max = x
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         return Err("logits have no finite maximum".into());
     }
-    let lse = max + x.iter().filter(|v| !v.is_nan()).map(|&v| (v - max).exp()).sum::<f32>().ln();
+    let lse = max
+        + x.iter()
+            .filter(|v| !v.is_nan())
+            .map(|&v| (v - max).exp())
+            .sum::<f32>()
+            .ln();
     let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
     if n > 0 {
         for (i, &v) in x.iter().enumerate() {
@@ -199,7 +245,11 @@ fn logprobs(x: &[f32], token: u32, n: usize) -> Result<TokenLogprob, String> {
         }
     }
     let lp = x.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY) - lse;
-    Ok(TokenLogprob { id: token, logprob: lp, top: top.into_iter().map(|(i, v)| (i, v - lse)).collect() })
+    Ok(TokenLogprob {
+        id: token,
+        logprob: lp,
+        top: top.into_iter().map(|(i, v)| (i, v - lse)).collect(),
+    })
 }
 
 #[cfg(test)]
@@ -207,7 +257,13 @@ mod tests {
     use super::*;
 
     fn ctx<'a>(p: &'a SamplingParams, index: u64) -> SampleCtx<'a> {
-        SampleCtx { params: p, penalties: None, seed: 7, index, logprobs: None }
+        SampleCtx {
+            params: p,
+            penalties: None,
+            seed: 7,
+            index,
+            logprobs: None,
+        }
     }
 
     #[test]
@@ -216,16 +272,31 @@ mod tests {
         let mut s = Scratch::default();
         let out = sample(&[0.0, f32::NAN, 3.0, 3.0, 1.0], &ctx(&p, 0), &mut s).unwrap();
         assert_eq!(out.token, 2);
+        // Long enough for the lane path, with ties across lanes and a NaN.
+        let mut v: Vec<f32> = (0..100).map(|i| (i % 13) as f32).collect();
+        v[3] = f32::NAN;
+        assert_eq!(argmax(&v), Some(12));
+        v[99] = 50.0;
+        assert_eq!(argmax(&v), Some(99));
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), Some(0));
         assert!(sample(&[f32::NAN], &ctx(&p, 0), &mut s).is_err());
     }
 
     #[test]
     fn seeded_draws_are_reproducible_and_indexed() {
-        let p = SamplingParams { temperature: 1.0, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
         let logits: Vec<f32> = (0..64).map(|i| (i % 7) as f32 * 0.3).collect();
         let mut s = Scratch::default();
-        let a: Vec<u32> = (0..50).map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap().token).collect();
-        let b: Vec<u32> = (0..50).rev().map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap().token).collect();
+        let a: Vec<u32> = (0..50)
+            .map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap().token)
+            .collect();
+        let b: Vec<u32> = (0..50)
+            .rev()
+            .map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap().token)
+            .collect();
         let b: Vec<u32> = b.into_iter().rev().collect();
         assert_eq!(a, b);
         let distinct: HashSet<u32> = a.iter().copied().collect();
@@ -237,9 +308,30 @@ mod tests {
         let logits = [5.0, 4.9, 4.8, 0.0, -1.0, -2.0];
         let mut s = Scratch::default();
         for (params, allowed) in [
-            (SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() }, vec![0, 1]),
-            (SamplingParams { temperature: 1.0, top_p: 0.5, ..Default::default() }, vec![0, 1]),
-            (SamplingParams { temperature: 1.0, min_p: 0.5, ..Default::default() }, vec![0, 1, 2]),
+            (
+                SamplingParams {
+                    temperature: 1.0,
+                    top_k: 2,
+                    ..Default::default()
+                },
+                vec![0, 1],
+            ),
+            (
+                SamplingParams {
+                    temperature: 1.0,
+                    top_p: 0.5,
+                    ..Default::default()
+                },
+                vec![0, 1],
+            ),
+            (
+                SamplingParams {
+                    temperature: 1.0,
+                    min_p: 0.5,
+                    ..Default::default()
+                },
+                vec![0, 1, 2],
+            ),
         ] {
             for i in 0..200 {
                 let t = sample(&logits, &ctx(&params, i), &mut s).unwrap().token;
@@ -253,15 +345,42 @@ mod tests {
         let logits = [2.0, 1.9, 0.0];
         let mut s = Scratch::default();
         let pen = PenaltyState::new(&[], &[0, 0]);
-        let p = SamplingParams { frequency_penalty: 0.1, ..Default::default() };
-        let c = SampleCtx { params: &p, penalties: Some(&pen), seed: 0, index: 0, logprobs: None };
+        let p = SamplingParams {
+            frequency_penalty: 0.1,
+            ..Default::default()
+        };
+        let c = SampleCtx {
+            params: &p,
+            penalties: Some(&pen),
+            seed: 0,
+            index: 0,
+            logprobs: None,
+        };
         assert_eq!(sample(&logits, &c, &mut s).unwrap().token, 1);
-        let p = SamplingParams { presence_penalty: 0.05, ..Default::default() };
-        let c = SampleCtx { params: &p, penalties: Some(&pen), seed: 0, index: 0, logprobs: None };
+        let p = SamplingParams {
+            presence_penalty: 0.05,
+            ..Default::default()
+        };
+        let c = SampleCtx {
+            params: &p,
+            penalties: Some(&pen),
+            seed: 0,
+            index: 0,
+            logprobs: None,
+        };
         assert_eq!(sample(&logits, &c, &mut s).unwrap().token, 0);
         let pen = PenaltyState::new(&[0], &[]);
-        let p = SamplingParams { repetition_penalty: 1.2, ..Default::default() };
-        let c = SampleCtx { params: &p, penalties: Some(&pen), seed: 0, index: 0, logprobs: None };
+        let p = SamplingParams {
+            repetition_penalty: 1.2,
+            ..Default::default()
+        };
+        let c = SampleCtx {
+            params: &p,
+            penalties: Some(&pen),
+            seed: 0,
+            index: 0,
+            logprobs: None,
+        };
         assert_eq!(sample(&logits, &c, &mut s).unwrap().token, 1);
     }
 

@@ -21,10 +21,11 @@ use crate::kv::{BlockBudget, KvBudget};
 use crate::metrics::{EngineMetrics, TenantMetrics};
 use crate::model::{Detokenizer, Model, ModelInfo, RowId, RowInput};
 use crate::request::{
-    Event, EventStream, FinishReason, Finished, Request, RequestKey, StopMatch, SubmitError, TokenDelta, Usage,
+    Event, EventStream, FinishReason, Finished, Request, RequestKey, StopMatch, SubmitError,
+    TokenDelta, Usage,
 };
 use crate::sampling::{sample, PenaltyState, SampleCtx, Sampled, Scratch};
-use crate::util::mix64;
+use crate::util::{mix64, IdMap};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SchedulerError {
@@ -111,7 +112,14 @@ impl Req {
     }
 
     fn tokens(&self, start: usize, n: usize) -> Vec<u32> {
-        self.r.prompt.iter().chain(self.generated.iter()).skip(start).take(n).copied().collect()
+        self.r
+            .prompt
+            .iter()
+            .chain(self.generated.iter())
+            .skip(start)
+            .take(n)
+            .copied()
+            .collect()
     }
 
     fn queue_slot(&self) -> (Reverse<i32>, u64) {
@@ -150,7 +158,7 @@ pub struct Scheduler<M: Model, K: KvBudget = BlockBudget> {
     tenants: Vec<Tenant>,
     tenant_ix: HashMap<String, usize>,
     labels: Vec<(String, TenantMetrics)>,
-    reqs: HashMap<RequestKey, Req>,
+    reqs: IdMap<RequestKey, Req>,
     running: Vec<RequestKey>,
     by_client_id: HashMap<(usize, String), RequestKey>,
     next_row: RowId,
@@ -168,7 +176,11 @@ pub struct Scheduler<M: Model, K: KvBudget = BlockBudget> {
 
 impl<M: Model> Scheduler<M, BlockBudget> {
     /// A scheduler with the built-in block counter sized by the config.
-    pub fn new(cfg: SchedulerConfig, model: M, detok: Arc<dyn Detokenizer>) -> Result<Self, SchedulerError> {
+    pub fn new(
+        cfg: SchedulerConfig,
+        model: M,
+        detok: Arc<dyn Detokenizer>,
+    ) -> Result<Self, SchedulerError> {
         let kv = BlockBudget::new(cfg.kv_block_size, cfg.kv_total_blocks);
         Self::with_budget(cfg, model, kv, detok)
     }
@@ -191,7 +203,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         }
         let info = model.info();
         if info.vocab_size == 0 {
-            return Err(SchedulerError::Config("model reports an empty vocabulary".into()));
+            return Err(SchedulerError::Config(
+                "model reports an empty vocabulary".into(),
+            ));
         }
         let capacity = kv.total_blocks() * kv.block_size();
         let admission = Arc::new(Admission::new(cfg.clone(), info.clone(), capacity));
@@ -213,7 +227,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             tenants: Vec::new(),
             tenant_ix: HashMap::new(),
             labels,
-            reqs: HashMap::new(),
+            reqs: IdMap::default(),
             running: Vec::new(),
             by_client_id: HashMap::new(),
             next_row: 1,
@@ -261,13 +275,22 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     }
 
     /// Queue a request that already passed admission.
-    pub(crate) fn enqueue(&mut self, key: RequestKey, r: Request, tx: mpsc::UnboundedSender<Event>, arrival: Instant) {
+    pub(crate) fn enqueue(
+        &mut self,
+        key: RequestKey,
+        r: Request,
+        tx: mpsc::UnboundedSender<Event>,
+        arrival: Instant,
+    ) {
         let tenant = self.tenant_index(&r.tenant, r.tenant_weight);
         let seed = r.seed.unwrap_or_else(|| mix64(self.cfg.seed ^ key.0));
         if let Some(id) = &r.request_id {
             self.by_client_id.insert((tenant, id.clone()), key);
         }
-        let penalties = r.sampling.has_penalties().then(|| PenaltyState::new(&r.prompt, &[]));
+        let penalties = r
+            .sampling
+            .has_penalties()
+            .then(|| PenaltyState::new(&r.prompt, &[]));
         let seq = self.next_seq;
         self.next_seq += 1;
         self.reqs.insert(
@@ -301,7 +324,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             self.tenants[i].weight = weight;
             return i;
         }
-        let label = self.labels.iter().position(|(l, _)| l == name).unwrap_or(self.labels.len() - 1);
+        let label = self
+            .labels
+            .iter()
+            .position(|(l, _)| l == name)
+            .unwrap_or(self.labels.len() - 1);
         let i = self.tenants.len();
         self.tenants.push(Tenant {
             name: name.to_string(),
@@ -346,8 +373,12 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
 
     /// Cancel a live request by its client id. Returns whether it was found.
     pub fn cancel(&mut self, tenant: &str, request_id: &str, now: Instant) -> bool {
-        let Some(&t) = self.tenant_ix.get(tenant) else { return false };
-        let Some(&key) = self.by_client_id.get(&(t, request_id.to_string())) else { return false };
+        let Some(&t) = self.tenant_ix.get(tenant) else {
+            return false;
+        };
+        let Some(&key) = self.by_client_id.get(&(t, request_id.to_string())) else {
+            return false;
+        };
         self.finish(key, FinishReason::Cancelled, None, None, now);
         true
     }
@@ -357,7 +388,13 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         let mut keys: Vec<RequestKey> = self.reqs.keys().copied().collect();
         keys.sort();
         for k in keys {
-            self.finish(k, FinishReason::Error, None, Some("engine shut down".into()), now);
+            self.finish(
+                k,
+                FinishReason::Error,
+                None,
+                Some("engine shut down".into()),
+                now,
+            );
         }
         self.admission.close();
     }
@@ -368,10 +405,16 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         let wall = Instant::now();
         self.reap(now);
         let plan = self.plan(now);
-        let report = if plan.rows.is_empty() { StepReport::default() } else { self.run(plan, now) };
+        let report = if plan.rows.is_empty() {
+            StepReport::default()
+        } else {
+            self.run(plan, now)
+        };
         if report.committed {
             self.stats.steps += 1;
-            self.metrics.step_duration.record(wall.elapsed().as_secs_f64());
+            self.metrics
+                .step_duration
+                .record(wall.elapsed().as_secs_f64());
             self.metrics.batch_size.record(report.rows as f64);
         }
         self.publish();
@@ -414,9 +457,13 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     fn plan(&mut self, now: Instant) -> Plan {
         let bs = self.kv.block_size();
         loop {
-            let group: Option<HashSet<RequestKey>> = self.probation.front().map(|g| {
-                g.iter().copied().filter(|k| self.reqs.get(k).is_some_and(|r| r.row.is_some())).collect()
-            });
+            let group: Option<HashSet<RequestKey, crate::util::IdBuild>> =
+                self.probation.front().map(|g| {
+                    g.iter()
+                        .copied()
+                        .filter(|k| self.reqs.get(k).is_some_and(|r| r.row.is_some()))
+                        .collect()
+                });
             if group.as_ref().is_some_and(|g| g.is_empty()) {
                 self.probation.pop_front();
                 continue;
@@ -427,14 +474,32 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 .copied()
                 .filter(|k| group.as_ref().is_none_or(|g| g.contains(k)))
                 .collect();
-            order.sort_by_cached_key(|&k| self.keep_key(k));
             let remaining = |s: &Self, k: RequestKey| {
                 let r = &s.reqs[&k];
                 r.seq_len() - r.computed
             };
-            let decodes = order.iter().filter(|&&k| remaining(self, k) == 1).count();
-            let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
             let mut free = self.kv.free_blocks();
+            let (mut decodes, mut decode_need) = (0, 0);
+            for &k in &order {
+                let r = &self.reqs[&k];
+                if r.seq_len() - r.computed == 1 {
+                    decodes += 1;
+                    decode_need += self.kv.blocks_needed(r.row.unwrap_or(0), r.computed + 1);
+                }
+            }
+            if decode_need > free {
+                order.sort_by_cached_key(|&k| self.keep_key(k));
+            } else {
+                // No decoding row can be short of memory, so their order is irrelevant;
+                // only prefill rows compete (for the token budget) in keep order. Saves
+                // a sort of the whole batch in the common case.
+                let (mut dec, mut pre): (Vec<RequestKey>, Vec<RequestKey>) =
+                    order.iter().partition(|&&k| remaining(self, k) == 1);
+                pre.sort_by_cached_key(|&k| self.keep_key(k));
+                dec.append(&mut pre);
+                order = dec;
+            }
+            let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
             let mut rows: Vec<Planned> = Vec::with_capacity(order.len());
             let mut end = order.len();
 
@@ -472,7 +537,13 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                     break;
                 }
                 free -= need;
-                rows.push(Planned { key: k, row, start, n: 1, want_logits: true });
+                rows.push(Planned {
+                    key: k,
+                    row,
+                    start,
+                    n: 1,
+                    want_logits: true,
+                });
                 i += 1;
             }
 
@@ -485,14 +556,25 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 let r = &self.reqs[&k];
                 let row = r.row.unwrap_or(0);
                 let cap = (self.held_blocks(row) + free) * bs;
-                let n = self.cfg.prefill_chunk.min(rem).min(budget).min(cap.saturating_sub(r.computed));
+                let n = self
+                    .cfg
+                    .prefill_chunk
+                    .min(rem)
+                    .min(budget)
+                    .min(cap.saturating_sub(r.computed));
                 if n == 0 {
                     continue;
                 }
                 let need = self.kv.blocks_needed(row, r.computed + n);
                 free -= need;
                 budget -= n;
-                rows.push(Planned { key: k, row, start: r.computed, n, want_logits: n == rem });
+                rows.push(Planned {
+                    key: k,
+                    row,
+                    start: r.computed,
+                    n,
+                    want_logits: n == rem,
+                });
             }
 
             if rows.is_empty() && end > 0 {
@@ -505,7 +587,10 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             if group.is_none() {
                 self.admit_joiners(now, &mut rows, &mut budget, &mut free);
             }
-            return Plan { rows, probation: group.is_some() };
+            return Plan {
+                rows,
+                probation: group.is_some(),
+            };
         }
     }
 
@@ -518,15 +603,27 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             .map(|(i, _)| i)
     }
 
-    fn admit_joiners(&mut self, now: Instant, rows: &mut Vec<Planned>, budget: &mut usize, free: &mut usize) {
+    fn admit_joiners(
+        &mut self,
+        now: Instant,
+        rows: &mut Vec<Planned>,
+        budget: &mut usize,
+        free: &mut usize,
+    ) {
         let bs = self.kv.block_size();
         while self.running.len() < self.cfg.max_batch_rows && *budget > 0 {
             let Some(t) = self.pick_tenant() else { break };
-            let Some((_, &k)) = self.tenants[t].queue.first_key_value() else { break };
+            let Some((_, &k)) = self.tenants[t].queue.first_key_value() else {
+                break;
+            };
             let total = self.reqs[&k].seq_len();
             let n = self.cfg.prefill_chunk.min(total).min(*budget);
             let need = n.div_ceil(bs);
-            let watermark = if self.running.is_empty() { 0 } else { self.cfg.kv_watermark_blocks };
+            let watermark = if self.running.is_empty() {
+                0
+            } else {
+                self.cfg.kv_watermark_blocks
+            };
             if need + watermark > *free {
                 // Head-of-line: admitting someone further back would break fair order.
                 break;
@@ -534,7 +631,13 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             let row = self.start(k, now);
             *free -= need;
             *budget -= n;
-            rows.push(Planned { key: k, row, start: 0, n, want_logits: n == total });
+            rows.push(Planned {
+                key: k,
+                row,
+                start: 0,
+                n,
+                want_logits: n == total,
+            });
         }
     }
 
@@ -552,7 +655,10 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         tenant.running += 1;
         if first {
             tenant.counter += w_in * prompt_len as f64 / tenant.weight;
-            self.labels[tenant.label].1.prompt_tokens.increment(prompt_len as u64);
+            self.labels[tenant.label]
+                .1
+                .prompt_tokens
+                .increment(prompt_len as u64);
         }
         self.admission.started(&tenant.name);
         self.running.push(k);
@@ -562,7 +668,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             if first {
                 r.charged = true;
                 r.scheduled_at = Some(now);
-                self.metrics.queue.record(now.saturating_duration_since(r.arrival).as_secs_f64());
+                self.metrics
+                    .queue
+                    .record(now.saturating_duration_since(r.arrival).as_secs_f64());
             }
         }
         row
@@ -571,12 +679,19 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     /// Recompute-style preemption: drop the row's state; the request waits again with
     /// its generated tokens and resumes by prefilling prompt ++ generated.
     fn preempt(&mut self, k: RequestKey) {
-        let Some(r) = self.reqs.get_mut(&k) else { return };
+        let Some(r) = self.reqs.get_mut(&k) else {
+            return;
+        };
         let Some(row) = r.row.take() else { return };
         r.computed = 0;
         r.preemptions += 1;
         let t = r.tenant;
-        debug!(request = k.0, row, generated = r.generated.len(), "preempting row");
+        debug!(
+            request = k.0,
+            row,
+            generated = r.generated.len(),
+            "preempting row"
+        );
         self.model.release_row(row);
         self.kv.release(row);
         self.running.retain(|&x| x != k);
@@ -622,7 +737,10 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         let keys: Vec<RequestKey> = plan.rows.iter().map(|p| p.key).collect();
         if let [k] = keys[..] {
             self.stats.failed_requests += 1;
-            let msg = format!("step failed {} times: {last_err}", self.cfg.max_step_retries.max(1));
+            let msg = format!(
+                "step failed {} times: {last_err}",
+                self.cfg.max_step_retries.max(1)
+            );
             error!(request = k.0, error = %msg, "failing request");
             self.finish(k, FinishReason::Error, None, Some(msg), now);
         } else {
@@ -631,7 +749,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             self.probation.push_front(b.to_vec());
             self.probation.push_front(a.to_vec());
         }
-        StepReport { rows: plan.rows.len(), attempts: self.cfg.max_step_retries.max(1), ..Default::default() }
+        StepReport {
+            rows: plan.rows.len(),
+            attempts: self.cfg.max_step_retries.max(1),
+            ..Default::default()
+        }
     }
 
     /// One try of the step. Touches nothing but the model's and the budget's staged
@@ -639,7 +761,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     fn attempt(&mut self, rows: &[Planned], now: Instant) -> Result<StepReport, String> {
         self.kv.begin();
         for p in rows {
-            self.kv.reserve(p.row, p.start + p.n).map_err(|e| e.to_string())?;
+            self.kv
+                .reserve(p.row, p.start + p.n)
+                .map_err(|e| e.to_string())?;
         }
         if self.faults.hit(FaultPoint::AfterPlan) {
             return Err("injected fault after planning".into());
@@ -654,7 +778,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             })
             .collect();
         let logits = self.model.forward(&inputs).map_err(|e| e.to_string())?;
-        let wanted: Vec<RowId> = rows.iter().filter(|p| p.want_logits).map(|p| p.row).collect();
+        let wanted: Vec<RowId> = rows
+            .iter()
+            .filter(|p| p.want_logits)
+            .map(|p| p.row)
+            .collect();
         if logits.vocab != self.info.vocab_size
             || logits.rows != wanted
             || logits.data.len() != wanted.len() * logits.vocab
@@ -693,7 +821,8 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 index: r.generated.len() as u64,
                 logprobs: r.r.logprobs,
             };
-            let s = sample(lg, &ctx, &mut self.scratch).map_err(|e| format!("sampling request {}: {e}", p.key.0))?;
+            let s = sample(lg, &ctx, &mut self.scratch)
+                .map_err(|e| format!("sampling request {}: {e}", p.key.0))?;
             sampled.push(Some(s));
         }
 
@@ -704,17 +833,28 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 return Err("injected fault during commit bookkeeping".into());
             }
             let Some(s) = s else {
-                commits.push(RowCommit { sampled: None, finish: None });
+                commits.push(RowCommit {
+                    sampled: None,
+                    finish: None,
+                });
                 continue;
             };
-            let r = &self.reqs[&p.key];
+            let Some(r) = self.reqs.get_mut(&p.key) else {
+                return Err(format!("request {} vanished during the step", p.key.0));
+            };
             let t = s.token;
             let detok = self.detok.as_ref();
             let stops = &r.r.stop_strings;
             let (update, finish) = if !r.r.ignore_eos && self.info.eos_token_ids.contains(&t) {
-                (r.text.stage(None, true, detok, stops)?, Some((FinishReason::Eos, None)))
+                (
+                    r.text.stage(None, true, detok, stops)?,
+                    Some((FinishReason::Eos, None)),
+                )
             } else if r.r.stop_token_ids.contains(&t) {
-                (r.text.stage(None, true, detok, stops)?, Some((FinishReason::Stop, Some(StopMatch::TokenId(t)))))
+                (
+                    r.text.stage(None, true, detok, stops)?,
+                    Some((FinishReason::Stop, Some(StopMatch::TokenId(t)))),
+                )
             } else {
                 let last = r.generated.len() + 1 >= r.r.max_tokens;
                 let u = r.text.stage(Some(t), last, detok, stops)?;
@@ -727,8 +867,13 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             };
             // A stop token or EOS also ends a request at max_tokens; Length only if nothing
             // else matched.
-            let finish = finish.or_else(|| (r.generated.len() + 1 >= r.r.max_tokens).then_some((FinishReason::Length, None)));
-            commits.push(RowCommit { sampled: Some((s, update)), finish });
+            let finish = finish.or_else(|| {
+                (r.generated.len() + 1 >= r.r.max_tokens).then_some((FinishReason::Length, None))
+            });
+            commits.push(RowCommit {
+                sampled: Some((s, update)),
+                finish,
+            });
         }
 
         self.model.commit().map_err(|e| e.to_string())?;
@@ -737,20 +882,28 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     }
 
     fn apply(&mut self, rows: &[Planned], commits: Vec<RowCommit>, now: Instant) -> StepReport {
-        let mut rep = StepReport { rows: rows.len(), committed: true, ..Default::default() };
+        let mut rep = StepReport {
+            rows: rows.len(),
+            committed: true,
+            ..Default::default()
+        };
         let w_out = self.cfg.vtc.output;
         let mut done: Vec<(RequestKey, FinishReason, Option<StopMatch>)> = Vec::new();
         for (p, c) in rows.iter().zip(commits) {
             rep.tokens += p.n;
-            let Some(r) = self.reqs.get_mut(&p.key) else { continue };
+            let Some(r) = self.reqs.get_mut(&p.key) else {
+                continue;
+            };
             r.computed += p.n;
-            let Some((s, update)) = c.sampled else { continue };
+            let Some((s, mut update)) = c.sampled else {
+                continue;
+            };
             rep.sampled += 1;
             r.generated.push(s.token);
             if let Some(pen) = &mut r.penalties {
                 pen.push(s.token);
             }
-            let text = update.emit.clone();
+            let text = std::mem::take(&mut update.emit);
             r.text.apply(update);
             let tenant = &mut self.tenants[r.tenant];
             tenant.counter += w_out / tenant.weight;
@@ -758,14 +911,23 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             match r.last_token_at {
                 None => {
                     r.first_token_at = Some(now);
-                    self.metrics.ttft.record(now.saturating_duration_since(r.arrival).as_secs_f64());
+                    self.metrics
+                        .ttft
+                        .record(now.saturating_duration_since(r.arrival).as_secs_f64());
                 }
-                Some(prev) => self.metrics.itl.record(now.saturating_duration_since(prev).as_secs_f64()),
+                Some(prev) => self
+                    .metrics
+                    .itl
+                    .record(now.saturating_duration_since(prev).as_secs_f64()),
             }
             r.last_token_at = Some(now);
             let logprobs = s.logprob.map(|l| vec![l]);
             // A closed receiver is noticed by the next reap; nothing to do here.
-            let _ = r.tx.send(Event::Token(TokenDelta { ids: vec![s.token], text, logprobs }));
+            let _ = r.tx.send(Event::Token(TokenDelta {
+                ids: vec![s.token],
+                text,
+                logprobs,
+            }));
             if let Some((reason, stop)) = c.finish {
                 done.push((p.key, reason, stop));
             }
@@ -785,7 +947,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         error: Option<String>,
         now: Instant,
     ) {
-        let Some(r) = self.reqs.remove(&k) else { return };
+        let Some(r) = self.reqs.remove(&k) else {
+            return;
+        };
         let t = r.tenant;
         let was_waiting = match r.row {
             Some(row) => {
@@ -804,18 +968,31 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             self.by_client_id.remove(&(t, id.clone()));
         }
         let unused = r.r.max_tokens.saturating_sub(r.generated.len());
-        self.admission.finished(&r.r.tenant, r.r.request_id.as_deref(), was_waiting, unused);
+        self.admission
+            .finished(&r.r.tenant, r.r.request_id.as_deref(), was_waiting, unused);
         let usage = Usage {
             prompt_tokens: r.r.prompt.len(),
             cached_prompt_tokens: 0,
             generated_tokens: r.generated.len(),
-            queue_time: r.scheduled_at.unwrap_or(now).saturating_duration_since(r.arrival),
-            time_to_first_token: r.first_token_at.map(|f| f.saturating_duration_since(r.arrival)),
+            queue_time: r
+                .scheduled_at
+                .unwrap_or(now)
+                .saturating_duration_since(r.arrival),
+            time_to_first_token: r
+                .first_token_at
+                .map(|f| f.saturating_duration_since(r.arrival)),
             preemptions: r.preemptions,
         };
         crate::metrics::finished(reason);
-        self.metrics.e2e.record(now.saturating_duration_since(r.arrival).as_secs_f64());
-        let _ = r.tx.send(Event::Finished(Finished { reason, stop, usage, error }));
+        self.metrics
+            .e2e
+            .record(now.saturating_duration_since(r.arrival).as_secs_f64());
+        let _ = r.tx.send(Event::Finished(Finished {
+            reason,
+            stop,
+            usage,
+            error,
+        }));
     }
 
     fn publish(&mut self) {
@@ -823,7 +1000,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         let free = self.kv.free_blocks();
         self.metrics.kv_used.set((total - free) as f64);
         self.metrics.kv_free.set(free as f64);
-        self.metrics.kv_ratio.set(if total == 0 { 0.0 } else { (total - free) as f64 / total as f64 });
+        self.metrics.kv_ratio.set(if total == 0 {
+            0.0
+        } else {
+            (total - free) as f64 / total as f64
+        });
         let mut sums = vec![(0usize, 0usize); self.labels.len()];
         for t in &self.tenants {
             sums[t.label].0 += t.running;
@@ -865,13 +1046,24 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         keys.sort();
         for k in keys {
             let r = &self.reqs[k];
-            (k.0, r.row, r.computed, &r.generated, &r.text, r.charged, r.preemptions).hash(&mut h);
-            r.penalties.as_ref().map(|p| {
-                let mut g: Vec<_> = p.generated.iter().collect();
-                g.sort();
-                g
-            })
-            .hash(&mut h);
+            (
+                k.0,
+                r.row,
+                r.computed,
+                &r.generated,
+                &r.text,
+                r.charged,
+                r.preemptions,
+            )
+                .hash(&mut h);
+            r.penalties
+                .as_ref()
+                .map(|p| {
+                    let mut g: Vec<_> = p.generated.iter().collect();
+                    g.sort();
+                    g
+                })
+                .hash(&mut h);
         }
         self.running.hash(&mut h);
         for t in &self.tenants {
@@ -887,6 +1079,10 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
 
     /// Time until the earliest deadline of a live request (the engine sleeps no longer).
     pub(crate) fn next_deadline(&self, now: Instant) -> Option<Duration> {
-        self.reqs.values().filter_map(|r| r.r.deadline).min().map(|d| d.saturating_duration_since(now))
+        self.reqs
+            .values()
+            .filter_map(|r| r.r.deadline)
+            .min()
+            .map(|d| d.saturating_duration_since(now))
     }
 }

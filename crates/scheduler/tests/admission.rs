@@ -7,10 +7,18 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use weft_scheduler::fake::{FakeDetokenizer, FakeModel};
-use weft_scheduler::{Event, FinishReason, Request, SamplingParams, Scheduler, SchedulerConfig, SubmitError, TenantLimits};
+use weft_scheduler::{
+    Event, FinishReason, Request, SamplingParams, Scheduler, SchedulerConfig, SubmitError,
+    TenantLimits,
+};
 
 fn sched(cfg: SchedulerConfig) -> Scheduler<FakeModel> {
-    Scheduler::new(cfg, FakeModel::new(fake_config()), Arc::new(FakeDetokenizer)).unwrap()
+    Scheduler::new(
+        cfg,
+        FakeModel::new(fake_config()),
+        Arc::new(FakeDetokenizer),
+    )
+    .unwrap()
 }
 
 fn invalid(r: Result<impl Sized, SubmitError>) -> String {
@@ -23,7 +31,10 @@ fn invalid(r: Result<impl Sized, SubmitError>) -> String {
 
 fn overloaded(r: Result<impl Sized, SubmitError>) -> (Duration, String) {
     match r {
-        Err(SubmitError::Overloaded { retry_after, reason }) => (retry_after, reason),
+        Err(SubmitError::Overloaded {
+            retry_after,
+            reason,
+        }) => (retry_after, reason),
         Err(e) => panic!("expected Overloaded, got {e:?}"),
         Ok(_) => panic!("expected Overloaded, got Ok"),
     }
@@ -33,7 +44,13 @@ fn overloaded(r: Result<impl Sized, SubmitError>) -> (Duration, String) {
 fn requests_that_can_never_fit_are_invalid_and_name_the_limit() {
     let mut cfg = sched_config();
     cfg.kv_total_blocks = 10; // 160 tokens
-    cfg.tenants.insert("metered".into(), TenantLimits { tokens_per_minute: Some(100), ..TenantLimits::default() });
+    cfg.tenants.insert(
+        "metered".into(),
+        TenantLimits {
+            tokens_per_minute: Some(100),
+            ..TenantLimits::default()
+        },
+    );
     let mut s = sched(cfg);
     let now = Instant::now();
     assert!(invalid(s.submit(Request::new("t", vec![1; 4000], 200), now)).contains("max_context"));
@@ -41,12 +58,20 @@ fn requests_that_can_never_fit_are_invalid_and_name_the_limit() {
     assert!(invalid(s.submit(Request::new("t", vec![], 2), now)).contains("prompt"));
     assert!(invalid(s.submit(Request::new("t", vec![64], 2), now)).contains("vocabulary"));
     assert!(invalid(s.submit(Request::new("t", vec![1], 0), now)).contains("max_tokens"));
-    assert!(invalid(s.submit(Request::new("metered", vec![1; 50], 60), now)).contains("tokens/minute"));
+    assert!(
+        invalid(s.submit(Request::new("metered", vec![1; 50], 60), now)).contains("tokens/minute")
+    );
     let mut r = Request::new("t", vec![1], 2);
-    r.sampling = SamplingParams { temperature: -1.0, ..Default::default() };
+    r.sampling = SamplingParams {
+        temperature: -1.0,
+        ..Default::default()
+    };
     assert!(invalid(s.submit(r, now)).contains("temperature"));
     let mut r = Request::new("t", vec![1], 2);
-    r.sampling = SamplingParams { top_p: 0.0, ..Default::default() };
+    r.sampling = SamplingParams {
+        top_p: 0.0,
+        ..Default::default()
+    };
     assert!(invalid(s.submit(r, now)).contains("top_p"));
     let mut r = Request::new("t", vec![1], 2);
     r.logprobs = Some(1000);
@@ -76,14 +101,25 @@ fn requests_that_can_never_fit_are_invalid_and_name_the_limit() {
 fn queue_limits_refuse_at_once_and_release() {
     let mut cfg = sched_config();
     cfg.max_waiting = 5;
-    cfg.tenants.insert("small".into(), TenantLimits { max_waiting: 2, ..TenantLimits::default() });
+    cfg.tenants.insert(
+        "small".into(),
+        TenantLimits {
+            max_waiting: 2,
+            ..TenantLimits::default()
+        },
+    );
     let mut s = sched(cfg);
     let now = Instant::now();
     let a = s.submit(Request::new("small", vec![1], 3), now).unwrap();
     let _b = s.submit(Request::new("small", vec![1], 3), now).unwrap();
     let (retry, why) = overloaded(s.submit(Request::new("small", vec![1], 3), now));
-    assert!(retry > Duration::ZERO && why.contains("tenant queue"), "{why}");
-    let _c: Vec<_> = (0..3).map(|_| s.submit(Request::new("other", vec![1], 3), now).unwrap()).collect();
+    assert!(
+        retry > Duration::ZERO && why.contains("tenant queue"),
+        "{why}"
+    );
+    let _c: Vec<_> = (0..3)
+        .map(|_| s.submit(Request::new("other", vec![1], 3), now).unwrap())
+        .collect();
     let (_, why) = overloaded(s.submit(Request::new("third", vec![1], 3), now));
     assert!(why.contains("engine queue"), "{why}");
     // Once requests leave the queue (start running), room opens up.
@@ -96,7 +132,13 @@ fn queue_limits_refuse_at_once_and_release() {
 fn token_rate_budget_gives_retry_after_and_refunds_unused_tokens() {
     let mut cfg = sched_config();
     // 600 tokens/minute = 10 tokens/second.
-    cfg.tenants.insert("m".into(), TenantLimits { tokens_per_minute: Some(600), ..TenantLimits::default() });
+    cfg.tenants.insert(
+        "m".into(),
+        TenantLimits {
+            tokens_per_minute: Some(600),
+            ..TenantLimits::default()
+        },
+    );
     let mut s = sched(cfg);
     let t0 = Instant::now();
     let mut keep = Vec::new();
@@ -109,8 +151,12 @@ fn token_rate_budget_gives_retry_after_and_refunds_unused_tokens() {
     // Other tenants are unaffected.
     assert!(s.submit(Request::new("x", vec![1; 50], 50), t0).is_ok());
     // After the hinted wait the bucket has refilled enough.
-    assert!(s.submit(Request::new("m", vec![1; 50], 50), t0 + retry).is_ok());
-    assert!(s.submit(Request::new("m", vec![1; 50], 50), t0 + retry).is_err());
+    assert!(s
+        .submit(Request::new("m", vec![1; 50], 50), t0 + retry)
+        .is_ok());
+    assert!(s
+        .submit(Request::new("m", vec![1; 50], 50), t0 + retry)
+        .is_err());
     // A request cancelled before generating refunds its whole max_tokens.
     let mut r = Request::new("m", vec![1; 10], 90);
     r.request_id = Some("big".into());

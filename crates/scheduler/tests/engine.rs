@@ -9,8 +9,8 @@ use std::time::Duration;
 use common::*;
 use weft_scheduler::fake::{FakeDetokenizer, FakeModel};
 use weft_scheduler::{
-    Engine, EngineError, Event, EventStream, FinishReason, Finished, Logits, Model, ModelError, ModelInfo, Request,
-    RowId, RowInput, SubmitError,
+    Engine, EngineError, Event, EventStream, FinishReason, Finished, Logits, Model, ModelError,
+    ModelInfo, Request, RowId, RowInput, SubmitError,
 };
 
 /// Not `Send` (holds an `Rc`), like an MLX-backed model: proves the engine builds and
@@ -41,7 +41,12 @@ impl Model for ThreadBound {
 fn start() -> Engine {
     Engine::start(
         sched_config(),
-        || Ok::<_, String>(ThreadBound { inner: FakeModel::new(fake_config()), _not_send: Rc::new(()) }),
+        || {
+            Ok::<_, String>(ThreadBound {
+                inner: FakeModel::new(fake_config()),
+                _not_send: Rc::new(()),
+            })
+        },
         Arc::new(FakeDetokenizer),
     )
     .expect("engine starts")
@@ -169,7 +174,11 @@ fn factory_errors_are_reported() {
     let mut bad = sched_config();
     bad.max_step_tokens = 1;
     assert!(matches!(
-        Engine::start(bad, || Ok::<_, String>(FakeModel::new(fake_config())), Arc::new(FakeDetokenizer)),
+        Engine::start(
+            bad,
+            || Ok::<_, String>(FakeModel::new(fake_config())),
+            Arc::new(FakeDetokenizer)
+        ),
         Err(EngineError::Config(_))
     ));
 }
@@ -182,5 +191,8 @@ fn submit_errors_are_immediate() {
         Arc::new(FakeDetokenizer),
     )
     .unwrap();
-    assert!(matches!(engine.submit(Request::new("t", vec![1; 5000], 10)), Err(SubmitError::Invalid(_))));
+    assert!(matches!(
+        engine.submit(Request::new("t", vec![1; 5000], 10)),
+        Err(SubmitError::Invalid(_))
+    ));
 }

@@ -13,7 +13,13 @@ fn workload(seed: u64, n: usize) -> Vec<Spec> {
         .map(|i| {
             let t = ["t0", "t1", "t2"][i % 3];
             let req = varied_request(&mut g, t, 1.0 + (i % 3) as f64, i);
-            Spec { arrival_step: below(&mut g, 200), req, cancel_after: None, drop_after: None, deadline_after: None }
+            Spec {
+                arrival_step: below(&mut g, 200),
+                req,
+                cancel_after: None,
+                drop_after: None,
+                deadline_after: None,
+            }
         })
         .collect()
 }
@@ -24,20 +30,34 @@ fn assert_same_streams(a: &Run, b: &Run) {
         assert_eq!(x.text, y.text, "request {i} text");
         assert_eq!(x.logprobs, y.logprobs, "request {i} logprobs");
         let (fx, fy) = (x.finished.as_ref().unwrap(), y.finished.as_ref().unwrap());
-        assert_eq!((fx.reason, &fx.stop), (fy.reason, &fy.stop), "request {i} finish");
+        assert_eq!(
+            (fx.reason, &fx.stop),
+            (fy.reason, &fy.stop),
+            "request {i} finish"
+        );
     }
 }
 
 #[test]
 fn random_faults_everywhere_leave_streams_unchanged() {
     let specs = workload(21, 500);
-    let clean = run(sched_config(), fake_config(), FakeFaults::default(), &specs, |_, _, _| {});
+    let clean = run(
+        sched_config(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
     assert_clean(&clean);
 
     let mut cfg = sched_config();
     cfg.faults = FaultPlan::random(99, 0.05);
     cfg.max_step_retries = 60;
-    let faults = FakeFaults { random: Some((5, 0.03)), fail_after_layer: 2, ..Default::default() };
+    let faults = FakeFaults {
+        random: Some((5, 0.03)),
+        fail_after_layer: 2,
+        ..Default::default()
+    };
     let faulty = run(cfg, fake_config(), faults, &specs, |_, _, _| {});
     assert_clean(&faulty);
     let st = faulty.sched.stats();
@@ -45,9 +65,16 @@ fn random_faults_everywhere_leave_streams_unchanged() {
     assert_eq!(st.failed_steps, 0);
     assert!(st.preemptions > 0);
     let fake = faulty.sched.model().stats();
-    assert!(fake.failed_forwards >= 5 && fake.failed_commits >= 5, "{fake:?}");
+    assert!(
+        fake.failed_forwards >= 5 && fake.failed_commits >= 5,
+        "{fake:?}"
+    );
     for p in FaultPoint::ALL {
-        assert!(faulty.sched.faults().reached(p) > 100, "{p:?} reached {}", faulty.sched.faults().reached(p));
+        assert!(
+            faulty.sched.faults().reached(p) > 100,
+            "{p:?} reached {}",
+            faulty.sched.faults().reached(p)
+        );
     }
     assert_same_streams(&clean, &faulty);
 }
@@ -55,17 +82,34 @@ fn random_faults_everywhere_leave_streams_unchanged() {
 #[test]
 fn each_fault_point_alone_is_retried() {
     let specs = workload(4, 120);
-    let clean = run(sched_config(), fake_config(), FakeFaults::default(), &specs, |_, _, _| {});
+    let clean = run(
+        sched_config(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
     for point in FaultPoint::ALL {
         let mut cfg = sched_config();
         cfg.faults = FaultPlan::default().at(point, 3).at(point, 4).at(point, 50);
-        let r = run(cfg, fake_config(), FakeFaults::default(), &specs, |_, _, _| {});
+        let r = run(
+            cfg,
+            fake_config(),
+            FakeFaults::default(),
+            &specs,
+            |_, _, _| {},
+        );
         assert_clean(&r);
         assert_eq!(r.sched.stats().rollbacks, 3, "{point:?}");
         assert_same_streams(&clean, &r);
     }
     // Mid-forward (after layer 1) and model-commit faults.
-    let faults = FakeFaults { forward_fail_calls: vec![2, 3, 30], fail_after_layer: 1, commit_fail_calls: vec![7, 8, 9], ..Default::default() };
+    let faults = FakeFaults {
+        forward_fail_calls: vec![2, 3, 30],
+        fail_after_layer: 1,
+        commit_fail_calls: vec![7, 8, 9],
+        ..Default::default()
+    };
     let r = run(sched_config(), fake_config(), faults, &specs, |_, _, _| {});
     assert_clean(&r);
     assert_eq!(r.sched.stats().rollbacks, 6);
@@ -85,10 +129,19 @@ fn poisoned_requests_fail_alone_and_others_continue() {
     for &i in &poisoned {
         specs[i].req.prompt[0] = poison;
     }
-    let clean = run(sched_config(), fake_config(), FakeFaults::default(), &specs, |_, _, _| {});
+    let clean = run(
+        sched_config(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
     let mut cfg = sched_config();
     cfg.max_step_retries = 2;
-    let faults = FakeFaults { poison_token: Some(poison), ..Default::default() };
+    let faults = FakeFaults {
+        poison_token: Some(poison),
+        ..Default::default()
+    };
     let r = run(cfg, fake_config(), faults, &specs, |_, _, _| {});
     assert_clean(&r);
     assert_eq!(r.sched.stats().failed_requests, poisoned.len() as u64);
@@ -98,9 +151,15 @@ fn poisoned_requests_fail_alone_and_others_continue() {
             assert_eq!(f.reason, FinishReason::Error);
             assert!(x.tokens.is_empty());
             let msg = f.error.as_deref().unwrap_or("");
-            assert!(msg.contains("step failed") && msg.contains("injected"), "{msg}");
+            assert!(
+                msg.contains("step failed") && msg.contains("injected"),
+                "{msg}"
+            );
         } else {
-            assert_eq!(x.tokens, y.tokens, "request {i} was disturbed by a poisoned neighbour");
+            assert_eq!(
+                x.tokens, y.tokens,
+                "request {i} was disturbed by a poisoned neighbour"
+            );
             assert_eq!(f.reason, y.finished.as_ref().unwrap().reason);
         }
     }

@@ -17,20 +17,42 @@ fn metrics_are_emitted_with_bounded_tenant_labels() {
     let specs: Vec<Spec> = (0..300)
         .map(|i| {
             // 50 distinct tenants, one of them named in the config.
-            let mut req = Request::new(format!("tenant-{}", i % 50), prompt(&mut g, 1 + i % 120), 1 + i % 30);
+            let mut req = Request::new(
+                format!("tenant-{}", i % 50),
+                prompt(&mut g, 1 + i % 120),
+                1 + i % 30,
+            );
             req.ignore_eos = true;
-            Spec { arrival_step: 0, req, cancel_after: None, drop_after: None, deadline_after: None }
+            Spec {
+                arrival_step: 0,
+                req,
+                cancel_after: None,
+                drop_after: None,
+                deadline_after: None,
+            }
         })
         .collect();
     let mut cfg = sched_config();
-    cfg.tenants.insert("tenant-0".into(), TenantLimits::default());
+    cfg.tenants
+        .insert("tenant-0".into(), TenantLimits::default());
     cfg.faults = FaultPlan::default().at(FaultPoint::AfterForward, 2);
-    let r = metrics::with_local_recorder(&recorder, || run(cfg, fake_config(), FakeFaults::default(), &specs, |_, _, _| {}));
+    let r = metrics::with_local_recorder(&recorder, || {
+        run(
+            cfg,
+            fake_config(),
+            FakeFaults::default(),
+            &specs,
+            |_, _, _| {},
+        )
+    });
     assert_clean(&r);
     assert!(r.sched.stats().preemptions > 0);
 
     let snap = snapshotter.snapshot().into_vec();
-    let names: HashSet<String> = snap.iter().map(|(k, ..)| k.key().name().to_string()).collect();
+    let names: HashSet<String> = snap
+        .iter()
+        .map(|(k, ..)| k.key().name().to_string())
+        .collect();
     for want in [
         m::REQUESTS_RUNNING,
         m::REQUESTS_WAITING,
@@ -52,9 +74,18 @@ fn metrics_are_emitted_with_bounded_tenant_labels() {
     }
     let tenant_labels: HashSet<String> = snap
         .iter()
-        .flat_map(|(k, ..)| k.key().labels().filter(|l| l.key() == "tenant").map(|l| l.value().to_string()).collect::<Vec<_>>())
+        .flat_map(|(k, ..)| {
+            k.key()
+                .labels()
+                .filter(|l| l.key() == "tenant")
+                .map(|l| l.value().to_string())
+                .collect::<Vec<_>>()
+        })
         .collect();
-    assert_eq!(tenant_labels, HashSet::from(["tenant-0".to_string(), "other".to_string()]));
+    assert_eq!(
+        tenant_labels,
+        HashSet::from(["tenant-0".to_string(), "other".to_string()])
+    );
     let gen_total: u64 = snap
         .iter()
         .filter(|(k, ..)| k.key().name() == m::GENERATION_TOKENS)

@@ -16,7 +16,13 @@ fn mixed_workload(seed: u64, flood: usize, steady: usize) -> Vec<Spec> {
     let mut specs = Vec::new();
     for i in 0..flood {
         let req = varied_request(&mut g, "flood", 1.0, i);
-        specs.push(Spec { arrival_step: below(&mut g, 5), req, cancel_after: None, drop_after: None, deadline_after: None });
+        specs.push(Spec {
+            arrival_step: below(&mut g, 5),
+            req,
+            cancel_after: None,
+            drop_after: None,
+            deadline_after: None,
+        });
     }
     for (t, w) in [("alpha", 1.0), ("beta", 2.0), ("gamma", 1.0)] {
         for i in 0..steady {
@@ -45,7 +51,12 @@ fn mixed_workload(seed: u64, flood: usize, steady: usize) -> Vec<Spec> {
 fn undisturbed(specs: &[Spec]) -> Vec<Spec> {
     specs
         .iter()
-        .map(|s| Spec { cancel_after: None, drop_after: None, deadline_after: None, ..s.clone() })
+        .map(|s| Spec {
+            cancel_after: None,
+            drop_after: None,
+            deadline_after: None,
+            ..s.clone()
+        })
         .collect()
 }
 
@@ -59,37 +70,76 @@ fn mixed_workload_under_kv_pressure_matches_unpressured_run() {
     big.kv_total_blocks = 100_000;
     big.max_batch_rows = 128;
     big.max_step_tokens = 1024;
-    let reference = run(big, fake_config(), FakeFaults::default(), &undisturbed(&specs), |_, _, _| {});
+    let reference = run(
+        big,
+        fake_config(),
+        FakeFaults::default(),
+        &undisturbed(&specs),
+        |_, _, _| {},
+    );
     assert_clean(&reference);
     assert_eq!(reference.sched.stats().preemptions, 0);
 
-    let pressured = run(sched_config(), fake_config(), FakeFaults::default(), &specs, |_, _, _| {});
+    let pressured = run(
+        sched_config(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
     assert_clean(&pressured);
     let st = pressured.sched.stats();
-    assert!(st.preemptions > 50, "workload should preempt, got {}", st.preemptions);
+    assert!(
+        st.preemptions > 50,
+        "workload should preempt, got {}",
+        st.preemptions
+    );
 
     let mut compared = 0;
     let mut preempted_compared = 0;
     let mut reasons: HashMap<FinishReason, usize> = HashMap::new();
-    for (i, (p, r)) in pressured.outcomes.iter().zip(&reference.outcomes).enumerate() {
+    for (i, (p, r)) in pressured
+        .outcomes
+        .iter()
+        .zip(&reference.outcomes)
+        .enumerate()
+    {
         let rf = r.finished.as_ref().expect("reference finishes everything");
         assert!(is_natural(rf), "reference request {i} ended with {rf:?}");
         if p.dropped {
-            assert!(r.tokens.starts_with(&p.tokens), "dropped request {i} streamed tokens not in its reference");
+            assert!(
+                r.tokens.starts_with(&p.tokens),
+                "dropped request {i} streamed tokens not in its reference"
+            );
             continue;
         }
         let pf = p.finished.as_ref().expect("finished");
         *reasons.entry(pf.reason).or_default() += 1;
-        assert_eq!(pf.usage.generated_tokens, p.tokens.len(), "request {i}: usage vs stream");
+        assert_eq!(
+            pf.usage.generated_tokens,
+            p.tokens.len(),
+            "request {i}: usage vs stream"
+        );
         assert_eq!(pf.usage.prompt_tokens, specs[i].req.prompt.len());
         if is_natural(pf) {
-            assert_eq!(p.tokens, r.tokens, "request {i} tokens differ (preemptions {})", pf.usage.preemptions);
+            assert_eq!(
+                p.tokens, r.tokens,
+                "request {i} tokens differ (preemptions {})",
+                pf.usage.preemptions
+            );
             assert_eq!(p.text, r.text, "request {i} text differs");
             assert_eq!(pf.reason, rf.reason);
             assert_eq!(pf.stop, rf.stop);
-            assert_eq!(p.text, expected_text(&specs[i].req, p, pf), "request {i} text vs detokenized ids");
+            assert_eq!(
+                p.text,
+                expected_text(&specs[i].req, p, pf),
+                "request {i} text vs detokenized ids"
+            );
             for s in &specs[i].req.stop_strings {
-                assert!(!p.text.contains(s.as_str()), "request {i} emitted stop string {s:?}");
+                assert!(
+                    !p.text.contains(s.as_str()),
+                    "request {i} emitted stop string {s:?}"
+                );
             }
             compared += 1;
             if pf.usage.preemptions > 0 {
@@ -100,14 +150,32 @@ fn mixed_workload_under_kv_pressure_matches_unpressured_run() {
                 matches!(pf.reason, FinishReason::Cancelled | FinishReason::Deadline),
                 "request {i}: unexpected {pf:?}"
             );
-            assert!(r.tokens.starts_with(&p.tokens), "cut-short request {i} is not a prefix of its reference");
+            assert!(
+                r.tokens.starts_with(&p.tokens),
+                "cut-short request {i} is not a prefix of its reference"
+            );
         }
     }
-    eprintln!("compared {compared} preempted {preempted_compared} {reasons:?} steps {} st {:?}", pressured.steps, st);
+    eprintln!(
+        "compared {compared} preempted {preempted_compared} {reasons:?} steps {} st {:?}",
+        pressured.steps, st
+    );
     assert!(compared > 1800, "compared {compared}");
-    assert!(preempted_compared > 20, "preempted requests compared: {preempted_compared}");
-    for r in [FinishReason::Length, FinishReason::Stop, FinishReason::Eos, FinishReason::Cancelled, FinishReason::Deadline] {
-        assert!(reasons.get(&r).copied().unwrap_or(0) > 0, "no request finished with {r:?}: {reasons:?}");
+    assert!(
+        preempted_compared > 20,
+        "preempted requests compared: {preempted_compared}"
+    );
+    for r in [
+        FinishReason::Length,
+        FinishReason::Stop,
+        FinishReason::Eos,
+        FinishReason::Cancelled,
+        FinishReason::Deadline,
+    ] {
+        assert!(
+            reasons.get(&r).copied().unwrap_or(0) > 0,
+            "no request finished with {r:?}: {reasons:?}"
+        );
     }
     // Queue bounded by what was admitted plus rows pushed back by preemption.
     assert!(pressured.max_waiting_seen <= specs.len());
@@ -120,13 +188,33 @@ fn greedy_streams_equal_direct_oracle() {
     let mut g = rng(7);
     let specs: Vec<Spec> = (0..300)
         .map(|i| {
-            let len = if i % 5 == 0 { 150 + below(&mut g, 200) } else { 1 + below(&mut g, 30) } as usize;
-            let mut req = Request::new(["a", "b", "c"][i % 3], prompt(&mut g, len), 1 + below(&mut g, 40) as usize);
+            let len = if i % 5 == 0 {
+                150 + below(&mut g, 200)
+            } else {
+                1 + below(&mut g, 30)
+            } as usize;
+            let mut req = Request::new(
+                ["a", "b", "c"][i % 3],
+                prompt(&mut g, len),
+                1 + below(&mut g, 40) as usize,
+            );
             req.ignore_eos = i % 2 == 0;
-            Spec { arrival_step: below(&mut g, 100), req, cancel_after: None, drop_after: None, deadline_after: None }
+            Spec {
+                arrival_step: below(&mut g, 100),
+                req,
+                cancel_after: None,
+                drop_after: None,
+                deadline_after: None,
+            }
         })
         .collect();
-    let r = run(sched_config(), fake_config(), FakeFaults::default(), &specs, |_, _, _| {});
+    let r = run(
+        sched_config(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
     assert_clean(&r);
     assert!(r.sched.stats().preemptions > 0);
     let oracle = FakeModel::new(fake_config());
@@ -159,19 +247,35 @@ fn fair_share_follows_weights_within_vtc_bound() {
     let mut g = rng(3);
     let mut specs = Vec::new();
     // "heavy" and "light" (weight 2) both flood; "late" floods later; "small" trickles.
-    for (t, w, start, n) in [("heavy", 1.0, 0u64, 1200usize), ("light", 2.0, 0, 1200), ("late", 1.0, 300, 600)] {
+    for (t, w, start, n) in [
+        ("heavy", 1.0, 0u64, 1200usize),
+        ("light", 2.0, 0, 1200),
+        ("late", 1.0, 300, 600),
+    ] {
         for _ in 0..n {
             let len = 1 + below(&mut g, 60) as usize;
             let mut req = Request::new(t, prompt(&mut g, len), 1 + below(&mut g, 30) as usize);
             req.tenant_weight = w;
             req.ignore_eos = true;
-            specs.push(Spec { arrival_step: start, req, cancel_after: None, drop_after: None, deadline_after: None });
+            specs.push(Spec {
+                arrival_step: start,
+                req,
+                cancel_after: None,
+                drop_after: None,
+                deadline_after: None,
+            });
         }
     }
     for i in 0..60 {
         let mut req = Request::new("small", prompt(&mut g, 10), 5);
         req.ignore_eos = true;
-        specs.push(Spec { arrival_step: 10 + i * 20, req, cancel_after: None, drop_after: None, deadline_after: None });
+        specs.push(Spec {
+            arrival_step: 10 + i * 20,
+            req,
+            cancel_after: None,
+            drop_after: None,
+            deadline_after: None,
+        });
     }
     let mut cfg = sched_config();
     cfg.kv_total_blocks = 2000;
@@ -184,51 +288,77 @@ fn fair_share_follows_weights_within_vtc_bound() {
     let m = (cfg.max_batch_rows as f64) * max_out;
     let bound = 2.0 * (w_in * max_prompt).max(w_out * m);
 
-    let weights: HashMap<&str, f64> = [("heavy", 1.0), ("light", 2.0), ("late", 1.0), ("small", 1.0)].into();
+    let weights: HashMap<&str, f64> = [
+        ("heavy", 1.0),
+        ("light", 2.0),
+        ("late", 1.0),
+        ("small", 1.0),
+    ]
+    .into();
     let mut window: Option<HashMap<String, f64>> = None;
     let mut window_closed = false;
     let mut max_gap: f64 = 0.0;
     let mut checked_steps = 0;
     let tenant_of: Vec<String> = specs.iter().map(|s| s.req.tenant.clone()).collect();
     let prompt_len: Vec<usize> = specs.iter().map(|s| s.req.prompt.len()).collect();
-    let r = run(cfg, fake_config(), FakeFaults::default(), &specs, |_, sched, outs| {
-        // Normalized service from the streams: prompt when the first token arrives,
-        // each generated token as it arrives.
-        let mut service: HashMap<String, f64> = HashMap::new();
-        for (i, o) in outs.iter().enumerate() {
-            let t = &tenant_of[i];
-            let mut s = w_out * o.tokens.len() as f64;
-            if !o.tokens.is_empty() {
-                s += w_in * prompt_len[i] as f64;
+    let r = run(
+        cfg,
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, sched, outs| {
+            // Normalized service from the streams: prompt when the first token arrives,
+            // each generated token as it arrives.
+            let mut service: HashMap<String, f64> = HashMap::new();
+            for (i, o) in outs.iter().enumerate() {
+                let t = &tenant_of[i];
+                let mut s = w_out * o.tokens.len() as f64;
+                if !o.tokens.is_empty() {
+                    s += w_in * prompt_len[i] as f64;
+                }
+                *service.entry(t.clone()).or_default() += s / weights[t.as_str()];
             }
-            *service.entry(t.clone()).or_default() += s / weights[t.as_str()];
-        }
-        let st = sched.stats();
-        let backlogged: Vec<&str> = ["heavy", "light", "late"]
-            .into_iter()
-            .filter(|t| st.tenants.iter().any(|x| x.tenant == *t && x.waiting > 0))
-            .collect();
-        if backlogged.len() == 3 && !window_closed {
-            // Service since the moment all three became backlogged together.
-            let base = window.get_or_insert_with(|| service.clone());
-            let d: Vec<f64> = backlogged.iter().map(|t| service[*t] - base.get(*t).copied().unwrap_or(0.0)).collect();
-            let gap = d.iter().cloned().fold(f64::MIN, f64::max) - d.iter().cloned().fold(f64::MAX, f64::min);
-            max_gap = max_gap.max(gap);
-            checked_steps += 1;
-        } else if window.is_some() {
-            window_closed = true;
-        }
-    });
+            let st = sched.stats();
+            let backlogged: Vec<&str> = ["heavy", "light", "late"]
+                .into_iter()
+                .filter(|t| st.tenants.iter().any(|x| x.tenant == *t && x.waiting > 0))
+                .collect();
+            if backlogged.len() == 3 && !window_closed {
+                // Service since the moment all three became backlogged together.
+                let base = window.get_or_insert_with(|| service.clone());
+                let d: Vec<f64> = backlogged
+                    .iter()
+                    .map(|t| service[*t] - base.get(*t).copied().unwrap_or(0.0))
+                    .collect();
+                let gap = d.iter().cloned().fold(f64::MIN, f64::max)
+                    - d.iter().cloned().fold(f64::MAX, f64::min);
+                max_gap = max_gap.max(gap);
+                checked_steps += 1;
+            } else if window.is_some() {
+                window_closed = true;
+            }
+        },
+    );
     assert_clean(&r);
-    assert!(checked_steps > 100, "all three tenants should be backlogged together for a while ({checked_steps})");
+    assert!(
+        checked_steps > 100,
+        "all three tenants should be backlogged together for a while ({checked_steps})"
+    );
     eprintln!("gap {max_gap} bound {bound} checked {checked_steps}");
-    assert!(max_gap <= bound, "service gap {max_gap} exceeds VTC bound {bound}");
+    assert!(
+        max_gap <= bound,
+        "service gap {max_gap} exceeds VTC bound {bound}"
+    );
     // Starvation: each trickling request starts within a bounded number of steps.
     for (s, o) in specs.iter().zip(&r.outcomes) {
         if s.req.tenant == "small" {
             let f = o.finished.as_ref().unwrap();
             assert_eq!(f.reason, FinishReason::Length);
-            assert!(o.first_token_step.unwrap() <= 40, "small request waited {:?} steps", o.first_token_step);
+            assert!(
+                o.first_token_step.unwrap() <= 40,
+                "small request waited {:?} steps",
+                o.first_token_step
+            );
         }
     }
 }
@@ -241,20 +371,39 @@ fn tenant_running_cap_holds() {
         .map(|i| {
             let mut req = Request::new(["capped", "free"][i % 2], prompt(&mut g, 20), 10);
             req.ignore_eos = true;
-            Spec { arrival_step: 0, req, cancel_after: None, drop_after: None, deadline_after: None }
+            Spec {
+                arrival_step: 0,
+                req,
+                cancel_after: None,
+                drop_after: None,
+                deadline_after: None,
+            }
         })
         .collect();
     let mut cfg = sched_config();
     cfg.kv_total_blocks = 10_000;
-    cfg.tenants.insert("capped".into(), TenantLimits { max_running: 5, max_waiting: 1000, tokens_per_minute: None });
+    cfg.tenants.insert(
+        "capped".into(),
+        TenantLimits {
+            max_running: 5,
+            max_waiting: 1000,
+            tokens_per_minute: None,
+        },
+    );
     let mut max_capped = 0;
-    let r = run(cfg, fake_config(), FakeFaults::default(), &specs, |_, s: &Scheduler<FakeModel>, _| {
-        for t in s.stats().tenants {
-            if t.tenant == "capped" {
-                max_capped = max_capped.max(t.running);
+    let r = run(
+        cfg,
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, s: &Scheduler<FakeModel>, _| {
+            for t in s.stats().tenants {
+                if t.tenant == "capped" {
+                    max_capped = max_capped.max(t.running);
+                }
             }
-        }
-    });
+        },
+    );
     assert_clean(&r);
     assert_eq!(max_capped, 5);
 }

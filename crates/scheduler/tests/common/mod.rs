@@ -10,8 +10,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 use weft_scheduler::fake::{FakeConfig, FakeDetokenizer, FakeFaults, FakeModel};
 use weft_scheduler::{
-    Detokenizer, Event, EventStream, Finished, FinishReason, Request, SamplingParams, Scheduler, SchedulerConfig,
-    StopMatch, SubmitError, TenantLimits, TokenLogprob,
+    Detokenizer, Event, EventStream, FinishReason, Finished, Request, SamplingParams, Scheduler,
+    SchedulerConfig, StopMatch, SubmitError, TenantLimits, TokenLogprob,
 };
 
 /// Simulated time per step.
@@ -51,7 +51,13 @@ pub struct Run {
 }
 
 pub fn fake_config() -> FakeConfig {
-    FakeConfig { vocab_size: 64, max_context: 4096, eos_token_ids: vec![0], layers: 4, ..FakeConfig::default() }
+    FakeConfig {
+        vocab_size: 64,
+        max_context: 4096,
+        eos_token_ids: vec![0],
+        layers: 4,
+        ..FakeConfig::default()
+    }
 }
 
 pub fn sched_config() -> SchedulerConfig {
@@ -60,7 +66,11 @@ pub fn sched_config() -> SchedulerConfig {
         max_step_tokens: 256,
         prefill_chunk: 64,
         max_waiting: 100_000,
-        default_tenant: TenantLimits { max_running: usize::MAX, max_waiting: 100_000, tokens_per_minute: None },
+        default_tenant: TenantLimits {
+            max_running: usize::MAX,
+            max_waiting: 100_000,
+            tokens_per_minute: None,
+        },
         kv_block_size: 16,
         kv_total_blocks: 200,
         verify_rollback: true,
@@ -88,7 +98,11 @@ pub fn prompt(rng: &mut ChaCha8Rng, len: usize) -> Vec<u32> {
 /// A varied request: long and short prompts, greedy and seeded sampling, penalties,
 /// stop ids and strings, logprobs.
 pub fn varied_request(rng: &mut ChaCha8Rng, tenant: &str, weight: f64, i: usize) -> Request {
-    let len = if chance(rng, 0.2) { 100 + below(rng, 300) } else { 1 + below(rng, 40) } as usize;
+    let len = if chance(rng, 0.2) {
+        100 + below(rng, 300)
+    } else {
+        1 + below(rng, 40)
+    } as usize;
     let mut r = Request::new(tenant, prompt(rng, len), 1 + below(rng, 48) as usize);
     r.tenant_weight = weight;
     r.priority = below(rng, 3) as i32;
@@ -96,7 +110,11 @@ pub fn varied_request(rng: &mut ChaCha8Rng, tenant: &str, weight: f64, i: usize)
     match below(rng, 4) {
         0 => {}
         1 => {
-            r.sampling = SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() };
+            r.sampling = SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                ..Default::default()
+            };
             r.seed = Some(rng.next_u64());
         }
         2 => {
@@ -114,7 +132,10 @@ pub fn varied_request(rng: &mut ChaCha8Rng, tenant: &str, weight: f64, i: usize)
         _ => {
             // No seed: the engine derives one from its own seed and the request key,
             // which only matches across runs if keys match (they do: same submit order).
-            r.sampling = SamplingParams { temperature: 0.7, ..Default::default() };
+            r.sampling = SamplingParams {
+                temperature: 0.7,
+                ..Default::default()
+            };
         }
     }
     if chance(rng, 0.2) {
@@ -234,7 +255,12 @@ pub fn run(
         }
     }
     let _ = max_waiting;
-    Run { sched, outcomes, steps: step, max_waiting_seen }
+    Run {
+        sched,
+        outcomes,
+        steps: step,
+        max_waiting_seen,
+    }
 }
 
 /// Leak and contract checks that hold after any run.
@@ -243,8 +269,15 @@ pub fn assert_clean(run: &Run) {
     assert_eq!(st.kv_blocks_free, st.kv_blocks_total, "KV blocks leaked");
     assert_eq!(st.running, 0);
     assert_eq!(st.waiting, 0);
-    assert_eq!(st.rollback_mismatches, 0, "rollback did not restore the pre-step state");
-    assert!(run.sched.model().violations().is_empty(), "model contract: {:?}", run.sched.model().violations());
+    assert_eq!(
+        st.rollback_mismatches, 0,
+        "rollback did not restore the pre-step state"
+    );
+    assert!(
+        run.sched.model().violations().is_empty(),
+        "model contract: {:?}",
+        run.sched.model().violations()
+    );
     assert_eq!(run.sched.model().live_rows(), 0, "model rows leaked");
     assert!(!run.sched.model().has_staged());
     for t in &st.tenants {
@@ -254,7 +287,10 @@ pub fn assert_clean(run: &Run) {
         if o.submit_error.is_some() {
             continue;
         }
-        assert_eq!(o.events_after_finish, 0, "request {i} got events after its final one");
+        assert_eq!(
+            o.events_after_finish, 0,
+            "request {i} got events after its final one"
+        );
         if !o.dropped {
             assert!(o.finished.is_some(), "request {i} never finished");
         }
@@ -269,7 +305,11 @@ pub fn expected_text(req: &Request, o: &Outcome, f: &Finished) -> String {
         ids.pop();
     }
     let full = FakeDetokenizer.decode(&ids).unwrap_or_default();
-    let cut = req.stop_strings.iter().filter_map(|s| full.find(s.as_str())).min();
+    let cut = req
+        .stop_strings
+        .iter()
+        .filter_map(|s| full.find(s.as_str()))
+        .min();
     match cut {
         Some(c) => full[..c].to_string(),
         None => full,
@@ -277,5 +317,8 @@ pub fn expected_text(req: &Request, o: &Outcome, f: &Finished) -> String {
 }
 
 pub fn is_natural(f: &Finished) -> bool {
-    matches!(f.reason, FinishReason::Length | FinishReason::Stop | FinishReason::Eos)
+    matches!(
+        f.reason,
+        FinishReason::Length | FinishReason::Stop | FinishReason::Eos
+    )
 }
