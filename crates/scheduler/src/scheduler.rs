@@ -455,7 +455,6 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     }
 
     fn plan(&mut self, now: Instant) -> Plan {
-        let bs = self.kv.block_size();
         loop {
             let group: Option<HashSet<RequestKey, crate::util::IdBuild>> =
                 self.probation.front().map(|g| {
@@ -479,28 +478,54 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 r.seq_len() - r.computed
             };
             let mut free = self.kv.free_blocks();
-            let (mut decodes, mut decode_need) = (0, 0);
+            // One pass over the batch: decoding rows are planned right away; whether
+            // memory suffices for all of them decides between the fast path and the
+            // preempting one.
+            let mut rows: Vec<Planned> = Vec::with_capacity(order.len());
+            let mut prefills: Vec<RequestKey> = Vec::new();
+            let mut decode_need = 0;
             for &k in &order {
                 let r = &self.reqs[&k];
                 if r.seq_len() - r.computed == 1 {
-                    decodes += 1;
-                    decode_need += self.kv.blocks_needed(r.row.unwrap_or(0), r.computed + 1);
+                    let row = r.row.unwrap_or(0);
+                    decode_need += self.kv.blocks_needed(row, r.computed + 1);
+                    rows.push(Planned {
+                        key: k,
+                        row,
+                        start: r.computed,
+                        n: 1,
+                        want_logits: true,
+                    });
+                } else {
+                    prefills.push(k);
                 }
             }
-            if decode_need > free {
-                order.sort_by_cached_key(|&k| self.keep_key(k));
-            } else {
+            let decodes = rows.len();
+            if decode_need <= free {
                 // No decoding row can be short of memory, so their order is irrelevant;
-                // only prefill rows compete (for the token budget) in keep order. Saves
-                // a sort of the whole batch in the common case.
-                let (mut dec, mut pre): (Vec<RequestKey>, Vec<RequestKey>) =
-                    order.iter().partition(|&&k| remaining(self, k) == 1);
-                pre.sort_by_cached_key(|&k| self.keep_key(k));
-                dec.append(&mut pre);
-                order = dec;
+                // only prefill rows compete (for the token budget), in keep order. This
+                // skips sorting the whole batch in the common case.
+                free -= decode_need;
+                prefills.sort_by_cached_key(|&k| self.keep_key(k));
+                let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
+                self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
+                if rows.is_empty() && !prefills.is_empty() {
+                    if let Some(&last) = prefills.last() {
+                        self.preempt(last);
+                    }
+                    continue;
+                }
+                if group.is_none() {
+                    self.admit_joiners(now, &mut rows, &mut budget, &mut free);
+                }
+                return Plan {
+                    rows,
+                    probation: group.is_some(),
+                };
             }
+            rows.clear();
+            order.sort_by_cached_key(|&k| self.keep_key(k));
             let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
-            let mut rows: Vec<Planned> = Vec::with_capacity(order.len());
             let mut end = order.len();
 
             // Decoding rows first; they may preempt the least-kept rows for memory.
@@ -548,34 +573,12 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             }
 
             // Then prefill chunks of running rows, shrunk to what memory allows.
-            for &k in &order[..end] {
-                let rem = remaining(self, k);
-                if rem == 1 || budget == 0 {
-                    continue;
-                }
-                let r = &self.reqs[&k];
-                let row = r.row.unwrap_or(0);
-                let cap = (self.held_blocks(row) + free) * bs;
-                let n = self
-                    .cfg
-                    .prefill_chunk
-                    .min(rem)
-                    .min(budget)
-                    .min(cap.saturating_sub(r.computed));
-                if n == 0 {
-                    continue;
-                }
-                let need = self.kv.blocks_needed(row, r.computed + n);
-                free -= need;
-                budget -= n;
-                rows.push(Planned {
-                    key: k,
-                    row,
-                    start: r.computed,
-                    n,
-                    want_logits: n == rem,
-                });
-            }
+            let pre: Vec<RequestKey> = order[..end]
+                .iter()
+                .copied()
+                .filter(|&k| remaining(self, k) != 1)
+                .collect();
+            self.plan_prefills(&pre, &mut rows, &mut budget, &mut free);
 
             if rows.is_empty() && end > 0 {
                 // Every running row is stalled on memory: free the least-kept one so the
@@ -591,6 +594,45 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 rows,
                 probation: group.is_some(),
             };
+        }
+    }
+
+    /// Prefill chunks for `keys` (running rows, in keep order), each shrunk to the token
+    /// budget and to the memory left; rows that get nothing wait for a later step.
+    fn plan_prefills(
+        &self,
+        keys: &[RequestKey],
+        rows: &mut Vec<Planned>,
+        budget: &mut usize,
+        free: &mut usize,
+    ) {
+        let bs = self.kv.block_size();
+        for &k in keys {
+            if *budget == 0 {
+                break;
+            }
+            let r = &self.reqs[&k];
+            let rem = r.seq_len() - r.computed;
+            let row = r.row.unwrap_or(0);
+            let cap = (self.held_blocks(row) + *free) * bs;
+            let n = self
+                .cfg
+                .prefill_chunk
+                .min(rem)
+                .min(*budget)
+                .min(cap.saturating_sub(r.computed));
+            if n == 0 {
+                continue;
+            }
+            *free -= self.kv.blocks_needed(row, r.computed + n);
+            *budget -= n;
+            rows.push(Planned {
+                key: k,
+                row,
+                start: r.computed,
+                n,
+                want_logits: n == rem,
+            });
         }
     }
 
