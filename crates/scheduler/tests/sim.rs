@@ -135,6 +135,20 @@ fn mixed_workload_under_kv_pressure_matches_unpressured_run() {
                 expected_text(&specs[i].req, p, pf),
                 "request {i} text vs detokenized ids"
             );
+            if let Some(n) = specs[i].req.logprobs {
+                assert_eq!(
+                    p.logprobs.len(),
+                    p.tokens.len(),
+                    "request {i}: one logprob per token"
+                );
+                for (lp, t) in p.logprobs.iter().zip(&p.tokens) {
+                    assert_eq!(lp.id, *t);
+                    assert!(lp.logprob <= 0.0 && lp.top.len() == n);
+                    assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+                }
+            } else {
+                assert!(p.logprobs.is_empty());
+            }
             for s in &specs[i].req.stop_strings {
                 assert!(
                     !p.text.contains(s.as_str()),
@@ -406,4 +420,91 @@ fn tenant_running_cap_holds() {
     );
     assert_clean(&r);
     assert_eq!(max_capped, 5);
+}
+
+fn drain(s: &mut weft_scheduler::EventStream, into: &mut Vec<weft_scheduler::Event>) {
+    while let Some(e) = s.try_recv() {
+        into.push(e);
+    }
+}
+
+fn finished_of(evs: &[weft_scheduler::Event]) -> weft_scheduler::Finished {
+    match evs.last() {
+        Some(weft_scheduler::Event::Finished(f)) => f.clone(),
+        other => panic!("no final event: {other:?}"),
+    }
+}
+
+/// Within a tenant, higher priority is admitted first and preempted last.
+#[test]
+fn priority_orders_admission_and_preemption() {
+    use std::sync::Arc;
+    use std::time::Instant;
+    use weft_scheduler::fake::FakeDetokenizer;
+
+    // Admission: one row at a time; the later, higher-priority request goes first.
+    let mut cfg = sched_config();
+    cfg.max_batch_rows = 1;
+    let mut s = Scheduler::new(
+        cfg,
+        FakeModel::new(fake_config()),
+        Arc::new(FakeDetokenizer),
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    let mut low = Request::new("t", vec![1, 2, 3], 5);
+    low.ignore_eos = true;
+    let mut high = low.clone();
+    high.priority = 5;
+    let mut ls = s.submit(low.clone(), t0).unwrap();
+    let mut hs = s.submit(high.clone(), t0).unwrap();
+    let (mut le, mut he) = (Vec::new(), Vec::new());
+    let mut step = 0;
+    let mut high_done_at = None;
+    let mut low_first_at = None;
+    while s.has_work() {
+        s.step(t0 + DT * step);
+        drain(&mut ls, &mut le);
+        drain(&mut hs, &mut he);
+        if high_done_at.is_none() && matches!(he.last(), Some(weft_scheduler::Event::Finished(_))) {
+            high_done_at = Some(step);
+        }
+        if low_first_at.is_none() && !le.is_empty() {
+            low_first_at = Some(step);
+        }
+        step += 1;
+    }
+    assert!(high_done_at.unwrap() < low_first_at.unwrap());
+
+    // Preemption: KV for about one row; the older but lower-priority row is the victim.
+    let mut cfg = sched_config();
+    cfg.kv_total_blocks = 4;
+    let mut s = Scheduler::new(
+        cfg,
+        FakeModel::new(fake_config()),
+        Arc::new(FakeDetokenizer),
+    )
+    .unwrap();
+    let mut low = Request::new("t", vec![7; 16], 40);
+    low.ignore_eos = true;
+    let mut high = low.clone();
+    high.priority = 5;
+    let mut ls = s.submit(low, t0).unwrap();
+    let mut hs = s.submit(high, t0).unwrap();
+    let (mut le, mut he) = (Vec::new(), Vec::new());
+    let mut step = 0;
+    while s.has_work() {
+        s.step(t0 + DT * step);
+        drain(&mut ls, &mut le);
+        drain(&mut hs, &mut he);
+        step += 1;
+    }
+    let (lf, hf) = (finished_of(&le), finished_of(&he));
+    assert_eq!(hf.usage.preemptions, 0);
+    assert!(lf.usage.preemptions >= 1);
+    assert_eq!(
+        (lf.usage.generated_tokens, hf.usage.generated_tokens),
+        (40, 40)
+    );
+    assert_eq!(s.stats().kv_blocks_free, 4);
 }
