@@ -54,10 +54,12 @@ pub struct BlockBudget {
     block_size: usize,
     total: usize,
     used: usize,
-    rows: IdMap<RowId, usize>,
-    /// Tokens each row held before its first reservation in the open transaction. Kept
-    /// allocated across steps (cleared, not dropped) so a step does not rehash it.
-    journal: IdMap<RowId, usize>,
+    /// Tokens held per row, and the transaction that last journaled the row (so each
+    /// reservation costs one map lookup).
+    rows: IdMap<RowId, (usize, u64)>,
+    /// Tokens each row held before its first reservation in the open transaction.
+    journal: Vec<(RowId, usize)>,
+    txn: u64,
     in_txn: bool,
 }
 
@@ -68,7 +70,8 @@ impl BlockBudget {
             total: total_blocks,
             used: 0,
             rows: IdMap::default(),
-            journal: IdMap::default(),
+            journal: Vec::new(),
+            txn: 0,
             in_txn: false,
         }
     }
@@ -93,34 +96,40 @@ impl KvBudget for BlockBudget {
         self.total - self.used
     }
     fn row_tokens(&self, row: RowId) -> usize {
-        self.rows.get(&row).copied().unwrap_or(0)
+        self.rows.get(&row).map_or(0, |r| r.0)
     }
     fn reserve(&mut self, row: RowId, tokens: usize) -> Result<(), KvError> {
-        let old = self.row_tokens(row);
+        let free = self.total - self.used;
+        let bs = self.block_size;
+        let entry = self.rows.entry(row).or_insert((0, 0));
+        let old = entry.0;
         if tokens <= old {
             return Ok(());
         }
-        let needed = self.blocks(tokens) - self.blocks(old);
-        let free = self.free_blocks();
+        let needed = tokens.div_ceil(bs) - old.div_ceil(bs);
         if needed > free {
+            if old == 0 {
+                self.rows.remove(&row);
+            }
             return Err(KvError::Exhausted { needed, free });
         }
-        if self.in_txn {
-            self.journal.entry(row).or_insert(old);
+        if self.in_txn && entry.1 != self.txn {
+            entry.1 = self.txn;
+            self.journal.push((row, old));
         }
+        entry.0 = tokens;
         self.used += needed;
-        self.rows.insert(row, tokens);
         Ok(())
     }
     fn release(&mut self, row: RowId) {
-        if let Some(t) = self.rows.remove(&row) {
+        if let Some((t, _)) = self.rows.remove(&row) {
             self.used -= self.blocks(t);
         }
     }
     fn fingerprint(&self) -> u64 {
         // Order-independent, so HashMap iteration order does not matter.
         let mut acc = self.used as u64;
-        for (r, t) in &self.rows {
+        for (r, (t, _)) in &self.rows {
             acc = acc.wrapping_add(crate::util::mix64(
                 r.wrapping_mul(0x9e37_79b9) ^ (*t as u64),
             ));
@@ -129,6 +138,7 @@ impl KvBudget for BlockBudget {
     }
     fn begin(&mut self) {
         self.journal.clear();
+        self.txn += 1;
         self.in_txn = true;
     }
     fn commit(&mut self) {
@@ -140,19 +150,17 @@ impl KvBudget for BlockBudget {
             return;
         }
         self.in_txn = false;
-        let mut j = std::mem::take(&mut self.journal);
-        for (row, old) in j.drain() {
-            if let Some(t) = self.rows.get(&row).copied() {
+        for (row, old) in std::mem::take(&mut self.journal).into_iter().rev() {
+            if let Some((t, _)) = self.rows.get(&row).copied() {
                 self.used -= self.blocks(t);
             }
             if old == 0 {
                 self.rows.remove(&row);
             } else {
                 self.used += self.blocks(old);
-                self.rows.insert(row, old);
+                self.rows.insert(row, (old, 0));
             }
         }
-        self.journal = j;
     }
 }
 

@@ -842,18 +842,29 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             return Err("injected fault after forward".into());
         }
 
-        let fault_row = wanted.len() / 2;
-        let mut sampled: Vec<Option<Sampled>> = Vec::with_capacity(rows.len());
+        // Sampling and commit bookkeeping in one pass over the rows (one request lookup
+        // each); the two fault points still fire in their own phase of a row's work.
+        let sample_fault_at = wanted.len() / 2;
+        let book_fault_at = rows.len() / 2;
+        let mut commits: Vec<RowCommit> = Vec::with_capacity(rows.len());
         let mut li = 0;
-        for p in rows {
+        for (i, p) in rows.iter().enumerate() {
             if !p.want_logits {
-                sampled.push(None);
+                if i == book_fault_at && self.faults.hit(FaultPoint::CommitBookkeeping) {
+                    return Err("injected fault during commit bookkeeping".into());
+                }
+                commits.push(RowCommit {
+                    sampled: None,
+                    finish: None,
+                });
                 continue;
             }
-            if li == fault_row && self.faults.hit(FaultPoint::Sampling) {
+            if li == sample_fault_at && self.faults.hit(FaultPoint::Sampling) {
                 return Err("injected fault during sampling".into());
             }
-            let r = &self.reqs[&p.key];
+            let Some(r) = self.reqs.get_mut(&p.key) else {
+                return Err(format!("request {} vanished during the step", p.key.0));
+            };
             let lg = logits.row(li).ok_or("logits shorter than the batch")?;
             li += 1;
             let ctx = SampleCtx {
@@ -865,25 +876,10 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             };
             let s = sample(lg, &ctx, &mut self.scratch)
                 .map_err(|e| format!("sampling request {}: {e}", p.key.0))?;
-            sampled.push(Some(s));
-        }
 
-        let fault_at = rows.len() / 2;
-        let mut commits: Vec<RowCommit> = Vec::with_capacity(rows.len());
-        for (i, (p, s)) in rows.iter().zip(sampled).enumerate() {
-            if i == fault_at && self.faults.hit(FaultPoint::CommitBookkeeping) {
+            if i == book_fault_at && self.faults.hit(FaultPoint::CommitBookkeeping) {
                 return Err("injected fault during commit bookkeeping".into());
             }
-            let Some(s) = s else {
-                commits.push(RowCommit {
-                    sampled: None,
-                    finish: None,
-                });
-                continue;
-            };
-            let Some(r) = self.reqs.get_mut(&p.key) else {
-                return Err(format!("request {} vanished during the step", p.key.0));
-            };
             let t = s.token;
             let detok = self.detok.as_ref();
             let stops = &r.r.stop_strings;
