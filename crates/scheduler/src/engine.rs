@@ -19,7 +19,7 @@ use crate::admission::Admission;
 use crate::config::SchedulerConfig;
 use crate::kv::{BlockBudget, KvBudget};
 use crate::model::{Detokenizer, Model, ModelInfo};
-use crate::request::{Event, EventStream, Request, RequestKey, SubmitError};
+use crate::request::{EventStream, Msg, Request, RequestKey, SubmitError};
 use crate::scheduler::{Scheduler, Stats};
 
 /// How long an idle engine sleeps between checks for new work (deadlines, shutdown).
@@ -43,7 +43,7 @@ enum Command {
     Submit {
         key: RequestKey,
         req: Box<Request>,
-        tx: mpsc::UnboundedSender<Event>,
+        tx: mpsc::UnboundedSender<Msg>,
         arrival: Instant,
     },
     Cancel {
@@ -57,6 +57,7 @@ struct Shared {
     admission: Arc<Admission>,
     stats: Mutex<Stats>,
     info: ModelInfo,
+    detok: Arc<dyn Detokenizer>,
 }
 
 /// Cheap to clone; every clone talks to the same engine thread.
@@ -73,6 +74,7 @@ impl EngineHandle {
         let now = Instant::now();
         let key = self.shared.admission.admit(&req, now)?;
         let (tx, rx) = mpsc::unbounded_channel();
+        let local = crate::scheduler::stream_detok(&req, &self.shared.detok);
         if let Err(std_mpsc::SendError(cmd)) = self.tx.send(Command::Submit {
             key,
             req: Box::new(req),
@@ -84,7 +86,7 @@ impl EngineHandle {
             }
             return Err(SubmitError::ShuttingDown);
         }
-        Ok(EventStream::new(key, rx))
+        Ok(EventStream::new(key, rx, local))
     }
 
     /// Cancel by client request id. Returns false if no live request has that id.
@@ -184,6 +186,7 @@ impl Engine {
                     admission: sched.admission(),
                     stats: Mutex::new(sched.stats()),
                     info: sched.info().clone(),
+                    detok: sched.detokenizer(),
                 });
                 if ready_tx.send(Ok(shared.clone())).is_err() {
                     return;

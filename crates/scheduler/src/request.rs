@@ -1,10 +1,14 @@
 //! What callers send in and what they get back.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
+
+use crate::detok::TextState;
+use crate::model::Detokenizer;
 
 /// Sampling knobs of one request. Defaults are greedy with no penalties.
 #[derive(Debug, Clone, PartialEq)]
@@ -203,24 +207,71 @@ pub enum SubmitError {
     ShuttingDown,
 }
 
+/// What the engine sends down a request's channel; [`EventStream`] turns it into
+/// [`Event`]s.
+#[derive(Debug)]
+pub(crate) enum Msg {
+    Token {
+        id: u32,
+        /// Text decided by the engine (requests with stop strings, which the engine must
+        /// detokenize to match); None: the stream detokenizes.
+        text: Option<String>,
+        /// False for EOS and stop token ids, which are reported but add no text.
+        textual: bool,
+        /// The request's last token: flush held-back text.
+        last: bool,
+        logprob: Option<TokenLogprob>,
+    },
+    Finished(Finished),
+}
+
+struct LocalText {
+    detok: Arc<dyn Detokenizer>,
+    state: TextState,
+}
+
 /// The event stream of one request. Dropping it cancels the request within one step.
+///
+/// For requests without stop strings the engine sends bare token ids and the stream
+/// detokenizes them (incrementally, UTF-8 safe) on the receiving side: that keeps
+/// tokenizer work — microseconds per token with real tokenizers — off the engine thread
+/// and spreads it over the front end's threads.
 ///
 /// If the engine goes away without a final event (a panic on the engine thread), the
 /// stream ends with a synthesized `Finished { reason: Error }` so callers never hang or
 /// mistake a crash for a clean end.
-#[derive(Debug)]
 pub struct EventStream {
     key: RequestKey,
-    rx: mpsc::UnboundedReceiver<Event>,
+    rx: mpsc::UnboundedReceiver<Msg>,
     done: bool,
+    text: Option<LocalText>,
+}
+
+impl std::fmt::Debug for EventStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventStream")
+            .field("key", &self.key)
+            .field("done", &self.done)
+            .finish()
+    }
 }
 
 impl EventStream {
-    pub(crate) fn new(key: RequestKey, rx: mpsc::UnboundedReceiver<Event>) -> Self {
+    /// `detok`: Some when the stream detokenizes (the request has no stop strings).
+    pub(crate) fn new(
+        key: RequestKey,
+        rx: mpsc::UnboundedReceiver<Msg>,
+        detok: Option<Arc<dyn Detokenizer>>,
+    ) -> Self {
+        let text = detok.map(|detok| LocalText {
+            detok,
+            state: TextState::default(),
+        });
         Self {
             key,
             rx,
             done: false,
+            text,
         }
     }
 
@@ -228,16 +279,53 @@ impl EventStream {
         self.key
     }
 
-    fn observe(&mut self, ev: Option<Event>) -> Option<Event> {
+    fn observe(&mut self, msg: Option<Msg>) -> Option<Event> {
         if self.done {
             return None;
         }
-        match ev {
-            Some(ev) => {
-                if matches!(ev, Event::Finished(_)) {
-                    self.done = true;
-                }
-                Some(ev)
+        match msg {
+            Some(Msg::Token {
+                id,
+                text,
+                textual,
+                last,
+                logprob,
+            }) => {
+                let text = match (text, &mut self.text) {
+                    (Some(t), _) => t,
+                    (None, Some(local)) if textual || last => {
+                        let add = textual.then_some(id);
+                        match local.state.stage(add, last, local.detok.as_ref(), &[]) {
+                            Ok(mut u) => {
+                                let emit = std::mem::take(&mut u.emit);
+                                local.state.apply(u);
+                                emit
+                            }
+                            Err(e) => {
+                                // Closing the receiver makes the engine drop the request
+                                // at its next step.
+                                self.done = true;
+                                self.rx.close();
+                                return Some(Event::Finished(Finished {
+                                    reason: FinishReason::Error,
+                                    stop: None,
+                                    usage: Usage::default(),
+                                    error: Some(format!("detokenization failed: {e}")),
+                                }));
+                            }
+                        }
+                    }
+                    _ => String::new(),
+                };
+                Some(Event::Token(TokenDelta {
+                    ids: vec![id],
+                    text,
+                    logprobs: logprob.map(|l| vec![l]),
+                }))
+            }
+            Some(Msg::Finished(f)) => {
+                self.done = true;
+                Some(Event::Finished(f))
             }
             None => {
                 self.done = true;
@@ -255,8 +343,8 @@ impl EventStream {
         if self.done {
             return None;
         }
-        let ev = self.rx.recv().await;
-        self.observe(ev)
+        let msg = self.rx.recv().await;
+        self.observe(msg)
     }
 
     /// Non-blocking receive for synchronous callers (simulation tests). `None` means
@@ -266,7 +354,7 @@ impl EventStream {
             return None;
         }
         match self.rx.try_recv() {
-            Ok(ev) => self.observe(Some(ev)),
+            Ok(msg) => self.observe(Some(msg)),
             Err(mpsc::error::TryRecvError::Empty) => None,
             Err(mpsc::error::TryRecvError::Disconnected) => self.observe(None),
         }
@@ -277,8 +365,8 @@ impl EventStream {
         if self.done {
             return None;
         }
-        let ev = self.rx.blocking_recv();
-        self.observe(ev)
+        let msg = self.rx.blocking_recv();
+        self.observe(msg)
     }
 
     pub fn is_done(&self) -> bool {
@@ -294,7 +382,7 @@ impl futures_core::Stream for EventStream {
             return Poll::Ready(None);
         }
         match self.rx.poll_recv(cx) {
-            Poll::Ready(ev) => Poll::Ready(self.observe(ev)),
+            Poll::Ready(msg) => Poll::Ready(self.observe(msg)),
             Poll::Pending => Poll::Pending,
         }
     }

@@ -21,8 +21,7 @@ use crate::kv::{BlockBudget, KvBudget};
 use crate::metrics::{EngineMetrics, TenantMetrics};
 use crate::model::{Detokenizer, Model, ModelInfo, RowId, RowInput};
 use crate::request::{
-    Event, EventStream, FinishReason, Finished, Request, RequestKey, StopMatch, SubmitError,
-    TokenDelta, Usage,
+    EventStream, FinishReason, Finished, Msg, Request, RequestKey, StopMatch, SubmitError, Usage,
 };
 use crate::sampling::{sample, PenaltyState, SampleCtx, Sampled, Scratch};
 use crate::util::{mix64, IdMap};
@@ -88,7 +87,7 @@ struct Req {
     tenant: usize,
     seq: u64,
     r: Request,
-    tx: mpsc::UnboundedSender<Event>,
+    tx: mpsc::UnboundedSender<Msg>,
     row: Option<RowId>,
     generated: Vec<u32>,
     /// Tokens of prompt ++ generated that the model has committed for `row`.
@@ -143,8 +142,18 @@ struct Plan {
 
 /// Staged outcome of one row in one step, applied only after the model committed.
 struct RowCommit {
-    sampled: Option<(Sampled, TextUpdate)>,
+    /// The sampled token and, for requests the engine detokenizes, their text update.
+    sampled: Option<(Sampled, Option<TextUpdate>)>,
     finish: Option<(FinishReason, Option<StopMatch>)>,
+}
+
+/// The detokenizer a request's stream runs itself: requests without stop strings are
+/// detokenized on the receiving side.
+pub(crate) fn stream_detok(
+    req: &Request,
+    detok: &Arc<dyn Detokenizer>,
+) -> Option<Arc<dyn Detokenizer>> {
+    req.stop_strings.is_empty().then(|| detok.clone())
 }
 
 pub struct Scheduler<M: Model, K: KvBudget = BlockBudget> {
@@ -240,6 +249,10 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         })
     }
 
+    pub(crate) fn detokenizer(&self) -> Arc<dyn Detokenizer> {
+        self.detok.clone()
+    }
+
     pub(crate) fn admission(&self) -> Arc<Admission> {
         self.admission.clone()
     }
@@ -270,8 +283,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     pub fn submit(&mut self, req: Request, now: Instant) -> Result<EventStream, SubmitError> {
         let key = self.admission.admit(&req, now)?;
         let (tx, rx) = mpsc::unbounded_channel();
+        let local = stream_detok(&req, &self.detok);
         self.enqueue(key, req, tx, now);
-        Ok(EventStream::new(key, rx))
+        Ok(EventStream::new(key, rx, local))
     }
 
     /// Queue a request that already passed admission.
@@ -279,7 +293,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         &mut self,
         key: RequestKey,
         r: Request,
-        tx: mpsc::UnboundedSender<Event>,
+        tx: mpsc::UnboundedSender<Msg>,
         arrival: Instant,
     ) {
         let tenant = self.tenant_index(&r.tenant, r.tenant_weight);
@@ -883,31 +897,38 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             let t = s.token;
             let detok = self.detok.as_ref();
             let stops = &r.r.stop_strings;
+            // Text is the engine's business only where stop strings must be matched;
+            // otherwise the request's stream detokenizes on the front end's side.
+            let engine_text = !stops.is_empty();
+            let last = r.generated.len() + 1 >= r.r.max_tokens;
             let (update, finish) = if !r.r.ignore_eos && self.info.eos_token_ids.contains(&t) {
-                (
-                    r.text.stage(None, true, detok, stops)?,
-                    Some((FinishReason::Eos, None)),
-                )
+                let u = if engine_text {
+                    Some(r.text.stage(None, true, detok, stops)?)
+                } else {
+                    None
+                };
+                (u, Some((FinishReason::Eos, None)))
             } else if r.r.stop_token_ids.contains(&t) {
-                (
-                    r.text.stage(None, true, detok, stops)?,
-                    Some((FinishReason::Stop, Some(StopMatch::TokenId(t)))),
-                )
-            } else {
-                let last = r.generated.len() + 1 >= r.r.max_tokens;
+                let u = if engine_text {
+                    Some(r.text.stage(None, true, detok, stops)?)
+                } else {
+                    None
+                };
+                (u, Some((FinishReason::Stop, Some(StopMatch::TokenId(t)))))
+            } else if engine_text {
                 let u = r.text.stage(Some(t), last, detok, stops)?;
                 let f = match &u.stop {
                     Some(s) => Some((FinishReason::Stop, Some(StopMatch::String(s.clone())))),
                     None if last => Some((FinishReason::Length, None)),
                     None => None,
                 };
-                (u, f)
+                (Some(u), f)
+            } else {
+                (None, last.then_some((FinishReason::Length, None)))
             };
             // A stop token or EOS also ends a request at max_tokens; Length only if nothing
             // else matched.
-            let finish = finish.or_else(|| {
-                (r.generated.len() + 1 >= r.r.max_tokens).then_some((FinishReason::Length, None))
-            });
+            let finish = finish.or_else(|| last.then_some((FinishReason::Length, None)));
             commits.push(RowCommit {
                 sampled: Some((s, update)),
                 finish,
@@ -933,7 +954,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 continue;
             };
             r.computed += p.n;
-            let Some((s, mut update)) = c.sampled else {
+            let Some((s, update)) = c.sampled else {
                 continue;
             };
             rep.sampled += 1;
@@ -941,8 +962,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             if let Some(pen) = &mut r.penalties {
                 pen.push(s.token);
             }
-            let text = std::mem::take(&mut update.emit);
-            r.text.apply(update);
+            let text = update.map(|mut u| {
+                let emit = std::mem::take(&mut u.emit);
+                r.text.apply(u);
+                emit
+            });
             let tenant = &mut self.tenants[r.tenant];
             tenant.counter += w_out / tenant.weight;
             self.labels[tenant.label].1.generation_tokens.increment(1);
@@ -959,13 +983,19 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                     .record(now.saturating_duration_since(prev).as_secs_f64()),
             }
             r.last_token_at = Some(now);
-            let logprobs = s.logprob.map(|l| vec![l]);
+            let textual = !matches!(
+                c.finish,
+                Some((FinishReason::Eos, _))
+                    | Some((FinishReason::Stop, Some(StopMatch::TokenId(_))))
+            );
             // A closed receiver is noticed by the next reap; nothing to do here.
-            let _ = r.tx.send(Event::Token(TokenDelta {
-                ids: vec![s.token],
+            let _ = r.tx.send(Msg::Token {
+                id: s.token,
                 text,
-                logprobs,
-            }));
+                textual,
+                last: c.finish.is_some(),
+                logprob: s.logprob,
+            });
             if let Some((reason, stop)) = c.finish {
                 done.push((p.key, reason, stop));
             }
@@ -1025,7 +1055,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         self.metrics
             .e2e
             .record(now.saturating_duration_since(r.arrival).as_secs_f64());
-        let _ = r.tx.send(Event::Finished(Finished {
+        let _ = r.tx.send(Msg::Finished(Finished {
             reason,
             stop,
             usage,
