@@ -1,12 +1,14 @@
-//! Accounting half of Weft's paged KV cache.
+//! Weft's paged KV cache: the accounting and, behind feature `mlx` (on by
+//! default), the MLX storage.
 //!
-//! This crate decides *which* storage rows hold what; it never touches the
-//! storage itself. The MLX half owns per-layer tensors shaped
-//! `[num_blocks, block_size, kv_heads, head_dim]` (and state-slot tensors for
+//! The accounting decides *which* storage rows hold what and never touches
+//! the storage itself. The MLX half ([`storage`]) owns per-layer tensors shaped
+//! `[num_blocks, kv_heads, block_size, head_dim]` (and state-slot tensors for
 //! SSM layers), indexes them with the [`BlockId`]s and [`SlotId`]s handed out
-//! here, and performs the [`StorageOp`]s this crate queues. Keeping the
-//! bookkeeping pure Rust makes it testable without an accelerator: the
-//! property tests drive thousands of random schedules against a shadow storage.
+//! here, and performs the [`StorageOp`]s the accounting queues. Keeping the
+//! bookkeeping pure Rust makes it testable without an accelerator (build with
+//! `--no-default-features`): the property tests drive thousands of random
+//! schedules against a shadow storage.
 //!
 //! Pieces:
 //!
@@ -17,6 +19,8 @@
 //!   copy-on-write forks, prefix reuse keyed by a tenant [`Salt`], SSM state
 //!   slots ([`SlotPool`], [`SlotBatch`]) and step transactions with exact
 //!   rollback ([`KvPool::snapshot`]).
+//! * [`storage`] — pool tensors, batched per-row writes and padded reads with
+//!   masks, quantized K/V, SSM state rows with staged replacement.
 
 #![warn(missing_docs)]
 
@@ -26,6 +30,8 @@ mod hash;
 mod layout;
 mod pool;
 mod slots;
+#[cfg(feature = "mlx")]
+pub mod storage;
 
 pub use block_pool::{BlockId, BlockPool, BlockPoolSnapshot, BlockStats, CachedBlock};
 pub use error::KvError;
