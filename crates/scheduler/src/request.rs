@@ -208,7 +208,8 @@ pub enum SubmitError {
 }
 
 /// What the engine sends down a request's channel; [`EventStream`] turns it into
-/// [`Event`]s.
+/// [`Event`]s. Kept small (rare parts boxed): every generated token of every row is one
+/// message, and at large batches the channel slots' cache traffic shows in step time.
 #[derive(Debug)]
 pub(crate) enum Msg {
     Token {
@@ -220,9 +221,9 @@ pub(crate) enum Msg {
         textual: bool,
         /// The request's last token: flush held-back text.
         last: bool,
-        logprob: Option<TokenLogprob>,
+        logprob: Option<Box<TokenLogprob>>,
     },
-    Finished(Finished),
+    Finished(Box<Finished>),
 }
 
 struct LocalText {
@@ -320,12 +321,12 @@ impl EventStream {
                 Some(Event::Token(TokenDelta {
                     ids: vec![id],
                     text,
-                    logprobs: logprob.map(|l| vec![l]),
+                    logprobs: logprob.map(|l| vec![*l]),
                 }))
             }
             Some(Msg::Finished(f)) => {
                 self.done = true;
-                Some(Event::Finished(f))
+                Some(Event::Finished(*f))
             }
             None => {
                 self.done = true;

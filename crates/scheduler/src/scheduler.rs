@@ -994,7 +994,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 text,
                 textual,
                 last: c.finish.is_some(),
-                logprob: s.logprob,
+                logprob: s.logprob.map(Box::new),
             });
             if let Some((reason, stop)) = c.finish {
                 done.push((p.key, reason, stop));
@@ -1055,12 +1055,12 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         self.metrics
             .e2e
             .record(now.saturating_duration_since(r.arrival).as_secs_f64());
-        let _ = r.tx.send(Msg::Finished(Finished {
+        let _ = r.tx.send(Msg::Finished(Box::new(Finished {
             reason,
             stop,
             usage,
             error,
-        }));
+        })));
     }
 
     fn publish(&mut self) {
