@@ -126,9 +126,99 @@ impl Req {
     }
 }
 
+/// Live requests: a slab, so the per-row hot path (plan, forward inputs, sampling, apply)
+/// reaches a request by slot index instead of hashing its key; the key index serves the
+/// rest (cancel, reap, finish).
+#[derive(Default)]
+struct Slab {
+    slots: Vec<Option<Req>>,
+    free: Vec<u32>,
+    index: IdMap<RequestKey, u32>,
+}
+
+impl Slab {
+    fn insert(&mut self, key: RequestKey, r: Req) -> u32 {
+        let slot = match self.free.pop() {
+            Some(i) => {
+                self.slots[i as usize] = Some(r);
+                i
+            }
+            None => {
+                self.slots.push(Some(r));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.index.insert(key, slot);
+        slot
+    }
+
+    fn remove(&mut self, key: &RequestKey) -> Option<Req> {
+        let slot = self.index.remove(key)?;
+        let r = self.slots.get_mut(slot as usize)?.take();
+        self.free.push(slot);
+        r
+    }
+
+    fn slot(&self, key: &RequestKey) -> Option<u32> {
+        self.index.get(key).copied()
+    }
+
+    fn get(&self, key: &RequestKey) -> Option<&Req> {
+        self.at(self.slot(key)?)
+    }
+
+    fn get_mut(&mut self, key: &RequestKey) -> Option<&mut Req> {
+        let slot = self.slot(key)?;
+        self.at_mut(slot)
+    }
+
+    fn at(&self, slot: u32) -> Option<&Req> {
+        self.slots.get(slot as usize)?.as_ref()
+    }
+
+    fn at_mut(&mut self, slot: u32) -> Option<&mut Req> {
+        self.slots.get_mut(slot as usize)?.as_mut()
+    }
+
+    fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &RequestKey> {
+        self.index.keys()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Req> {
+        self.slots.iter().flatten()
+    }
+}
+
+impl std::ops::Index<&RequestKey> for Slab {
+    type Output = Req;
+    fn index(&self, key: &RequestKey) -> &Req {
+        // Callers index only keys they just took from the scheduler's own structures.
+        match self.get(key) {
+            Some(r) => r,
+            None => panic!("request {} is not live", key.0),
+        }
+    }
+}
+
+/// A running row: its request key and slab slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct RunSlot {
+    key: RequestKey,
+    slot: u32,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Planned {
     key: RequestKey,
+    slot: u32,
     row: RowId,
     start: usize,
     n: usize,
@@ -167,8 +257,8 @@ pub struct Scheduler<M: Model, K: KvBudget = BlockBudget> {
     tenants: Vec<Tenant>,
     tenant_ix: HashMap<String, usize>,
     labels: Vec<(String, TenantMetrics)>,
-    reqs: IdMap<RequestKey, Req>,
-    running: Vec<RequestKey>,
+    reqs: Slab,
+    running: Vec<RunSlot>,
     by_client_id: HashMap<(usize, String), RequestKey>,
     next_row: RowId,
     next_seq: u64,
@@ -236,7 +326,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             tenants: Vec::new(),
             tenant_ix: HashMap::new(),
             labels,
-            reqs: IdMap::default(),
+            reqs: Slab::default(),
             running: Vec::new(),
             by_client_id: HashMap::new(),
             next_row: 1,
@@ -457,15 +547,27 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
 
     /// Preemption order, best kept first: higher priority, then the tenant least ahead
     /// in fair share, then older.
-    fn keep_key(&self, k: RequestKey) -> (Reverse<i32>, u64, u64) {
-        let r = &self.reqs[&k];
-        let c = self.tenants[r.tenant].counter;
-        // Counters are >= 0, so the IEEE bit pattern orders like the value.
-        (Reverse(r.r.priority), c.max(0.0).to_bits(), r.seq)
+    fn keep_key(&self, slot: u32) -> (Reverse<i32>, u64, u64) {
+        match self.reqs.at(slot) {
+            Some(r) => {
+                let c = self.tenants[r.tenant].counter;
+                // Counters are >= 0, so the IEEE bit pattern orders like the value.
+                (Reverse(r.r.priority), c.max(0.0).to_bits(), r.seq)
+            }
+            None => (Reverse(i32::MIN), u64::MAX, u64::MAX),
+        }
     }
 
     fn held_blocks(&self, row: RowId) -> usize {
         self.kv.row_tokens(row).div_ceil(self.kv.block_size())
+    }
+
+    /// (row, committed length, tokens left to feed) of a running request.
+    fn progress(&self, slot: u32) -> (RowId, usize, usize) {
+        match self.reqs.at(slot) {
+            Some(r) => (r.row.unwrap_or(0), r.computed, r.seq_len() - r.computed),
+            None => (0, 0, 0),
+        }
     }
 
     fn plan(&mut self, now: Instant) -> Plan {
@@ -481,37 +583,33 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 self.probation.pop_front();
                 continue;
             }
-            let mut order: Vec<RequestKey> = self
+            let mut order: Vec<RunSlot> = self
                 .running
                 .iter()
                 .copied()
-                .filter(|k| group.as_ref().is_none_or(|g| g.contains(k)))
+                .filter(|x| group.as_ref().is_none_or(|g| g.contains(&x.key)))
                 .collect();
-            let remaining = |s: &Self, k: RequestKey| {
-                let r = &s.reqs[&k];
-                r.seq_len() - r.computed
-            };
             let mut free = self.kv.free_blocks();
             // One pass over the batch: decoding rows are planned right away; whether
             // memory suffices for all of them decides between the fast path and the
             // preempting one.
             let mut rows: Vec<Planned> = Vec::with_capacity(order.len());
-            let mut prefills: Vec<RequestKey> = Vec::new();
+            let mut prefills: Vec<RunSlot> = Vec::new();
             let mut decode_need = 0;
-            for &k in &order {
-                let r = &self.reqs[&k];
-                if r.seq_len() - r.computed == 1 {
-                    let row = r.row.unwrap_or(0);
-                    decode_need += self.kv.blocks_needed(row, r.computed + 1);
+            for &x in &order {
+                let (row, start, rem) = self.progress(x.slot);
+                if rem == 1 {
+                    decode_need += self.kv.blocks_needed(row, start + 1);
                     rows.push(Planned {
-                        key: k,
+                        key: x.key,
+                        slot: x.slot,
                         row,
-                        start: r.computed,
+                        start,
                         n: 1,
                         want_logits: true,
                     });
-                } else {
-                    prefills.push(k);
+                } else if rem > 1 {
+                    prefills.push(x);
                 }
             }
             let decodes = rows.len();
@@ -520,12 +618,14 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 // only prefill rows compete (for the token budget), in keep order. This
                 // skips sorting the whole batch in the common case.
                 free -= decode_need;
-                prefills.sort_by_cached_key(|&k| self.keep_key(k));
+                prefills.sort_by_cached_key(|x| self.keep_key(x.slot));
                 let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
                 self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
                 if rows.is_empty() && !prefills.is_empty() {
-                    if let Some(&last) = prefills.last() {
-                        self.preempt(last);
+                    // Every running row is stalled on memory: free the least-kept one so
+                    // the others can move, then plan again.
+                    if let Some(last) = prefills.last() {
+                        self.preempt(last.key);
                     }
                     continue;
                 }
@@ -537,47 +637,45 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                     probation: group.is_some(),
                 };
             }
+
+            // Memory is short: go through the batch in keep order; decoding rows may
+            // preempt the least-kept rows.
             rows.clear();
-            order.sort_by_cached_key(|&k| self.keep_key(k));
+            order.sort_by_cached_key(|x| self.keep_key(x.slot));
             let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
             let mut end = order.len();
-
-            // Decoding rows first; they may preempt the least-kept rows for memory.
             let mut i = 0;
             while i < end {
-                let k = order[i];
-                if remaining(self, k) != 1 {
+                let x = order[i];
+                let (row, start, rem) = self.progress(x.slot);
+                if rem != 1 {
                     i += 1;
                     continue;
                 }
-                let (row, start) = {
-                    let r = &self.reqs[&k];
-                    (r.row.unwrap_or(0), r.computed)
-                };
                 let need = self.kv.blocks_needed(row, start + 1);
                 let mut preempted_self = false;
                 while need > free {
                     end -= 1;
                     let v = order[end];
-                    if v == k {
-                        self.preempt(v);
+                    if v == x {
+                        self.preempt(v.key);
                         preempted_self = true;
                         break;
                     }
-                    if remaining(self, v) == 1 {
+                    let (vrow, _, vrem) = self.progress(v.slot);
+                    if vrem == 1 {
                         budget += 1;
                     }
-                    if let Some(vrow) = self.reqs[&v].row {
-                        free += self.held_blocks(vrow);
-                    }
-                    self.preempt(v);
+                    free += self.held_blocks(vrow);
+                    self.preempt(v.key);
                 }
                 if preempted_self {
                     break;
                 }
                 free -= need;
                 rows.push(Planned {
-                    key: k,
+                    key: x.key,
+                    slot: x.slot,
                     row,
                     start,
                     n: 1,
@@ -587,17 +685,15 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             }
 
             // Then prefill chunks of running rows, shrunk to what memory allows.
-            let pre: Vec<RequestKey> = order[..end]
+            let pre: Vec<RunSlot> = order[..end]
                 .iter()
                 .copied()
-                .filter(|&k| remaining(self, k) != 1)
+                .filter(|x| self.progress(x.slot).2 > 1)
                 .collect();
             self.plan_prefills(&pre, &mut rows, &mut budget, &mut free);
 
             if rows.is_empty() && end > 0 {
-                // Every running row is stalled on memory: free the least-kept one so the
-                // others can move, then plan again.
-                self.preempt(order[end - 1]);
+                self.preempt(order[end - 1].key);
                 continue;
             }
 
@@ -611,39 +707,38 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         }
     }
 
-    /// Prefill chunks for `keys` (running rows, in keep order), each shrunk to the token
-    /// budget and to the memory left; rows that get nothing wait for a later step.
+    /// Prefill chunks for running rows (in keep order), each shrunk to the token budget
+    /// and to the memory left; rows that get nothing wait for a later step.
     fn plan_prefills(
         &self,
-        keys: &[RequestKey],
+        xs: &[RunSlot],
         rows: &mut Vec<Planned>,
         budget: &mut usize,
         free: &mut usize,
     ) {
         let bs = self.kv.block_size();
-        for &k in keys {
+        for &x in xs {
             if *budget == 0 {
                 break;
             }
-            let r = &self.reqs[&k];
-            let rem = r.seq_len() - r.computed;
-            let row = r.row.unwrap_or(0);
+            let (row, start, rem) = self.progress(x.slot);
             let cap = (self.held_blocks(row) + *free) * bs;
             let n = self
                 .cfg
                 .prefill_chunk
                 .min(rem)
                 .min(*budget)
-                .min(cap.saturating_sub(r.computed));
+                .min(cap.saturating_sub(start));
             if n == 0 {
                 continue;
             }
-            *free -= self.kv.blocks_needed(row, r.computed + n);
+            *free -= self.kv.blocks_needed(row, start + n);
             *budget -= n;
             rows.push(Planned {
-                key: k,
+                key: x.key,
+                slot: x.slot,
                 row,
-                start: r.computed,
+                start,
                 n,
                 want_logits: n == rem,
             });
@@ -684,11 +779,14 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 // Head-of-line: admitting someone further back would break fair order.
                 break;
             }
-            let row = self.start(k, now);
+            let Some((row, slot)) = self.start(k, now) else {
+                break;
+            };
             *free -= need;
             *budget -= n;
             rows.push(Planned {
                 key: k,
+                slot,
                 row,
                 start: 0,
                 n,
@@ -697,15 +795,17 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         }
     }
 
-    /// Move a waiting request into the running batch with a fresh row.
-    fn start(&mut self, k: RequestKey, now: Instant) -> RowId {
+    /// Move a waiting request into the running batch with a fresh row. Returns the row
+    /// and the request's slab slot.
+    fn start(&mut self, k: RequestKey, now: Instant) -> Option<(RowId, u32)> {
+        let req_slot = self.reqs.slot(&k)?;
         let row = self.next_row;
         self.next_row += 1;
-        let (t, slot, prompt_len, first) = {
-            let r = &self.reqs[&k];
+        let (t, qslot, prompt_len, first) = {
+            let r = self.reqs.at(req_slot)?;
             (r.tenant, r.queue_slot(), r.r.prompt.len(), !r.charged)
         };
-        self.remove_waiting(t, slot);
+        self.remove_waiting(t, qslot);
         let w_in = self.cfg.vtc.input;
         let tenant = &mut self.tenants[t];
         tenant.running += 1;
@@ -717,8 +817,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 .increment(prompt_len as u64);
         }
         self.admission.started(&tenant.name);
-        self.running.push(k);
-        if let Some(r) = self.reqs.get_mut(&k) {
+        self.running.push(RunSlot {
+            key: k,
+            slot: req_slot,
+        });
+        if let Some(r) = self.reqs.at_mut(req_slot) {
             r.row = Some(row);
             r.computed = 0;
             if first {
@@ -729,7 +832,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                     .record(now.saturating_duration_since(r.arrival).as_secs_f64());
             }
         }
-        row
+        Some((row, req_slot))
     }
 
     /// Recompute-style preemption: drop the row's state; the request waits again with
@@ -750,7 +853,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         );
         self.model.release_row(row);
         self.kv.release(row);
-        self.running.retain(|&x| x != k);
+        self.running.retain(|x| x.key != k);
         self.tenants[t].running -= 1;
         self.admission.preempted(&self.tenants[t].name);
         self.stats.preemptions += 1;
@@ -828,7 +931,10 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             .iter()
             .map(|p| RowInput {
                 row: p.row,
-                tokens: self.reqs[&p.key].tokens(p.start, p.n),
+                tokens: self
+                    .reqs
+                    .at(p.slot)
+                    .map_or_else(Vec::new, |r| r.tokens(p.start, p.n)),
                 start_pos: p.start,
                 want_logits: p.want_logits,
             })
@@ -876,7 +982,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             if li == sample_fault_at && self.faults.hit(FaultPoint::Sampling) {
                 return Err("injected fault during sampling".into());
             }
-            let Some(r) = self.reqs.get_mut(&p.key) else {
+            let Some(r) = self.reqs.at_mut(p.slot) else {
                 return Err(format!("request {} vanished during the step", p.key.0));
             };
             let lg = logits.row(li).ok_or("logits shorter than the batch")?;
@@ -950,7 +1056,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         let mut done: Vec<(RequestKey, FinishReason, Option<StopMatch>)> = Vec::new();
         for (p, c) in rows.iter().zip(commits) {
             rep.tokens += p.n;
-            let Some(r) = self.reqs.get_mut(&p.key) else {
+            let Some(r) = self.reqs.at_mut(p.slot) else {
                 continue;
             };
             r.computed += p.n;
@@ -1023,7 +1129,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             Some(row) => {
                 self.model.release_row(row);
                 self.kv.release(row);
-                self.running.retain(|&x| x != k);
+                self.running.retain(|x| x.key != k);
                 self.tenants[t].running -= 1;
                 false
             }
