@@ -33,10 +33,9 @@ impl<'a> RowStep<'a> {
         tokens: usize,
     ) -> Result<Self, StorageError> {
         let info = pool.sequence(seq)?;
-        let start = info
-            .len
-            .checked_sub(tokens)
-            .ok_or(StorageError::BadRow("more new tokens than the sequence holds"))?;
+        let start = info.len.checked_sub(tokens).ok_or(StorageError::BadRow(
+            "more new tokens than the sequence holds",
+        ))?;
         Ok(Self {
             table: pool.table(seq, group)?,
             start,
@@ -204,13 +203,7 @@ impl StepLayout {
             }
         }
 
-        let (bi, ti, li, ni, nbi) = (
-            to_i32(b)?,
-            to_i32(t)?,
-            to_i32(l)?,
-            to_i32(n)?,
-            to_i32(nb)?,
-        );
+        let (bi, ti, li, ni, nbi) = (to_i32(b)?, to_i32(t)?, to_i32(l)?, to_i32(n)?, to_i32(nb)?);
         Ok(Self {
             kind,
             block_size: bs,
