@@ -64,12 +64,40 @@ def make_fixture(arch, out, quantize):
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
-def run(model_dir, requests):
+def dequantize_modules(model):
+    """Replace quantized layers by dense float32 ones holding the same values
+    (what Weft's CPU policy does at load)."""
+    swaps = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
+            if isinstance(m, nn.QuantizedEmbedding):
+                new = nn.Embedding(w.shape[0], w.shape[1])
+            else:
+                new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+                if "bias" in m:
+                    new.bias = m.bias
+            new.weight = w
+            swaps.append((path, new))
+    for path, new in swaps:
+        parts = path.split(".")
+        parent = model
+        for p in parts[:-1]:
+            parent = parent[int(p)] if p.isdigit() else getattr(parent, p)
+        if parts[-1].isdigit():
+            parent[int(parts[-1])] = new
+        else:
+            setattr(parent, parts[-1], new)
+
+
+def run(model_dir, requests, dequantize=False):
     from mlx_lm.utils import load_model
     from mlx_lm.generate import generate_step
 
     model_dir = Path(model_dir)
     model, _ = load_model(model_dir)
+    if dequantize:
+        dequantize_modules(model)
     model.set_dtype(mx.float32)
     req = json.loads(Path(requests).read_text())
     tok = None
@@ -87,12 +115,15 @@ def run(model_dir, requests):
             ids = p["ids"]
         logits = model(mx.array(ids)[None])[0, -1].astype(mx.float32)
         greedy = []
-        for token, _ in generate_step(mx.array(ids), model, max_tokens=req["max_tokens"],
-                                      sampler=lambda x: mx.argmax(x, axis=-1)):
+        margins = []
+        for token, lp in generate_step(mx.array(ids), model, max_tokens=req["max_tokens"],
+                                       sampler=lambda x: mx.argmax(x, axis=-1)):
             greedy.append(int(token))
+            t2 = mx.sort(lp.astype(mx.float32))[-2:].tolist()
+            margins.append(t2[1] - t2[0])
         top2 = mx.sort(logits)[-2:].tolist()
         results.append({"ids": ids, "logits": logits.tolist(), "greedy": greedy,
-                        "margin": top2[1] - top2[0]})
+                        "margin": top2[1] - top2[0], "margins": margins})
     json.dump({"results": results}, sys.stdout)
 
 
@@ -149,6 +180,7 @@ def main():
     r = sub.add_parser("run")
     r.add_argument("--model", required=True)
     r.add_argument("--requests", required=True)
+    r.add_argument("--dequantize", action="store_true")
     b = sub.add_parser("batch")
     b.add_argument("--model", required=True)
     b.add_argument("--requests", required=True)
@@ -156,7 +188,7 @@ def main():
     if a.cmd == "fixture":
         make_fixture(a.arch, a.out, a.quantize)
     elif a.cmd == "run":
-        run(a.model, a.requests)
+        run(a.model, a.requests, a.dequantize)
     else:
         batch(a.model, a.requests)
 
