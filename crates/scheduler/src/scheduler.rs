@@ -110,15 +110,22 @@ impl Req {
         self.r.prompt.len() + self.generated.len()
     }
 
+    /// `n` tokens of prompt ++ generated from `start` (clamped to what exists).
     fn tokens(&self, start: usize, n: usize) -> Vec<u32> {
-        self.r
-            .prompt
-            .iter()
-            .chain(self.generated.iter())
-            .skip(start)
-            .take(n)
-            .copied()
-            .collect()
+        let (p, g) = (&self.r.prompt, &self.generated);
+        let end = start + n;
+        let mut v = Vec::with_capacity(n);
+        if start < p.len() {
+            v.extend_from_slice(&p[start..end.min(p.len())]);
+        }
+        let (gs, ge) = (
+            start.saturating_sub(p.len()),
+            end.saturating_sub(p.len()).min(g.len()),
+        );
+        if gs < ge {
+            v.extend_from_slice(&g[gs..ge]);
+        }
+        v
     }
 
     fn queue_slot(&self) -> (Reverse<i32>, u64) {
@@ -233,7 +240,7 @@ struct Plan {
 /// Staged outcome of one row in one step, applied only after the model committed.
 struct RowCommit {
     /// The sampled token and, for requests the engine detokenizes, their text update.
-    sampled: Option<(Sampled, Option<TextUpdate>)>,
+    sampled: Option<(Sampled, Option<Box<TextUpdate>>)>,
     finish: Option<(FinishReason, Option<StopMatch>)>,
 }
 
@@ -1036,7 +1043,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             // else matched.
             let finish = finish.or_else(|| last.then_some((FinishReason::Length, None)));
             commits.push(RowCommit {
-                sampled: Some((s, update)),
+                sampled: Some((s, update.map(Box::new))),
                 finish,
             });
         }
@@ -1054,6 +1061,8 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         };
         let w_out = self.cfg.vtc.output;
         let mut done: Vec<(RequestKey, FinishReason, Option<StopMatch>)> = Vec::new();
+        // Generated tokens per metrics label, recorded once per step.
+        let mut per_label = vec![0u64; self.labels.len()];
         for (p, c) in rows.iter().zip(commits) {
             rep.tokens += p.n;
             let Some(r) = self.reqs.at_mut(p.slot) else {
@@ -1068,14 +1077,15 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             if let Some(pen) = &mut r.penalties {
                 pen.push(s.token);
             }
-            let text = update.map(|mut u| {
+            let text = update.map(|u| {
+                let mut u = *u;
                 let emit = std::mem::take(&mut u.emit);
                 r.text.apply(u);
                 emit
             });
             let tenant = &mut self.tenants[r.tenant];
             tenant.counter += w_out / tenant.weight;
-            self.labels[tenant.label].1.generation_tokens.increment(1);
+            per_label[tenant.label] += 1;
             match r.last_token_at {
                 None => {
                     r.first_token_at = Some(now);
@@ -1104,6 +1114,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             });
             if let Some((reason, stop)) = c.finish {
                 done.push((p.key, reason, stop));
+            }
+        }
+        for ((_, m), n) in self.labels.iter().zip(per_label) {
+            if n > 0 {
+                m.generation_tokens.increment(n);
             }
         }
         for (k, reason, stop) in done {
