@@ -18,6 +18,7 @@ enum Command {
 }
 
 fn main() {
+    weft_grpc::blas::maybe_reexec_with_openblas();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
