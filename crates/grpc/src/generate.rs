@@ -22,21 +22,24 @@ pub struct ComputeArgs {
 
 impl ComputeArgs {
     pub fn load_options(&self) -> anyhow::Result<LoadOptions> {
-        let mut o = LoadOptions::default();
-        o.dtype = match self.compute_dtype.as_str() {
+        let dtype = match self.compute_dtype.as_str() {
             "auto" => None,
             "f32" | "float32" => Some(mlx_rs::Dtype::Float32),
             "f16" | "float16" => Some(mlx_rs::Dtype::Float16),
             "bf16" | "bfloat16" => Some(mlx_rs::Dtype::Bfloat16),
             other => anyhow::bail!("--compute-dtype {other:?}: expected auto, f32, f16 or bf16"),
         };
-        o.dequantize = match self.weights.as_str() {
+        let dequantize = match self.weights.as_str() {
             "auto" => None,
             "keep" => Some(false),
             "dequantize" => Some(true),
             other => anyhow::bail!("--weights {other:?}: expected auto, keep or dequantize"),
         };
-        Ok(o)
+        Ok(LoadOptions {
+            dtype,
+            dequantize,
+            ..LoadOptions::default()
+        })
     }
 }
 
@@ -70,10 +73,10 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    if !(args.temperature >= 0.0) {
+    if args.temperature.is_nan() || args.temperature < 0.0 {
         anyhow::bail!("--temperature must be >= 0");
     }
-    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+    if args.top_p.is_nan() || args.top_p <= 0.0 || args.top_p > 1.0 {
         anyhow::bail!("--top-p must be in (0, 1]");
     }
     let dir = runtime::resolve_model(&args.model, true)?;

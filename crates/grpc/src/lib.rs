@@ -1,8 +1,8 @@
 //! Weft's front end: the `weft.v1` gRPC services, tenants and limits, the
 //! metrics endpoint, and the subcommands of the `weft` binary.
 
-pub mod blas;
 pub mod bench;
+pub mod blas;
 pub mod generate;
 pub mod paths;
 pub mod runtime;

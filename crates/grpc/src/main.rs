@@ -15,6 +15,8 @@ enum Command {
     Pull,
     /// Generate a completion for one prompt, streaming it to stdout.
     Generate(GenerateArgs),
+    /// Load generator: Weft gRPC or OpenAI-compatible HTTP (e.g. mlx_lm.server).
+    Bench(weft_grpc::bench::BenchArgs),
 }
 
 fn main() {
@@ -32,6 +34,7 @@ fn main() {
             println!("{}", dir.display());
         }),
         Command::Generate(args) => generate::run(args),
+        Command::Bench(args) => weft_grpc::bench::run_blocking(args).map(|_| ()),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
