@@ -63,7 +63,12 @@ fn run() -> Result<(), BoxError> {
     let cmake_dir = prefix.join("share/cmake/MLX");
     for needed in [lib_dir.join("libmlx.so"), cmake_dir.join("MLXConfig.cmake")] {
         if !needed.exists() {
-            return Err(format!("MLX install at {} lacks {}", prefix.display(), needed.display()).into());
+            return Err(format!(
+                "MLX install at {} lacks {}",
+                prefix.display(),
+                needed.display()
+            )
+            .into());
         }
     }
 
@@ -128,12 +133,19 @@ fn run() -> Result<(), BoxError> {
 }
 
 /// Returns a verified local copy of a pinned input: the given path, or a download.
-fn obtain(given: Option<PathBuf>, url: &str, sha256: &str, dest: &Path) -> Result<PathBuf, BoxError> {
+fn obtain(
+    given: Option<PathBuf>,
+    url: &str,
+    sha256: &str,
+    dest: &Path,
+) -> Result<PathBuf, BoxError> {
     let path = match given {
         Some(p) => p,
         None => {
             if !dest.exists() || sha256_of(dest)? != sha256 {
-                let resp = ureq::get(url).call().map_err(|e| format!("download {url}: {e}"))?;
+                let resp = ureq::get(url)
+                    .call()
+                    .map_err(|e| format!("download {url}: {e}"))?;
                 let mut body = Vec::new();
                 resp.into_reader().read_to_end(&mut body)?;
                 let tmp = dest.with_extension("part");
