@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod blas;
+pub mod engine_bench;
 pub mod generate;
 pub mod paths;
 pub mod runtime;

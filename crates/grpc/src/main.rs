@@ -17,6 +17,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Load generator: Weft gRPC or OpenAI-compatible HTTP (e.g. mlx_lm.server).
     Bench(weft_grpc::bench::BenchArgs),
+    /// In-process batched throughput of the engine (no gRPC); see benches/.
+    BenchEngine(weft_grpc::engine_bench::EngineBenchArgs),
 }
 
 fn main() {
@@ -35,6 +37,7 @@ fn main() {
         }),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => weft_grpc::bench::run_blocking(args).map(|_| ()),
+        Command::BenchEngine(args) => weft_grpc::engine_bench::run(args).map(|_| ()),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

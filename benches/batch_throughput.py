@@ -1,0 +1,95 @@
+"""Batched generation throughput: Weft's engine vs mlx-lm's BatchGenerator,
+same model, same machine, same run, same compute dtype (f32, weights
+dequantized at load) and the same BLAS (OpenBLAS preloaded on both sides).
+
+  .venv/bin/python benches/batch_throughput.py --weft target/release/weft \
+      [--streams 1,8,32] [--prompt-tokens 128] [--gen-tokens 64]
+
+Both sides get N distinct prompts at once, ignore EOS, and report
+  generation tok/s = all generated tokens / wall time (prefill included)
+  steady decode tok/s = tokens after every stream had its first token / that span
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+HERE = Path(__file__).resolve().parent
+
+MLX_CHILD = r'''
+import sys, time, json
+sys.path.insert(0, sys.argv[1])
+import mlx.core as mx
+from pathlib import Path
+from mlx_lm.utils import load_model
+from mlx_lm.generate import BatchGenerator
+from mlx_lm_oracle import dequantize_modules
+model_dir, n, p, g = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+model, _ = load_model(model_dir)
+dequantize_modules(model)
+model.set_dtype(mx.float32)
+vocab = model.args.vocab_size
+prompts = [[100 + ((s * 7919 + i * 104729) % (vocab - 200)) for i in range(p)] for s in range(n)]
+def run(prompts, g):
+    gen = BatchGenerator(model, completion_batch_size=max(n, 1), prefill_batch_size=min(max(n, 1), 8),
+                         stop_tokens=[], sampler=lambda x: mx.argmax(x, axis=-1))
+    start = time.perf_counter()
+    gen.insert(prompts, [g] * len(prompts))
+    firsts, times, done = {}, [], 0
+    while done < len(prompts):
+        for r in gen.next_generated():
+            now = time.perf_counter()
+            firsts.setdefault(r.uid, now)
+            times.append(now)
+            if r.finish_reason is not None:
+                done += 1
+    return start, firsts, times
+run(prompts[:1], 4)  # warm-up
+start, firsts, times = run(prompts, g)
+end = max(times); last_first = max(firsts.values())
+steady = sum(1 for t in times if t > last_first)
+ttft = sorted((f - start) * 1e3 for f in firsts.values())
+print(json.dumps({"wall_seconds": end - start, "generation_tok_per_s": len(times) / (end - start),
+                  "steady_decode_tok_per_s": steady / max(end - last_first, 1e-9),
+                  "ttft_p50_ms": ttft[len(ttft) // 2], "ttft_max_ms": ttft[-1]}))
+'''
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--weft", default="target/release/weft")
+    ap.add_argument("--model", default=str(Path.home() / ".cache/weft/models/SmolLM2-135M-Instruct"))
+    ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    a = ap.parse_args()
+    env = dict(os.environ, LD_PRELOAD=OPENBLAS)
+    rows = []
+    for n in [int(x) for x in a.streams.split(",")]:
+        w = subprocess.run([a.weft, "bench-engine", "--model", a.model, "--streams", str(n),
+                            "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
+                            "--weights", "dequantize", "--compute-dtype", "f32"],
+                           capture_output=True, text=True, check=True)
+        weft = json.loads(w.stdout.strip().splitlines()[-1])
+        m = subprocess.run([sys.executable, "-c", MLX_CHILD, str(HERE.parent / "tests/oracle"), a.model,
+                            str(n), str(a.prompt_tokens), str(a.gen_tokens)],
+                           env=env, capture_output=True, text=True, check=True)
+        mlx = json.loads(m.stdout.strip().splitlines()[-1])
+        rows.append((n, weft, mlx))
+    print(f"prompt {a.prompt_tokens} tokens, {a.gen_tokens} generated per stream, {time.strftime('%Y-%m-%d')}")
+    print("| streams | side | gen tok/s (incl. prefill) | steady decode tok/s | TTFT p50 ms | TTFT max ms |")
+    print("|---|---|---|---|---|---|")
+    for n, w, m in rows:
+        for side, d in (("weft", w), ("mlx-lm BatchGenerator", m)):
+            print(f"| {n} | {side} | {d['generation_tok_per_s']:.1f} | {d['steady_decode_tok_per_s']:.1f} "
+                  f"| {d['ttft_p50_ms']:.0f} | {d['ttft_max_ms']:.0f} |")
+        print(f"| {n} | **weft / mlx-lm** | **{w['generation_tok_per_s'] / m['generation_tok_per_s']:.2f}x** "
+              f"| **{w['steady_decode_tok_per_s'] / m['steady_decode_tok_per_s']:.2f}x** | | |")
+
+
+if __name__ == "__main__":
+    main()

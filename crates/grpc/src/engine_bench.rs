@@ -1,0 +1,133 @@
+//! `weft bench-engine`: batched generation throughput of the engine in-process
+//! (no gRPC), the counterpart of mlx-lm's `BatchGenerator` in
+//! `benches/batch_throughput.py`.
+
+use std::time::Instant;
+
+use clap::Args;
+use serde::Serialize;
+use weft_scheduler::{Event, Request, SchedulerConfig};
+
+use crate::generate::ComputeArgs;
+use crate::runtime;
+
+#[derive(Debug, Args)]
+pub struct EngineBenchArgs {
+    /// Concurrent requests, all submitted at once.
+    #[arg(long, default_value_t = 8)]
+    pub streams: usize,
+    /// Prompt length in tokens (each prompt is different).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Tokens generated per request (EOS ignored).
+    #[arg(long, default_value_t = 64)]
+    pub gen_tokens: usize,
+    /// Model directory or the default model's name.
+    #[arg(long, default_value = "")]
+    pub model: String,
+    /// Prefill chunk size of the scheduler.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+}
+
+#[derive(Debug, Serialize)]
+pub struct EngineBenchReport {
+    pub streams: usize,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub wall_seconds: f64,
+    /// All generated tokens / wall time (prefill included).
+    pub generation_tok_per_s: f64,
+    /// Tokens generated after every stream had its first token / that span.
+    pub steady_decode_tok_per_s: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_max_ms: f64,
+    pub openblas: Option<String>,
+}
+
+pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
+    let dir = runtime::resolve_model(&args.model, false)?;
+    let opts = args.compute.load_options()?;
+    let config = SchedulerConfig {
+        max_batch_rows: args.streams.max(1),
+        max_step_tokens: (args.prefill_chunk + args.streams).max(args.streams),
+        prefill_chunk: args.prefill_chunk,
+        kv_total_blocks: (args.streams * (args.prompt_tokens + args.gen_tokens)).div_ceil(16) + 64,
+        ..SchedulerConfig::default()
+    };
+    let (engine, _tok, served) = runtime::start_engine(&dir, opts, config)?;
+    let vocab = served.vocab_size as u32;
+    // Distinct prompts: no prefix sharing between streams.
+    let prompts: Vec<Vec<u32>> = (0..args.streams)
+        .map(|s| {
+            (0..args.prompt_tokens)
+                .map(|i| 100 + ((s * 7919 + i * 104_729) as u32 % (vocab - 200)))
+                .collect()
+        })
+        .collect();
+    let start = Instant::now();
+    let mut streams = Vec::new();
+    for p in prompts {
+        let mut r = Request::new("bench", p, args.gen_tokens);
+        r.ignore_eos = true;
+        streams.push(engine.submit(r)?);
+    }
+    // One thread per stream keeps arrival times honest without a runtime.
+    let handles: Vec<_> = streams
+        .into_iter()
+        .map(|mut s| {
+            std::thread::spawn(move || {
+                let mut first = None;
+                let mut times = Vec::new();
+                let mut err = None;
+                while let Some(ev) = s.blocking_recv() {
+                    match ev {
+                        Event::Token(d) => {
+                            let now = Instant::now();
+                            first.get_or_insert(now);
+                            times.extend(std::iter::repeat_n(now, d.ids.len()));
+                        }
+                        Event::Finished(f) => err = f.error,
+                    }
+                }
+                (first, times, err)
+            })
+        })
+        .collect();
+    let mut firsts = Vec::new();
+    let mut all_times = Vec::new();
+    for h in handles {
+        let (first, times, err) = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("stream thread panicked"))?;
+        if let Some(e) = err {
+            anyhow::bail!("a request failed: {e}");
+        }
+        firsts.push(first.ok_or_else(|| anyhow::anyhow!("a stream produced no token"))?);
+        all_times.extend(times);
+    }
+    let end = all_times.iter().copied().max().unwrap_or(start);
+    let wall = (end - start).as_secs_f64();
+    let last_first = firsts.iter().copied().max().unwrap_or(start);
+    let steady: usize = all_times.iter().filter(|t| **t > last_first).count();
+    let mut ttft: Vec<f64> = firsts
+        .iter()
+        .map(|f| (*f - start).as_secs_f64() * 1e3)
+        .collect();
+    ttft.sort_by(|a, b| a.total_cmp(b));
+    let report = EngineBenchReport {
+        streams: args.streams,
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        wall_seconds: wall,
+        generation_tok_per_s: all_times.len() as f64 / wall,
+        steady_decode_tok_per_s: steady as f64 / (end - last_first).as_secs_f64().max(1e-9),
+        ttft_p50_ms: ttft[ttft.len() / 2],
+        ttft_max_ms: ttft[ttft.len() - 1],
+        openblas: crate::blas::active(),
+    };
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(report)
+}
