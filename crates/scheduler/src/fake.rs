@@ -89,7 +89,14 @@ pub struct FakeModel {
     staged: Option<HashMap<RowId, RowState>>,
     stats: FakeStats,
     violations: Vec<String>,
+    /// Offered sequences by tenant, newest last (the fake's prefix cache).
+    prefixes: Vec<(String, Vec<u32>)>,
 }
+
+/// The fake caches prefixes in blocks of this many tokens, like a paged cache.
+const PREFIX_BLOCK: usize = 8;
+/// Entries kept; older ones are evicted first.
+const PREFIX_ENTRIES: usize = 64;
 
 impl FakeModel {
     pub fn new(cfg: FakeConfig) -> Self {
@@ -106,6 +113,7 @@ impl FakeModel {
             staged: None,
             stats: FakeStats::default(),
             violations: Vec::new(),
+            prefixes: Vec::new(),
         }
     }
 
@@ -275,6 +283,52 @@ impl Model for FakeModel {
     fn rollback(&mut self) {
         self.stats.rollbacks += 1;
         self.staged = None;
+    }
+
+    fn prefix_len(&self, tenant: &str, tokens: &[u32]) -> usize {
+        let best = self
+            .prefixes
+            .iter()
+            .filter(|(t, _)| t == tenant)
+            .map(|(_, p)| p.iter().zip(tokens).take_while(|(a, b)| a == b).count())
+            .max()
+            .unwrap_or(0);
+        (best.min(tokens.len().saturating_sub(1)) / PREFIX_BLOCK) * PREFIX_BLOCK
+    }
+
+    fn attach_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) -> usize {
+        let n = self.prefix_len(tenant, tokens);
+        if n == 0 {
+            return 0;
+        }
+        if self.rows.contains_key(&row) || self.staged.is_some() {
+            self.violations.push(format!(
+                "attach_prefix({row}) on a live row or inside a step"
+            ));
+            return 0;
+        }
+        let hash = tokens[..n]
+            .iter()
+            .enumerate()
+            .fold(HISTORY_SEED, |h, (p, &t)| step_hash(h, t, p));
+        self.rows.insert(row, RowState { len: n, hash });
+        n
+    }
+
+    fn offer_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) {
+        match self.rows.get(&row) {
+            Some(s) if s.len == tokens.len() => {
+                if self.prefixes.len() >= PREFIX_ENTRIES {
+                    self.prefixes.remove(0);
+                }
+                self.prefixes.push((tenant.to_string(), tokens.to_vec()));
+            }
+            other => self.violations.push(format!(
+                "offer_prefix({row}) with {} tokens but the row holds {:?}",
+                tokens.len(),
+                other.map(|s| s.len)
+            )),
+        }
     }
 
     fn release_row(&mut self, row: RowId) {

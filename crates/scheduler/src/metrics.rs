@@ -88,6 +88,8 @@ pub(crate) struct EngineMetrics {
     pub itl: Histogram,
     pub queue: Histogram,
     pub e2e: Histogram,
+    pub prefix_queries: Counter,
+    pub prefix_hits: Counter,
 }
 
 impl EngineMetrics {
@@ -105,6 +107,8 @@ impl EngineMetrics {
             itl: histogram!(ITL),
             queue: histogram!(QUEUE_TIME),
             e2e: histogram!(E2E),
+            prefix_queries: counter!(PREFIX_QUERIES),
+            prefix_hits: counter!(PREFIX_HITS),
         }
     }
 }

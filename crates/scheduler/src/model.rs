@@ -73,6 +73,24 @@ pub trait Model {
     fn rollback(&mut self);
     /// Forget a row's state (finished, cancelled, preempted). Not staged.
     fn release_row(&mut self, row: RowId);
+
+    /// Prefix reuse, pure lookup: how many leading `tokens` of a new row this
+    /// tenant's cached state could cover (0 = none; always < `tokens.len()`).
+    fn prefix_len(&self, _tenant: &str, _tokens: &[u32]) -> usize {
+        0
+    }
+
+    /// Gives the new `row` (no state yet) the cached state of the longest prefix
+    /// of `tokens` this tenant left behind and returns its length, at most what
+    /// `prefix_len` said. Not staged: the row now exists at that length, and its
+    /// first `forward` starts there. Tenants never see each other's entries.
+    fn attach_prefix(&mut self, _row: RowId, _tenant: &str, _tokens: &[u32]) -> usize {
+        0
+    }
+
+    /// Offered just before `release_row` of a row that finished normally:
+    /// `tokens` are the tokens whose state the row holds, for later reuse.
+    fn offer_prefix(&mut self, _row: RowId, _tenant: &str, _tokens: &[u32]) {}
 }
 
 /// Token ids -> text. Must be pure: the same ids always give the same text, because the

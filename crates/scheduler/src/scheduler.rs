@@ -103,6 +103,8 @@ struct Req {
     /// after preemption (that is the engine's choice, not the tenant's use).
     charged: bool,
     preemptions: u32,
+    /// Prompt tokens served from the model's prefix cache at first admission.
+    cached: usize,
 }
 
 impl Req {
@@ -415,6 +417,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 row: None,
                 generated: Vec::new(),
                 computed: 0,
+                cached: 0,
                 text: TextState::default(),
                 penalties,
                 seed,
@@ -774,9 +777,16 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             let Some((_, &k)) = self.tenants[t].queue.first_key_value() else {
                 break;
             };
-            let total = self.reqs[&k].seq_len();
-            let n = self.cfg.prefill_chunk.min(total).min(*budget);
-            let need = n.div_ceil(bs);
+            let (total, cached) = {
+                let r = &self.reqs[&k];
+                let seq = r.tokens(0, r.seq_len());
+                (
+                    seq.len(),
+                    self.model.prefix_len(&self.tenants[t].name, &seq),
+                )
+            };
+            let n = self.cfg.prefill_chunk.min(total - cached).min(*budget);
+            let need = (cached + n).div_ceil(bs);
             let watermark = if self.running.is_empty() {
                 0
             } else {
@@ -786,25 +796,26 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 // Head-of-line: admitting someone further back would break fair order.
                 break;
             }
-            let Some((row, slot)) = self.start(k, now) else {
+            let Some((row, slot, cached)) = self.start(k, now) else {
                 break;
             };
-            *free -= need;
+            let n = self.cfg.prefill_chunk.min(total - cached).min(*budget);
+            *free -= (cached + n).div_ceil(bs);
             *budget -= n;
             rows.push(Planned {
                 key: k,
                 slot,
                 row,
-                start: 0,
+                start: cached,
                 n,
-                want_logits: n == total,
+                want_logits: cached + n == total,
             });
         }
     }
 
     /// Move a waiting request into the running batch with a fresh row. Returns the row
     /// and the request's slab slot.
-    fn start(&mut self, k: RequestKey, now: Instant) -> Option<(RowId, u32)> {
+    fn start(&mut self, k: RequestKey, now: Instant) -> Option<(RowId, u32, usize)> {
         let req_slot = self.reqs.slot(&k)?;
         let row = self.next_row;
         self.next_row += 1;
@@ -828,9 +839,24 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             key: k,
             slot: req_slot,
         });
+        let (seq, tenant_name) = match self.reqs.at(req_slot) {
+            Some(r) => (r.tokens(0, r.seq_len()), self.tenants[t].name.clone()),
+            None => (Vec::new(), String::new()),
+        };
+        let cached = if seq.is_empty() {
+            0
+        } else {
+            let c = self.model.attach_prefix(row, &tenant_name, &seq);
+            self.metrics.prefix_queries.increment(seq.len() as u64);
+            self.metrics.prefix_hits.increment(c as u64);
+            c.min(seq.len().saturating_sub(1))
+        };
         if let Some(r) = self.reqs.at_mut(req_slot) {
             r.row = Some(row);
-            r.computed = 0;
+            r.computed = cached;
+            if first {
+                r.cached = cached.min(prompt_len);
+            }
             if first {
                 r.charged = true;
                 r.scheduled_at = Some(now);
@@ -839,7 +865,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                     .record(now.saturating_duration_since(r.arrival).as_secs_f64());
             }
         }
-        Some((row, req_slot))
+        Some((row, req_slot, cached))
     }
 
     /// Recompute-style preemption: drop the row's state; the request waits again with
@@ -1142,6 +1168,14 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         let t = r.tenant;
         let was_waiting = match r.row {
             Some(row) => {
+                if matches!(
+                    reason,
+                    FinishReason::Length | FinishReason::Stop | FinishReason::Eos
+                ) && r.computed > 0
+                {
+                    let tokens = r.tokens(0, r.computed);
+                    self.model.offer_prefix(row, &self.tenants[t].name, &tokens);
+                }
                 self.model.release_row(row);
                 self.kv.release(row);
                 self.running.retain(|x| x.key != k);
@@ -1161,7 +1195,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             .finished(&r.r.tenant, r.r.request_id.as_deref(), was_waiting, unused);
         let usage = Usage {
             prompt_tokens: r.r.prompt.len(),
-            cached_prompt_tokens: 0,
+            cached_prompt_tokens: r.cached,
             generated_tokens: r.generated.len(),
             queue_time: r
                 .scheduled_at
