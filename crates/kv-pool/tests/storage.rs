@@ -19,6 +19,8 @@
 //! through the prefix cache holds exactly what the reusing row would write.
 
 #![cfg(feature = "mlx")]
+// Index loops mirror the tensor layouts the references are checked against.
+#![allow(clippy::needless_range_loop)]
 
 use mlx_rs::{fast, ops, transforms::eval, Array, Dtype};
 use weft_kv_pool::storage::*;
@@ -392,10 +394,7 @@ fn run(sc: Scenario) {
                     let base = lay.first_block()[ri] * bs;
                     // 1. Stored contents at every held column.
                     for w in 0..2 {
-                        let reference = match sc.quant {
-                            None => None,
-                            Some(q) => Some(quant_roundtrip(&row.dense[l][w], q)),
-                        };
+                        let reference = sc.quant.map(|q| quant_roundtrip(&row.dense[l][w], q));
                         for c in 0..l_max {
                             let a = base + c;
                             if a >= len {

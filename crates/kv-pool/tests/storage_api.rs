@@ -3,6 +3,8 @@
 //! (MLX donates the pool buffer instead of copying it).
 
 #![cfg(feature = "mlx")]
+// Index loops mirror the tensor layouts the references are checked against.
+#![allow(clippy::needless_range_loop)]
 
 use mlx_rs::{memory, ops, transforms::eval, Array, Dtype};
 use weft_kv_pool::storage::*;

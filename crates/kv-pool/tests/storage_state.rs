@@ -3,6 +3,8 @@
 //! copies and resets driven by the accounting.
 
 #![cfg(feature = "mlx")]
+// Index loops mirror the tensor layouts the references are checked against.
+#![allow(clippy::needless_range_loop)]
 
 use mlx_rs::{transforms::eval, Array, Dtype};
 use weft_kv_pool::storage::*;

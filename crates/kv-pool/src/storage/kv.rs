@@ -3,6 +3,7 @@
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::{ops, Array, Dtype};
 
+use crate::storage::ffi;
 use crate::storage::step::{to_i32, StepLayout};
 use crate::storage::StorageError;
 use crate::{layout::check_block_size, BlockId, GroupId, StorageOp};
@@ -305,10 +306,19 @@ impl KvStorage {
         let k = self.new_tokens(step, k)?;
         let v = self.new_tokens(step, v)?;
         let (blocks, offsets, _) = step.write_indices();
+        // pool[blocks[i], :, offsets[i], :] = x[i]: one scatter over axes 0 and 2.
+        let put = |dst: &mut Array, x: &Array| -> Result<(), StorageError> {
+            let s = x.shape();
+            let u = x.reshape(&[s[0], 1, s[1], 1, s[2]])?;
+            // The old handle is dropped by the assignment, leaving the scatter
+            // its only user (in-place update).
+            *dst = ffi::scatter(dst, &[blocks, offsets], &u, &[0, 2])?;
+            Ok(())
+        };
         let layer = &mut self.layers[l];
         for (dst, x) in [(&mut layer.k, k), (&mut layer.v, v)] {
             match dst {
-                Stored::Dense(a) => a.try_index_mut((blocks, .., offsets, ..), &x)?,
+                Stored::Dense(a) => put(a, &x)?,
                 Stored::Quant {
                     packed,
                     scales,
@@ -316,9 +326,9 @@ impl KvStorage {
                     q,
                 } => {
                     let (wq, s, b) = ops::quantize(&x, i32::from(q.group_size), i32::from(q.bits))?;
-                    packed.try_index_mut((blocks, .., offsets, ..), &wq)?;
-                    scales.try_index_mut((blocks, .., offsets, ..), &s)?;
-                    biases.try_index_mut((blocks, .., offsets, ..), &b)?;
+                    put(packed, &wq)?;
+                    put(scales, &s)?;
+                    put(biases, &b)?;
                 }
             }
         }

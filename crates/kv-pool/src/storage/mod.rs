@@ -18,6 +18,7 @@
 //! that is later abandoned are dead data the retry overwrites. SSM state is
 //! replaced wholesale, so [`StateStorage`] stages it until commit.
 
+mod ffi;
 mod kv;
 mod state;
 mod step;
