@@ -66,6 +66,20 @@ impl Model for MlxModel {
         self.runner.rollback();
     }
 
+    fn prefix_len(&self, tenant: &str, tokens: &[u32]) -> usize {
+        self.runner.prefix_len(tenant, tokens)
+    }
+
+    fn attach_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) -> usize {
+        self.runner.attach_prefix(row, tenant, tokens)
+    }
+
+    fn offer_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) {
+        if let Err(e) = self.runner.offer_prefix(row, tenant, tokens) {
+            tracing::warn!(row, error = %e, "prefix not cached");
+        }
+    }
+
     fn release_row(&mut self, row: RowId) {
         if let Err(e) = self.runner.release(row) {
             tracing::error!(row, error = %e, "releasing a row's cache failed");

@@ -211,6 +211,17 @@ impl KvCache {
         Ok(())
     }
 
+    /// A single-row cache cut to its first `len` tokens (the rest becomes dead
+    /// data). Shares buffers with `self` until either side writes.
+    pub fn truncated(&self, len: i32) -> KvCache {
+        let mut c = self.clone();
+        c.pending = 0;
+        if c.left_pad.len() == 1 {
+            c.cursor = c.left_pad[0] + len.min(self.cursor - c.left_pad[0]).max(0);
+        }
+        c
+    }
+
     /// One row as a standalone single-row cache.
     pub fn extract(&self, row: usize) -> Result<KvCache> {
         let mut one = self.clone();

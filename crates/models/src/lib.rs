@@ -8,6 +8,7 @@ pub mod error;
 pub mod linear;
 pub mod llama;
 pub mod loader;
+pub mod prefix;
 pub mod runner;
 pub mod tokenizer;
 pub mod weights;

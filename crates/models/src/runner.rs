@@ -14,6 +14,7 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
 use crate::llama::LlamaModel;
+use crate::prefix::PrefixStore;
 
 pub type RowId = u64;
 
@@ -62,7 +63,12 @@ pub struct BatchRunner {
     created: Vec<RowId>,
     /// Called after each layer of each forward: fault injection in tests.
     layer_hook: Option<Box<dyn FnMut(usize) -> Result<()>>>,
+    prefixes: PrefixStore,
 }
+
+/// Prefix reuse granularity (tokens) and default capacity (tokens).
+pub const PREFIX_BLOCK: usize = 16;
+pub const PREFIX_CAPACITY: usize = 4096;
 
 impl BatchRunner {
     pub fn new(model: LlamaModel) -> Self {
@@ -76,7 +82,54 @@ impl BatchRunner {
             touched_solo: Vec::new(),
             created: Vec::new(),
             layer_hook: None,
+            prefixes: PrefixStore::new(PREFIX_BLOCK, PREFIX_CAPACITY),
         }
+    }
+
+    /// Sets the prefix cache capacity in tokens (0 turns reuse off).
+    pub fn set_prefix_capacity(&mut self, tokens: usize) {
+        self.prefixes = PrefixStore::new(PREFIX_BLOCK, tokens);
+    }
+
+    /// Longest reusable cached prefix of `tokens` for `tenant`.
+    pub fn prefix_len(&self, tenant: &str, tokens: &[u32]) -> usize {
+        self.prefixes.lookup(tenant, tokens)
+    }
+
+    /// Creates `row` from the tenant's longest cached prefix of `tokens`;
+    /// returns its length (0: no hit, no row created). Outside any step.
+    pub fn attach_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) -> usize {
+        if self.home(row).is_some() || self.touched_batch || !self.touched_solo.is_empty() {
+            return 0;
+        }
+        match self.prefixes.take(tenant, tokens) {
+            Some((cache, n)) => {
+                self.solo.insert(row, cache);
+                n
+            }
+            None => 0,
+        }
+    }
+
+    /// Stores a row's K/V for reuse; `tokens` are the tokens it holds.
+    pub fn offer_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) -> Result<()> {
+        if self.row_len(row) != Some(tokens.len()) {
+            return Err(ModelError::Invalid(format!(
+                "offer_prefix: row {row} holds {:?} tokens, offered {}",
+                self.row_len(row),
+                tokens.len()
+            )));
+        }
+        let cache = match self.home(row) {
+            Some(Home::Batch(i)) => self.batch.extract(i)?,
+            Some(Home::Solo) => match self.solo.get(&row) {
+                Some(c) => c.clone(),
+                None => return Ok(()),
+            },
+            None => return Ok(()),
+        };
+        self.prefixes.insert(tenant, tokens.to_vec(), cache);
+        Ok(())
     }
 
     pub fn model(&self) -> &LlamaModel {

@@ -248,3 +248,55 @@ fn failed_steps_roll_back_and_retry_to_the_same_tokens() {
     }
     assert_eq!(seen.len(), 10, "every planned fault fired");
 }
+
+/// A row started from a cached prefix (same tenant) continues exactly like a
+/// cold row; another tenant gets no hit.
+#[test]
+fn prefix_reuse_matches_a_cold_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = fixture(dir.path(), false);
+    let shared: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 512).collect();
+    let second: Vec<u32> = [shared.clone(), vec![5, 6, 7]].concat();
+    let step = |runner: &mut BatchRunner, row: u64, tokens: Vec<u32>, start: usize| {
+        let l = runner
+            .forward(&[RowStep {
+                row,
+                tokens,
+                start_pos: start,
+                want_logits: true,
+            }])
+            .unwrap();
+        runner.commit();
+        l.row(0).to_vec()
+    };
+    // Cold: the second prompt alone, then 8 greedy tokens.
+    let greedy_from = |runner: &mut BatchRunner, row: u64, start: usize| {
+        let mut logits = step(runner, row, second[start..].to_vec(), start);
+        let mut out = vec![];
+        for i in 0..8 {
+            let t = argmax(&logits);
+            out.push((t, logits.clone()));
+            logits = step(runner, row, vec![t], second.len() + i);
+        }
+        out
+    };
+    let mut cold = BatchRunner::new(load(&md));
+    let want = greedy_from(&mut cold, 1, 0);
+
+    let mut warm = BatchRunner::new(load(&md));
+    step(&mut warm, 7, shared.clone(), 0);
+    warm.offer_prefix(7, "a", &shared).unwrap();
+    warm.release(7).unwrap();
+    assert_eq!(warm.prefix_len("b", &second), 0, "cross-tenant prefix hit");
+    let n = warm.attach_prefix(2, "a", &second);
+    assert_eq!(n, 32, "block-aligned reuse of the 40 shared tokens");
+    let got = greedy_from(&mut warm, 2, n);
+    for (i, ((wt, wl), (gt, gl))) in want.iter().zip(&got).enumerate() {
+        assert_eq!(wt, gt, "token {i} differs after a prefix hit");
+        assert!(
+            max_abs_diff(wl, gl) < 1e-4,
+            "logits {i} differ by {}",
+            max_abs_diff(wl, gl)
+        );
+    }
+}
