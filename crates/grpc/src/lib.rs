@@ -7,6 +7,7 @@ pub mod engine_bench;
 pub mod generate;
 pub mod paths;
 pub mod runtime;
+pub mod server;
 
 /// Generated `weft.v1` types, client and server.
 pub mod pb {

@@ -19,28 +19,59 @@ enum Command {
     Bench(weft_grpc::bench::BenchArgs),
     /// In-process batched throughput of the engine (no gRPC); see benches/.
     BenchEngine(weft_grpc::engine_bench::EngineBenchArgs),
+    /// Serve the weft.v1 gRPC API, health, reflection and Prometheus metrics.
+    Serve(weft_grpc::server::ServeArgs),
+    /// Print the sha256 hash of an API key, for the tenant file.
+    HashKey {
+        /// The API key (read from stdin when omitted or "-").
+        key: Option<String>,
+    },
 }
 
 fn main() {
     weft_grpc::blas::maybe_reexec_with_openblas();
+    let cli = Cli::parse();
+    // A server logs one line per request; the one-shot commands stay quiet.
+    let default_filter = match cli.command {
+        Command::Serve(_) => "info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Pull => weft_grpc::runtime::resolve_model("", true).map(|dir| {
             println!("{}", dir.display());
         }),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => weft_grpc::bench::run_blocking(args).map(|_| ()),
+        Command::Serve(args) => weft_grpc::server::run(args),
+        Command::HashKey { key } => hash_key(key),
         Command::BenchEngine(args) => weft_grpc::engine_bench::run(args).map(|_| ()),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+fn hash_key(key: Option<String>) -> anyhow::Result<()> {
+    let key = match key.filter(|k| k != "-") {
+        Some(k) => k,
+        None => {
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line)?;
+            line.trim_end_matches(['\r', '\n']).to_string()
+        }
+    };
+    if key.is_empty() {
+        anyhow::bail!("the key is empty");
+    }
+    println!("{}", weft_grpc::server::tenants::hash_key(&key));
+    Ok(())
 }

@@ -1,0 +1,436 @@
+//! `weft serve` settings: flags, `WEFT_*` environment variables and an
+//! optional TOML config file, in that order of precedence, over built-in
+//! defaults.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde::Deserialize;
+use weft_scheduler::SchedulerConfig;
+
+use crate::generate::ComputeArgs;
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// Serve the `weft.v1` gRPC API (plus grpc.health.v1 and server reflection)
+/// and Prometheus metrics.
+///
+/// Every option can also come from a `WEFT_*` environment variable (shown in
+/// brackets) or from the config file given with `--config` (keys are the
+/// option names with `_` for `-`, e.g. `metrics_listen = "0.0.0.0:9464"`);
+/// flags win over the environment, which wins over the file.
+///
+/// Without `--tenants` the server is open (one tenant, "default", no API
+/// keys) and refuses to bind anything but a loopback address.
+///
+/// SIGTERM / SIGINT: new requests get UNAVAILABLE, health turns NOT_SERVING,
+/// in-flight requests finish (up to --drain-timeout), then the process exits 0.
+#[derive(Debug, Clone, Args)]
+#[command(verbatim_doc_comment)]
+pub struct ServeArgs {
+    /// TOML config file with any of the options below.
+    #[arg(long, env = "WEFT_CONFIG", value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// gRPC address [default: 127.0.0.1:50051]. Port 0 picks a free port (the
+    /// address is printed on stdout).
+    #[arg(long, env = "WEFT_LISTEN", value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// Prometheus `/metrics` address [default: 127.0.0.1:9464]; "off" disables it.
+    #[arg(long, env = "WEFT_METRICS_LISTEN", value_name = "ADDR|off")]
+    pub metrics_listen: Option<String>,
+    /// Model directory, or the default model's name (SmolLM2-135M-Instruct,
+    /// fetched and converted on first use) [default: the default model].
+    #[arg(long, short, env = "WEFT_MODEL")]
+    pub model: Option<String>,
+    /// Tenant file (TOML): tenants, API-key sha256 hashes, weights, priority
+    /// ranges and limits. Required to bind a non-loopback address.
+    #[arg(long, env = "WEFT_TENANTS", value_name = "PATH")]
+    pub tenants: Option<PathBuf>,
+    /// Rows (requests) in one forward call [default: 64].
+    #[arg(long, env = "WEFT_MAX_BATCH_ROWS")]
+    pub max_batch_rows: Option<usize>,
+    /// Tokens (decode + prefill) in one forward call [default: max(2048, max-batch-rows)].
+    #[arg(long, env = "WEFT_MAX_STEP_TOKENS")]
+    pub max_step_tokens: Option<usize>,
+    /// Requests queued across all tenants before RESOURCE_EXHAUSTED [default: 1024].
+    #[arg(long, env = "WEFT_MAX_WAITING")]
+    pub max_waiting: Option<usize>,
+    /// Largest prefill piece of one request in one step [default: 512].
+    #[arg(long, env = "WEFT_PREFILL_CHUNK")]
+    pub prefill_chunk: Option<usize>,
+    /// KV cache size in blocks [default: from --kv-memory, else 4096].
+    #[arg(long, env = "WEFT_KV_BLOCKS", conflicts_with = "kv_memory")]
+    pub kv_blocks: Option<usize>,
+    /// Tokens per KV block [default: 16].
+    #[arg(long, env = "WEFT_KV_BLOCK_SIZE")]
+    pub kv_block_size: Option<usize>,
+    /// KV cache memory budget, e.g. 2GiB or 512MiB; sets --kv-blocks from the
+    /// model's per-token KV size at the compute dtype.
+    #[arg(long, env = "WEFT_KV_MEMORY", value_name = "BYTES")]
+    pub kv_memory: Option<String>,
+    /// max_tokens of requests that leave it 0 [default: 256].
+    #[arg(long, env = "WEFT_DEFAULT_MAX_TOKENS")]
+    pub default_max_tokens: Option<usize>,
+    /// How long SIGTERM/SIGINT waits for in-flight requests, e.g. 30s, 500ms [default: 30s].
+    #[arg(long, env = "WEFT_DRAIN_TIMEOUT", value_name = "DURATION")]
+    pub drain_timeout: Option<String>,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+}
+
+/// The config file: the same settings as the flags.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<String>,
+    metrics_listen: Option<String>,
+    model: Option<String>,
+    tenants: Option<PathBuf>,
+    max_batch_rows: Option<usize>,
+    max_step_tokens: Option<usize>,
+    max_waiting: Option<usize>,
+    prefill_chunk: Option<usize>,
+    kv_blocks: Option<usize>,
+    kv_block_size: Option<usize>,
+    kv_memory: Option<String>,
+    default_max_tokens: Option<usize>,
+    drain_timeout: Option<String>,
+    compute_dtype: Option<String>,
+    weights: Option<String>,
+}
+
+/// How the KV cache is sized.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvSize {
+    Blocks(usize),
+    Bytes(u64),
+}
+
+/// Resolved settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub listen: SocketAddr,
+    pub metrics_listen: Option<SocketAddr>,
+    pub model: String,
+    pub tenants: Option<PathBuf>,
+    pub max_batch_rows: usize,
+    pub max_step_tokens: usize,
+    pub max_waiting: usize,
+    pub prefill_chunk: usize,
+    pub kv_size: KvSize,
+    pub kv_block_size: usize,
+    pub default_max_tokens: usize,
+    pub drain_timeout: Duration,
+    pub compute: ComputeArgs,
+}
+
+impl Settings {
+    pub fn resolve(args: ServeArgs) -> anyhow::Result<Self> {
+        let file = match &args.config {
+            Some(p) => load_file(p)?,
+            None => FileConfig::default(),
+        };
+        // Relative paths in the file are relative to the file.
+        let base = args
+            .config
+            .as_deref()
+            .and_then(Path::parent)
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        let listen = match (args.listen, &file.listen) {
+            (Some(a), _) => a,
+            (None, Some(s)) => s
+                .parse()
+                .with_context(|| format!("config listen = {s:?}: expected host:port"))?,
+            (None, None) => DEFAULT_LISTEN.parse()?,
+        };
+        let metrics = args
+            .metrics_listen
+            .or(file.metrics_listen)
+            .unwrap_or_else(|| DEFAULT_METRICS_LISTEN.to_string());
+        let metrics_listen = if metrics.eq_ignore_ascii_case("off") || metrics.is_empty() {
+            None
+        } else {
+            Some(metrics.parse().with_context(|| {
+                format!("metrics-listen {metrics:?}: expected host:port or off")
+            })?)
+        };
+        let max_batch_rows = args.max_batch_rows.or(file.max_batch_rows).unwrap_or(64);
+        let max_step_tokens = args
+            .max_step_tokens
+            .or(file.max_step_tokens)
+            .unwrap_or(max_batch_rows.max(2048));
+        let kv_size = match (args.kv_blocks, &args.kv_memory) {
+            (Some(b), _) => KvSize::Blocks(b),
+            (None, Some(m)) => KvSize::Bytes(parse_bytes(m)?),
+            (None, None) => match (file.kv_blocks, &file.kv_memory) {
+                (Some(_), Some(_)) => bail!("config: give kv_blocks or kv_memory, not both"),
+                (Some(b), None) => KvSize::Blocks(b),
+                (None, Some(m)) => KvSize::Bytes(parse_bytes(m)?),
+                (None, None) => KvSize::Blocks(4096),
+            },
+        };
+        let drain = args
+            .drain_timeout
+            .or(file.drain_timeout)
+            .map(|s| parse_duration(&s))
+            .transpose()?
+            .unwrap_or(DEFAULT_DRAIN_TIMEOUT);
+        let mut compute = args.compute;
+        // Flags and env already decided unless they were left at "auto".
+        if compute.compute_dtype == "auto" {
+            if let Some(d) = file.compute_dtype {
+                compute.compute_dtype = d;
+            }
+        }
+        if compute.weights == "auto" {
+            if let Some(w) = file.weights {
+                compute.weights = w;
+            }
+        }
+        let s = Settings {
+            listen,
+            metrics_listen,
+            model: args.model.or(file.model).unwrap_or_default(),
+            tenants: args.tenants.or(file.tenants.map(|p| base.join(p))),
+            max_batch_rows,
+            max_step_tokens,
+            max_waiting: args.max_waiting.or(file.max_waiting).unwrap_or(1024),
+            prefill_chunk: args.prefill_chunk.or(file.prefill_chunk).unwrap_or(512),
+            kv_size,
+            kv_block_size: args.kv_block_size.or(file.kv_block_size).unwrap_or(16),
+            default_max_tokens: args
+                .default_max_tokens
+                .or(file.default_max_tokens)
+                .unwrap_or(DEFAULT_MAX_TOKENS),
+            drain_timeout: drain,
+            compute,
+        };
+        s.check()?;
+        Ok(s)
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        for (name, v) in [
+            ("max-batch-rows", self.max_batch_rows),
+            ("max-step-tokens", self.max_step_tokens),
+            ("max-waiting", self.max_waiting),
+            ("prefill-chunk", self.prefill_chunk),
+            ("kv-block-size", self.kv_block_size),
+            ("default-max-tokens", self.default_max_tokens),
+        ] {
+            if v == 0 {
+                bail!("--{name} must be at least 1");
+            }
+        }
+        if self.max_step_tokens < self.max_batch_rows {
+            bail!(
+                "--max-step-tokens ({}) must be >= --max-batch-rows ({}) so every decoding row advances each step",
+                self.max_step_tokens,
+                self.max_batch_rows
+            );
+        }
+        if let KvSize::Blocks(0) | KvSize::Bytes(0) = self.kv_size {
+            bail!("the KV cache must be larger than 0 (--kv-blocks / --kv-memory)");
+        }
+        self.compute.load_options()?;
+        Ok(())
+    }
+
+    /// The open (no tenant file) mode is only for loopback.
+    pub fn check_exposure(&self) -> anyhow::Result<()> {
+        if self.tenants.is_none() && !self.listen.ip().is_loopback() {
+            bail!(
+                "refusing to serve {} without a tenant file: anyone who can reach that address \
+                 could use the server. Pass --tenants PATH (or WEFT_TENANTS) with API keys \
+                 (`weft hash-key <key>` makes their hashes), or listen on a loopback address \
+                 such as 127.0.0.1",
+                self.listen
+            );
+        }
+        Ok(())
+    }
+
+    /// KV blocks for a model whose one token of KV takes `bytes_per_token`.
+    pub fn kv_blocks(&self, bytes_per_token: u64) -> usize {
+        match self.kv_size {
+            KvSize::Blocks(b) => b,
+            KvSize::Bytes(n) => {
+                let per_block = bytes_per_token.max(1) * self.kv_block_size as u64;
+                usize::try_from(n / per_block).unwrap_or(usize::MAX).max(1)
+            }
+        }
+    }
+
+    pub fn scheduler_config(&self, kv_blocks: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            max_batch_rows: self.max_batch_rows,
+            max_step_tokens: self.max_step_tokens,
+            prefill_chunk: self.prefill_chunk,
+            max_waiting: self.max_waiting,
+            kv_block_size: self.kv_block_size,
+            kv_total_blocks: kv_blocks,
+            ..SchedulerConfig::default()
+        }
+    }
+}
+
+fn load_file(p: &Path) -> anyhow::Result<FileConfig> {
+    let text =
+        std::fs::read_to_string(p).with_context(|| format!("reading config {}", p.display()))?;
+    toml::from_str(&text).with_context(|| format!("config {}", p.display()))
+}
+
+/// "30s", "500ms", "2m", "1h" or plain seconds ("2.5").
+pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {
+    let t = s.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = t.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (t, 1.0)
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v >= 0.0)
+        .with_context(|| format!("{s:?}: expected a duration such as 30s, 500ms, 2m"))?;
+    Ok(Duration::from_secs_f64(v * scale))
+}
+
+/// "2GiB", "512MiB", "1.5G", "1000000" (bytes).
+pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1024.0 * 1024.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tb" => 1e12,
+        "tib" => 1024f64.powi(4),
+        _ => bail!("{s:?}: unknown unit (use B, KiB, MiB, GiB, KB, MB, GB)"),
+    };
+    let v: f64 = num
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v >= 0.0)
+        .with_context(|| format!("{s:?}: expected a size such as 2GiB or 512MiB"))?;
+    Ok((v * scale) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn args(line: &str) -> ServeArgs {
+        Cli::try_parse_from(std::iter::once("serve").chain(line.split_whitespace()))
+            .unwrap()
+            .serve
+    }
+
+    #[test]
+    fn defaults() {
+        let s = Settings::resolve(args("")).unwrap();
+        assert_eq!(s.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(
+            s.metrics_listen.unwrap().to_string(),
+            DEFAULT_METRICS_LISTEN
+        );
+        assert_eq!(s.model, "");
+        assert_eq!(s.drain_timeout, DEFAULT_DRAIN_TIMEOUT);
+        assert_eq!(s.kv_size, KvSize::Blocks(4096));
+        assert!(s.check_exposure().is_ok());
+    }
+
+    #[test]
+    fn file_then_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("weft.toml");
+        std::fs::write(
+            &p,
+            "listen = \"127.0.0.1:7000\"\nmetrics_listen = \"off\"\nmax_batch_rows = 8\n\
+             tenants = \"t.toml\"\nkv_memory = \"1MiB\"\ndrain_timeout = \"500ms\"\n\
+             compute_dtype = \"bf16\"\n",
+        )
+        .unwrap();
+        let s = Settings::resolve(args(&format!(
+            "--config {} --max-batch-rows 4",
+            p.display()
+        )))
+        .unwrap();
+        assert_eq!(s.listen.port(), 7000);
+        assert!(s.metrics_listen.is_none());
+        assert_eq!(s.max_batch_rows, 4);
+        assert_eq!(s.tenants.unwrap(), dir.path().join("t.toml"));
+        assert_eq!(s.kv_size, KvSize::Bytes(1 << 20));
+        assert_eq!(s.drain_timeout, Duration::from_millis(500));
+        assert_eq!(s.compute.compute_dtype, "bf16");
+        std::fs::write(&p, "nope = 1\n").unwrap();
+        let e = Settings::resolve(args(&format!("--config {}", p.display()))).unwrap_err();
+        assert!(format!("{e:#}").contains("nope"), "{e:#}");
+    }
+
+    #[test]
+    fn exposure_needs_tenants() {
+        let s = Settings::resolve(args("--listen 0.0.0.0:50051")).unwrap();
+        let e = s.check_exposure().unwrap_err().to_string();
+        assert!(e.contains("without a tenant file"), "{e}");
+        let s = Settings::resolve(args("--listen 0.0.0.0:50051 --tenants t.toml")).unwrap();
+        assert!(s.check_exposure().is_ok());
+        let s = Settings::resolve(args("--listen [::1]:50051")).unwrap();
+        assert!(s.check_exposure().is_ok());
+    }
+
+    #[test]
+    fn bad_values() {
+        for line in [
+            "--max-batch-rows 0",
+            "--max-batch-rows 64 --max-step-tokens 8",
+            "--drain-timeout soon",
+            "--kv-memory 3parsecs",
+            "--kv-blocks 0",
+            "--compute-dtype f8",
+            "--metrics-listen nowhere",
+        ] {
+            assert!(Settings::resolve(args(line)).is_err(), "{line}");
+        }
+    }
+
+    #[test]
+    fn units() {
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("1.5G").unwrap(), 1_500_000_000);
+        let mut s = Settings::resolve(args("--kv-memory 1MiB --kv-block-size 16")).unwrap();
+        assert_eq!(s.kv_blocks(1024), 64);
+        s.kv_size = KvSize::Blocks(7);
+        assert_eq!(s.kv_blocks(1024), 7);
+    }
+}

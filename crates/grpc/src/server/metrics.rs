@@ -1,0 +1,182 @@
+//! Prometheus: the recorder (installed before the engine starts, so the
+//! scheduler's handles resolve to it), the `/metrics` HTTP endpoint, and the
+//! server's own request counter.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{Request, Response, StatusCode};
+use metrics::{counter, describe_counter, describe_gauge, gauge};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tonic::Code;
+use weft_scheduler::metrics as m;
+
+pub const GRPC_REQUESTS: &str = "weft_grpc_requests_total";
+pub const GRPC_IN_FLIGHT: &str = "weft_grpc_requests_in_flight";
+pub const SERVING: &str = "weft_serving";
+
+/// Time to first token: SLO thresholds users set (a 2 s bucket among them).
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+];
+/// Inter-token latency.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+];
+/// End-to-end and queue time.
+pub const E2E_BUCKETS: &[f64] = &[
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// One engine step.
+pub const STEP_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+
+/// Builds and installs the global recorder. Call once, before the engine
+/// starts.
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    let b = PrometheusBuilder::new()
+        .set_buckets(E2E_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(m::TTFT.into()), TTFT_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(m::ITL.into()), ITL_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(m::E2E.into()), E2E_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(m::QUEUE_TIME.into()), E2E_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(m::STEP_DURATION.into()), STEP_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(m::BATCH_SIZE.into()), m::BATCH_BUCKETS)?;
+    let recorder = b.build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder)
+        .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}"))?;
+    m::describe();
+    describe_counter!(
+        GRPC_REQUESTS,
+        "Finished gRPC calls by method, status code and tenant"
+    );
+    describe_gauge!(GRPC_IN_FLIGHT, "Generation calls admitted and not finished");
+    describe_gauge!(
+        SERVING,
+        "1 while the server admits requests (model warm, not draining)"
+    );
+    gauge!(SERVING).set(0.0);
+    gauge!(GRPC_IN_FLIGHT).set(0.0);
+    Ok(handle)
+}
+
+/// Drains histogram samples into their buckets now and then (the exporter
+/// does that on render too; this bounds memory between scrapes).
+pub fn spawn_upkeep(handle: PrometheusHandle) {
+    tokio::spawn(async move {
+        let mut t = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            t.tick().await;
+            handle.run_upkeep();
+        }
+    });
+}
+
+/// Serves `GET /metrics` (Prometheus text) and `GET /healthz` until
+/// `stop` turns true.
+pub async fn serve(
+    listener: TcpListener,
+    handle: PrometheusHandle,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.changed() => return,
+        };
+        let (stream, _) = match accepted {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics endpoint: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let handle = handle.clone();
+                async move { Ok::<_, Infallible>(respond(&req, &handle)) }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, svc)
+                .await
+            {
+                tracing::debug!(error = %e, "metrics connection ended");
+            }
+        });
+    }
+}
+
+fn respond<B>(req: &Request<B>, handle: &PrometheusHandle) -> Response<Full<Bytes>> {
+    let reply = |status: StatusCode, ctype: &'static str, body: String| {
+        let mut r = Response::new(Full::new(Bytes::from(body)));
+        *r.status_mut() = status;
+        if let Ok(v) = hyper::header::HeaderValue::from_str(ctype) {
+            r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+        }
+        r
+    };
+    if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD {
+        return reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "GET only\n".into(),
+        );
+    }
+    match req.uri().path() {
+        "/metrics" => reply(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            handle.render(),
+        ),
+        "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n".into()),
+        _ => reply(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "not found: try /metrics\n".into(),
+        ),
+    }
+}
+
+/// Counts one finished call. `tenant` is a configured tenant name or "none"
+/// (unauthenticated), so label values stay bounded.
+pub fn record(method: &'static str, code: Code, tenant: &str) {
+    counter!(
+        GRPC_REQUESTS,
+        "method" => method,
+        "code" => code_label(code),
+        "tenant" => tenant.to_string()
+    )
+    .increment(1);
+}
+
+/// gRPC status codes as fixed label values.
+pub fn code_label(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::Unknown => "unknown",
+        Code::InvalidArgument => "invalid_argument",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::NotFound => "not_found",
+        Code::AlreadyExists => "already_exists",
+        Code::PermissionDenied => "permission_denied",
+        Code::ResourceExhausted => "resource_exhausted",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::Aborted => "aborted",
+        Code::OutOfRange => "out_of_range",
+        Code::Unimplemented => "unimplemented",
+        Code::Internal => "internal",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data_loss",
+        Code::Unauthenticated => "unauthenticated",
+    }
+}

@@ -1,0 +1,296 @@
+//! `weft serve`: the gRPC front end over the engine.
+//!
+//! Startup: settings are resolved and checked (an open server on a
+//! non-loopback address is refused before anything loads), the Prometheus
+//! recorder is installed (the scheduler resolves its metric handles when it
+//! starts), both listeners are bound and serving — `grpc.health.v1` answers
+//! NOT_SERVING and generation calls UNAVAILABLE — while the model loads and
+//! warms on the engine thread; then health turns SERVING.
+//!
+//! Shutdown (SIGTERM or SIGINT): generation calls get UNAVAILABLE, health
+//! turns NOT_SERVING, in-flight requests run to completion for up to
+//! `--drain-timeout`; what is still running then ends with UNAVAILABLE as the
+//! engine stops. A second signal skips the rest of the drain. Exit status 0.
+//!
+//! Request path, per call: authenticate (`authorization: Bearer <key>` ->
+//! tenant), validate every field ([`validate`]), tokenize, take one of the
+//! tenant's concurrency slots, submit to the engine (which applies the queue
+//! cap and the tenant's token rate at once), then relay events. Dropping the
+//! response (client gone) drops the engine's event stream, which cancels the
+//! request within one step.
+
+pub mod config;
+pub mod metrics;
+pub mod service;
+pub mod tenants;
+pub mod validate;
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+use tracing::{error, info, warn};
+use weft_scheduler::{Engine, TenantLimits};
+
+pub use config::ServeArgs;
+use config::Settings;
+use service::{GenerationService, Ready, State};
+use tenants::Tenants;
+
+use crate::pb;
+use crate::pb::generation_server::GenerationServer;
+
+/// How long the gRPC server gets to close connections after the drain.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+/// How long finished-by-shutdown requests get to deliver their last status.
+const ABANDON_GRACE: Duration = Duration::from_secs(2);
+
+/// Runs `weft serve` to completion (Ok after a clean drain).
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let settings = Settings::resolve(args)?;
+    settings.check_exposure()?;
+    let tenants = match &settings.tenants {
+        Some(p) => Tenants::load(p)?,
+        None => Tenants::open(),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("weft-grpc")
+        .build()
+        .context("starting the async runtime")?;
+    let out = rt.block_on(serve(settings, tenants));
+    // A model load still running on a blocking thread must not hold the exit.
+    rt.shutdown_timeout(Duration::from_millis(500));
+    out
+}
+
+/// Prints a line on stdout (addresses, readiness) and flushes it, for
+/// people and for scripts that wait for it.
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "weft: {line}");
+    let _ = out.flush();
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Signal {
+    Terminate,
+    Interrupt,
+}
+
+/// SIGTERM / SIGINT as a stream of events.
+fn signals() -> anyhow::Result<tokio::sync::mpsc::UnboundedReceiver<Signal>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let s = tokio::select! {
+                _ = term.recv() => Signal::Terminate,
+                _ = int.recv() => Signal::Interrupt,
+            };
+            if tx.send(s).is_err() {
+                return;
+            }
+        }
+    });
+    Ok(rx)
+}
+
+async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
+    let mut sig = signals()?;
+    let prom = metrics::install()?;
+    metrics::spawn_upkeep(prom.clone());
+
+    let listener = TcpListener::bind(settings.listen)
+        .await
+        .with_context(|| format!("binding the gRPC address {}", settings.listen))?;
+    let grpc_addr = listener.local_addr()?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    if let Some(addr) = settings.metrics_listen {
+        let ml = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding the metrics address {addr}"))?;
+        let maddr = ml.local_addr()?;
+        tokio::spawn(metrics::serve(ml, prom.clone(), stop_rx.clone()));
+        say(&format!("metrics listening on http://{maddr}/metrics"));
+    }
+
+    let state = Arc::new(State::new(tenants, settings.default_max_tokens));
+    let (mut health, health_svc) = tonic_health::server::health_reporter();
+    health
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
+    health
+        .set_not_serving::<GenerationServer<GenerationService>>()
+        .await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building the reflection service")?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .context("building the reflection service")?;
+
+    let mut grpc_stop = stop_rx.clone();
+    let router = Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(health_svc)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(GenerationServer::new(GenerationService::new(state.clone())));
+    let server = tokio::spawn(router.serve_with_incoming_shutdown(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        async move {
+            let _ = grpc_stop.wait_for(|s| *s).await;
+        },
+    ));
+    say(&format!("grpc listening on {grpc_addr}"));
+    info!(addr = %grpc_addr, tenants = ?state.tenants.all().iter().map(|t| t.name.clone()).collect::<Vec<_>>(), "gRPC listening; loading the model");
+
+    // Load and warm the model off the async threads.
+    let t0 = Instant::now();
+    let load_settings = settings.clone();
+    let tenant_list = state.tenants.all();
+    let mut load = tokio::task::spawn_blocking(move || load_engine(&load_settings, &tenant_list));
+    let loaded = tokio::select! {
+        r = &mut load => r.context("the model loader panicked")?,
+        s = sig.recv() => {
+            info!(signal = ?s, "signal during model load; exiting");
+            say("stopped (during model load)");
+            let _ = stop_tx.send(true);
+            return Ok(());
+        }
+    };
+    let (engine, ready) = match loaded {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = stop_tx.send(true);
+            return Err(e);
+        }
+    };
+    let model_name = ready.model.name.clone();
+    let _ = state.ready.set(ready);
+    health.set_service_status("", ServingStatus::Serving).await;
+    health
+        .set_serving::<GenerationServer<GenerationService>>()
+        .await;
+    ::metrics::gauge!(metrics::SERVING).set(1.0);
+    info!(model = %model_name, load_seconds = t0.elapsed().as_secs_f64(), "serving");
+    say(&format!(
+        "ready: serving {model_name} (loaded in {:.1}s)",
+        t0.elapsed().as_secs_f64()
+    ));
+
+    // Serve until a signal (or the server itself fails).
+    let mut server = server;
+    let first = tokio::select! {
+        s = sig.recv() => s,
+        r = &mut server => {
+            let _ = stop_tx.send(true);
+            drop(engine);
+            return match r {
+                Ok(Ok(())) => Err(anyhow::anyhow!("the gRPC server stopped unexpectedly")),
+                Ok(Err(e)) => Err(anyhow::Error::new(e).context("the gRPC server failed")),
+                Err(e) => Err(anyhow::Error::new(e).context("the gRPC server panicked")),
+            };
+        }
+    };
+
+    // Drain.
+    state.start_draining();
+    health
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
+    health
+        .set_not_serving::<GenerationServer<GenerationService>>()
+        .await;
+    let n = state.in_flight();
+    info!(signal = ?first, in_flight = n, timeout_s = settings.drain_timeout.as_secs_f64(), "draining");
+    say(&format!("draining ({n} requests in flight)"));
+    let drained = tokio::select! {
+        r = tokio::time::timeout(settings.drain_timeout, state.wait_idle()) => r.is_ok(),
+        s = sig.recv() => {
+            warn!(signal = ?s, "second signal: skipping the rest of the drain");
+            false
+        }
+    };
+    if !drained {
+        service::warn_abandoned(&state);
+        state.mark_stopping();
+    }
+    // Stop the engine: anything still running ends with UNAVAILABLE.
+    let stop_engine = tokio::task::spawn_blocking(move || engine.shutdown());
+    if stop_engine.await.is_err() {
+        error!("the engine thread panicked while stopping");
+    }
+    if !drained {
+        let _ = tokio::time::timeout(ABANDON_GRACE, state.wait_idle()).await;
+    }
+    let _ = stop_tx.send(true);
+    match tokio::time::timeout(CLOSE_GRACE, server).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => warn!(error = %e, "gRPC server error while closing"),
+        Ok(Err(e)) => warn!(error = %e, "gRPC server task failed while closing"),
+        Err(_) => warn!("connections still open after the drain; closing anyway"),
+    }
+    info!(drained, "stopped");
+    say("stopped");
+    Ok(())
+}
+
+/// Resolves (fetching on first use), loads and warms the model; returns the
+/// engine and what calls need.
+fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result<(Engine, Ready)> {
+    let dir = crate::runtime::resolve_model(&s.model, true)?;
+    let opts = s.compute.load_options()?;
+    let cfg = weft_models::ModelConfig::load(&dir)?;
+    let dtype_bytes: u64 = match opts.policy().dtype {
+        mlx_rs::Dtype::Float32 => 4,
+        _ => 2,
+    };
+    let bytes_per_token = 2
+        * cfg.num_layers.max(1) as u64
+        * cfg.num_kv_heads.max(1) as u64
+        * cfg.head_dim.max(1) as u64
+        * dtype_bytes;
+    let blocks = s.kv_blocks(bytes_per_token);
+    let mut sc = s.scheduler_config(blocks);
+    for t in tenants {
+        sc.tenants.insert(
+            t.name.clone(),
+            TenantLimits {
+                max_running: t.max_running.unwrap_or(usize::MAX),
+                max_waiting: t.max_waiting.unwrap_or(s.max_waiting),
+                tokens_per_minute: t.tokens_per_minute,
+            },
+        );
+    }
+    info!(
+        dir = %dir.display(),
+        kv_blocks = blocks,
+        kv_block_size = s.kv_block_size,
+        kv_tokens = blocks * s.kv_block_size,
+        kv_bytes = (blocks * s.kv_block_size) as u64 * bytes_per_token,
+        max_batch_rows = s.max_batch_rows,
+        blas = crate::blas::active().as_deref().unwrap_or("none"),
+        "loading the model"
+    );
+    let (engine, tokenizer, model) = crate::runtime::start_engine(&dir, opts, sc)?;
+    let ready = Ready {
+        engine: engine.handle(),
+        tokenizer,
+        model,
+    };
+    Ok((engine, ready))
+}
