@@ -25,9 +25,16 @@ use super::validate::{self, Limits};
 use crate::pb;
 use crate::runtime::ServedModel;
 
-/// A unary call answers this much before the client's deadline, so the
-/// answer is DEADLINE_EXCEEDED from us rather than the transport's own timer.
-const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
+/// Deadlines (`grpc-timeout`): the engine's deadline for the request is this
+/// much before the client's, so the row leaves the batch (and the answer is
+/// DEADLINE_EXCEEDED from us, with usage) before the client gives up.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
+/// Backstop of a unary call if the engine has not ended the request by then:
+/// just before the transport's own timer (which would answer CANCELLED).
+const UNARY_BACKSTOP_MARGIN: Duration = Duration::from_millis(5);
+/// Backstop of a stream, after the engine's deadline (the client's deadline
+/// does not cut a server stream's body, so there is no race to lose).
+const STREAM_BACKSTOP_GRACE: Duration = Duration::from_millis(250);
 /// Retry hint when a tenant has all its concurrency slots in use.
 const CONCURRENCY_RETRY_AFTER: Duration = Duration::from_millis(500);
 /// Largest Tokenize text and Detokenize id list.
@@ -221,7 +228,13 @@ impl GenerationService {
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(validate::parse_grpc_timeout)
-            .map(|t| arrival + t.saturating_sub(DEADLINE_MARGIN));
+            .map(|t| {
+                (
+                    arrival + t.saturating_sub(DEADLINE_MARGIN),
+                    arrival + t.saturating_sub(UNARY_BACKSTOP_MARGIN),
+                )
+            });
+        let (deadline, unary_backstop) = (deadline.map(|d| d.0), deadline.map(|d| d.1));
         let body = req.into_inner();
         let client_id = validate::check_request_id(&body.request_id)?;
         let id = client_id.unwrap_or_else(|| st.new_id());
@@ -261,6 +274,7 @@ impl GenerationService {
             id,
             arrival,
             deadline,
+            unary_backstop,
             prompt_tokens,
             stop_ids,
             first_token: None,
@@ -292,7 +306,9 @@ struct Flow {
     tenant: Arc<Tenant>,
     id: String,
     arrival: Instant,
+    /// The engine's deadline for the request.
     deadline: Option<Instant>,
+    unary_backstop: Option<Instant>,
     prompt_tokens: usize,
     stop_ids: Vec<u32>,
     first_token: Option<Instant>,
@@ -382,11 +398,11 @@ impl Flow {
         info!(
             tenant = %self.tenant.name,
             request_id = %self.id,
-            method = self.method,
+            method = %self.method,
             prompt_tokens = self.prompt_tokens,
             generated_tokens = self.generated,
-            finish_reason = reason,
-            code = sm::code_label(code),
+            finish_reason = %reason,
+            code = %sm::code_label(code),
             ttft_ms = ttft_ms.map(|v| (v * 10.0).round() / 10.0),
             total_ms = (total_ms * 10.0).round() / 10.0,
             "request finished"
@@ -453,7 +469,7 @@ impl GenStream {
     fn new(flow: Flow) -> Self {
         let timer = flow
             .deadline
-            .map(|d| Box::pin(tokio::time::sleep_until(d.into())));
+            .map(|d| Box::pin(tokio::time::sleep_until((d + STREAM_BACKSTOP_GRACE).into())));
         Self {
             flow,
             timer,
@@ -569,7 +585,9 @@ impl pb::generation_server::Generation for GenerationService {
         let mut text = String::new();
         let mut ids = Vec::new();
         let mut lps = Vec::new();
-        let timer = flow.deadline.map(|d| tokio::time::sleep_until(d.into()));
+        let timer = flow
+            .unary_backstop
+            .map(|d| tokio::time::sleep_until(d.into()));
         tokio::pin!(timer);
         loop {
             let Some(events) = flow.events.as_mut() else {
