@@ -1,5 +1,6 @@
 //! End-to-end, one server through its whole life, in order: NOT_SERVING
-//! while the model loads, SERVING, KV returned after cancel / deadline /
+//! while the model loads, SERVING, an engine failure that fails one request
+//! only, KV returned after cancel / deadline /
 //! disconnect, the global queue cap, then SIGTERM with requests in flight:
 //! NOT_SERVING, UNAVAILABLE for new calls, the short request completes, the
 //! long one is cut at the drain timeout, exit 0.
@@ -48,14 +49,18 @@ async fn wait_idle(s: &Server, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_life() {
-    let s = Server::spawn(&[
-        "--max-batch-rows",
-        "2",
-        "--max-waiting",
-        "2",
-        "--drain-timeout",
-        "8s",
-    ]);
+    let s = Server::spawn_env(
+        &[
+            "--max-batch-rows",
+            "2",
+            "--max-waiting",
+            "2",
+            "--drain-timeout",
+            "8s",
+        ],
+        // Every attempt of the first step fails (1 try + 3 retries).
+        &[("WEFT_TEST_FAULTS", "after_forward:1-4")],
+    );
 
     // ---- loading: the listeners are up, the model is not.
     assert_eq!(s.health("").await.unwrap(), NOT_SERVING);
@@ -71,6 +76,21 @@ async fn whole_life() {
     assert_eq!(s.health("weft.v1.Generation").await.unwrap(), SERVING);
     assert!(s.stdout().iter().any(|l| l.starts_with("weft: ready")));
     wait_idle(&s, "start").await;
+
+    // ---- An engine failure (injected: the first step fails every retry)
+    // fails that request only, with INTERNAL; the next one is served.
+    assert_code(
+        c.generate(text_req("The capital of France is", 3)).await,
+        Code::Internal,
+        "generation failed",
+    );
+    let ok = c
+        .generate(text_req("The capital of France is", 3))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(ok.text.contains("Paris"), "{:?}", ok.text);
+    wait_idle(&s, "after an engine failure").await;
 
     // ---- Cancel frees the row and its blocks within a step.
     let mut st = c

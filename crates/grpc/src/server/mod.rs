@@ -19,6 +19,10 @@
 //! response (client gone) drops the engine's event stream, which cancels the
 //! request within one step.
 
+// `tonic::Status` (176 bytes) is the error of every handler and of the
+// helpers that build its answers; boxing it would only move the allocation.
+#![allow(clippy::result_large_err)]
+
 pub mod config;
 pub mod metrics;
 pub mod service;
@@ -266,6 +270,10 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
         * dtype_bytes;
     let blocks = s.kv_blocks(bytes_per_token);
     let mut sc = s.scheduler_config(blocks);
+    if let Ok(spec) = std::env::var(FAULT_ENV) {
+        sc.faults = parse_faults(&spec)?;
+        warn!(spec = %spec, "{FAULT_ENV} is set: injecting engine step failures (testing only)");
+    }
     for t in tenants {
         sc.tenants.insert(
             t.name.clone(),
@@ -293,4 +301,38 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
         model,
     };
     Ok((engine, ready))
+}
+
+/// Testing only: makes engine steps fail, to exercise the per-request
+/// INTERNAL path end to end. `point:from[-to],...` with points after_plan,
+/// after_forward, sampling, commit_bookkeeping and 1-based occurrence
+/// numbers (every attempt that reaches the point counts).
+pub const FAULT_ENV: &str = "WEFT_TEST_FAULTS";
+
+fn parse_faults(spec: &str) -> anyhow::Result<weft_scheduler::FaultPlan> {
+    use weft_scheduler::FaultPoint;
+    let mut plan = weft_scheduler::FaultPlan::default();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = || anyhow::anyhow!("{FAULT_ENV}: {part:?} is not point:from[-to]");
+        let (point, range) = part.split_once(':').ok_or_else(bad)?;
+        let point = match point {
+            "after_plan" => FaultPoint::AfterPlan,
+            "after_forward" => FaultPoint::AfterForward,
+            "sampling" => FaultPoint::Sampling,
+            "commit_bookkeeping" => FaultPoint::CommitBookkeeping,
+            _ => return Err(bad()),
+        };
+        let (from, to) = match range.split_once('-') {
+            Some((a, b)) => (a.parse::<u64>(), b.parse::<u64>()),
+            None => (range.parse::<u64>(), range.parse::<u64>()),
+        };
+        let (from, to) = (from.map_err(|_| bad())?, to.map_err(|_| bad())?);
+        if from == 0 || to < from || to - from > 10_000 {
+            return Err(bad());
+        }
+        for k in from..=to {
+            plan = plan.at(point, k);
+        }
+    }
+    Ok(plan)
 }

@@ -347,76 +347,58 @@ mod tests {
     fn sampling_ranges() {
         let ok = |s: pb::SamplingParams| sampling(Some(&s)).map(|x| x.0);
         let d = pb::SamplingParams::default();
-        let p = ok(d.clone()).unwrap();
+        let p = ok(d).unwrap();
         assert_eq!((p.top_p, p.repetition_penalty), (1.0, 1.0));
         for (s, field) in [
             (
                 pb::SamplingParams {
                     temperature: -1.0,
-                    ..d.clone()
+                    ..d
                 },
                 "temperature",
             ),
             (
                 pb::SamplingParams {
                     temperature: 101.0,
-                    ..d.clone()
+                    ..d
                 },
                 "temperature",
             ),
             (
                 pb::SamplingParams {
                     temperature: f32::NAN,
-                    ..d.clone()
+                    ..d
                 },
                 "temperature",
             ),
-            (
-                pb::SamplingParams {
-                    top_p: 1.5,
-                    ..d.clone()
-                },
-                "top_p",
-            ),
-            (
-                pb::SamplingParams {
-                    top_p: -0.1,
-                    ..d.clone()
-                },
-                "top_p",
-            ),
-            (
-                pb::SamplingParams {
-                    min_p: 1.0,
-                    ..d.clone()
-                },
-                "min_p",
-            ),
+            (pb::SamplingParams { top_p: 1.5, ..d }, "top_p"),
+            (pb::SamplingParams { top_p: -0.1, ..d }, "top_p"),
+            (pb::SamplingParams { min_p: 1.0, ..d }, "min_p"),
             (
                 pb::SamplingParams {
                     repetition_penalty: -1.0,
-                    ..d.clone()
+                    ..d
                 },
                 "repetition_penalty",
             ),
             (
                 pb::SamplingParams {
                     presence_penalty: 2.5,
-                    ..d.clone()
+                    ..d
                 },
                 "presence_penalty",
             ),
             (
                 pb::SamplingParams {
                     frequency_penalty: -3.0,
-                    ..d.clone()
+                    ..d
                 },
                 "frequency_penalty",
             ),
             (
                 pb::SamplingParams {
                     frequency_penalty: f32::INFINITY,
-                    ..d.clone()
+                    ..d
                 },
                 "frequency_penalty",
             ),
