@@ -13,6 +13,23 @@
 //! per group, then in every attention layer
 //! [`KvStorage::update_and_fetch`] and attend with [`StepLayout::mask`].
 //!
+//! # Layout
+//!
+//! Blocks are head-major, `[num_blocks, kv_heads, block_size, head_dim]`,
+//! so a read is one gather with block and head indices together whose output
+//! already is attention's `[B, kv_heads, L, head_dim]`. The token-major
+//! alternative `[num_blocks, block_size, kv_heads, head_dim]` makes the write
+//! a one-axis scatter but the read a gather plus a transposing copy, measured
+//! 2-3x slower on CPU (`benches/storage.rs`, `read/paged_take_transpose`);
+//! with the raw two-axis `mlx_scatter` the head-major write costs the same as
+//! a flat one.
+//!
+//! The gathered layout is an interim for MLX's dense SDPA. A paged-attention
+//! kernel would take [`StepLayout::block_table`], [`StepLayout::context_lens`]
+//! and [`StepLayout::first_block`] and read the pool arrays in place; those are
+//! already public, the pool layout is what such kernels expect, and
+//! [`KvStorage::read`] is the only place that would change.
+//!
 //! KV writes need no staging: a step only writes slots at or past each row's
 //! committed length, in blocks the row holds alone, so the writes of a step
 //! that is later abandoned are dead data the retry overwrites. SSM state is
