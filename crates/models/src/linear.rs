@@ -76,6 +76,82 @@ impl Linear {
         })
     }
 
+    /// Output features.
+    pub fn out_features(&self) -> i32 {
+        match self {
+            Linear::Dense { weight, .. } | Linear::Quantized { weight, .. } => weight.dim(0),
+        }
+    }
+
+    /// One layer computing all of `parts` (stacked outputs), or None when their
+    /// layouts differ. Fewer, larger matmuls cut per-kernel overhead.
+    pub fn fuse(parts: &[&Linear]) -> Result<Option<Linear>> {
+        let cat = |xs: Vec<&Array>| ops::concatenate(&xs, 0);
+        let biases: Vec<Option<&Array>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
+            })
+            .collect();
+        let bias = if biases.iter().all(|b| b.is_none()) {
+            None
+        } else if biases.iter().all(|b| b.is_some()) {
+            Some(cat(biases.into_iter().flatten().collect())?)
+        } else {
+            return Ok(None);
+        };
+        match parts.first() {
+            Some(Linear::Dense { weight: w0, .. }) => {
+                let mut ws = Vec::new();
+                for p in parts {
+                    match p {
+                        Linear::Dense { weight, .. } if weight.dtype() == w0.dtype() => {
+                            ws.push(weight)
+                        }
+                        _ => return Ok(None),
+                    }
+                }
+                Ok(Some(Linear::Dense {
+                    weight: cat(ws)?,
+                    bias,
+                }))
+            }
+            Some(Linear::Quantized {
+                group_size: g0,
+                bits: b0,
+                ..
+            }) => {
+                let (mut ws, mut ss, mut bs) = (Vec::new(), Vec::new(), Vec::new());
+                for p in parts {
+                    match p {
+                        Linear::Quantized {
+                            weight,
+                            scales,
+                            biases,
+                            group_size,
+                            bits,
+                            ..
+                        } if group_size == g0 && bits == b0 => {
+                            ws.push(weight);
+                            ss.push(scales);
+                            bs.push(biases);
+                        }
+                        _ => return Ok(None),
+                    }
+                }
+                Ok(Some(Linear::Quantized {
+                    weight: cat(ws)?,
+                    scales: cat(ss)?,
+                    biases: cat(bs)?,
+                    bias,
+                    group_size: *g0,
+                    bits: *b0,
+                }))
+            }
+            None => Ok(None),
+        }
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (y, bias) = match self {
             Linear::Dense { weight, bias } => (ops::matmul(x, weight.t())?, bias),

@@ -10,18 +10,53 @@ use crate::error::{ModelError, Result};
 use crate::linear::{Linear, WeightPolicy};
 use crate::weights::Weights;
 
+/// Projections computed by one matmul whose output is split.
+enum Proj {
+    Fused { lin: Linear, splits: Vec<i32> },
+    Separate(Vec<Linear>),
+}
+
+impl Proj {
+    fn new(parts: Vec<Linear>) -> Result<Self> {
+        let refs: Vec<&Linear> = parts.iter().collect();
+        Ok(match Linear::fuse(&refs)? {
+            Some(lin) => {
+                let mut splits = Vec::new();
+                let mut acc = 0;
+                for p in &parts[..parts.len() - 1] {
+                    acc += p.out_features();
+                    splits.push(acc);
+                }
+                Proj::Fused { lin, splits }
+            }
+            None => Proj::Separate(parts),
+        })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Vec<Array>> {
+        match self {
+            Proj::Fused { lin, splits } => Ok(lin.forward(x)?.split_at_indices(splits, -1)?),
+            Proj::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+        }
+    }
+
+    fn linears(&self) -> Vec<&Linear> {
+        match self {
+            Proj::Fused { lin, .. } => vec![lin],
+            Proj::Separate(parts) => parts.iter().collect(),
+        }
+    }
+}
+
 struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    qkv: Proj,
     o: Linear,
     q_norm: Option<Array>,
     k_norm: Option<Array>,
 }
 
 struct Mlp {
-    gate: Linear,
-    up: Linear,
+    gate_up: Proj,
     down: Linear,
 }
 
@@ -84,16 +119,20 @@ impl LlamaModel {
             };
             layers.push(Layer {
                 attn: Attention {
-                    q: lin(&mut w, "self_attn.q_proj")?,
-                    k: lin(&mut w, "self_attn.k_proj")?,
-                    v: lin(&mut w, "self_attn.v_proj")?,
+                    qkv: Proj::new(vec![
+                        lin(&mut w, "self_attn.q_proj")?,
+                        lin(&mut w, "self_attn.k_proj")?,
+                        lin(&mut w, "self_attn.v_proj")?,
+                    ])?,
                     o: lin(&mut w, "self_attn.o_proj")?,
                     q_norm,
                     k_norm,
                 },
                 mlp: Mlp {
-                    gate: lin(&mut w, "mlp.gate_proj")?,
-                    up: lin(&mut w, "mlp.up_proj")?,
+                    gate_up: Proj::new(vec![
+                        lin(&mut w, "mlp.gate_proj")?,
+                        lin(&mut w, "mlp.up_proj")?,
+                    ])?,
                     down: lin(&mut w, "mlp.down_proj")?,
                 },
                 input_norm: norm(&mut w, &format!("{p}.input_layernorm.weight"))?,
@@ -150,15 +189,10 @@ impl LlamaModel {
             all.extend(lin(h));
         }
         for l in &self.layers {
-            for x in [
-                &l.attn.q,
-                &l.attn.k,
-                &l.attn.v,
-                &l.attn.o,
-                &l.mlp.gate,
-                &l.mlp.up,
-                &l.mlp.down,
-            ] {
+            let mut lins = l.attn.qkv.linears();
+            lins.extend(l.mlp.gate_up.linears());
+            lins.extend([&l.attn.o, &l.mlp.down]);
+            for x in lins {
                 all.extend(lin(x));
             }
             all.extend([&l.input_norm, &l.post_norm]);
@@ -205,8 +239,9 @@ impl LlamaModel {
             h = ops::add(&h, &a)?;
             let x = fast::rms_norm(&h, Some(&layer.post_norm), self.config.rms_norm_eps)?;
             let m = &layer.mlp;
-            let g = m.gate.forward(&x)?;
-            let act = ops::multiply(&ops::multiply(&g, &ops::sigmoid(&g)?)?, &m.up.forward(&x)?)?;
+            let gu = m.gate_up.forward(&x)?;
+            let (g, u) = (&gu[0], &gu[1]);
+            let act = ops::multiply(&ops::multiply(g, &ops::sigmoid(g)?)?, u)?;
             h = ops::add(&h, &m.down.forward(&act)?)?;
             after_layer(i)?;
         }
@@ -239,9 +274,14 @@ impl LlamaModel {
             };
             Ok(y.transpose_axes(&[0, 2, 1, 3])?)
         };
-        let q = heads(attn.q.forward(x)?, c.num_heads, &attn.q_norm)?;
-        let k = heads(attn.k.forward(x)?, c.num_kv_heads, &attn.k_norm)?;
-        let v = heads(attn.v.forward(x)?, c.num_kv_heads, &None)?;
+        let mut qkv = attn.qkv.forward(x)?.into_iter();
+        let mut next = || {
+            qkv.next()
+                .ok_or_else(|| ModelError::Invalid("qkv split".into()))
+        };
+        let q = heads(next()?, c.num_heads, &attn.q_norm)?;
+        let k = heads(next()?, c.num_kv_heads, &attn.k_norm)?;
+        let v = heads(next()?, c.num_kv_heads, &None)?;
         let q = self.rope.apply(&q, offsets)?;
         let k = self.rope.apply(&k, offsets)?;
         let (k, v) = cache.update(layer, &k, &v)?;
