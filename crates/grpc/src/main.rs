@@ -19,7 +19,7 @@ enum Command {
     Bench(weft_grpc::bench::BenchArgs),
     /// In-process batched throughput of the engine (no gRPC); see benches/.
     BenchEngine(weft_grpc::engine_bench::EngineBenchArgs),
-    /// Serve the weft.v1 gRPC API, health, reflection and Prometheus metrics.
+    // About and long help come from `ServeArgs`'s doc comment.
     Serve(weft_grpc::server::ServeArgs),
     /// Print the sha256 hash of an API key, for the tenant file.
     HashKey {

@@ -18,8 +18,10 @@ pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 
-/// Serve the `weft.v1` gRPC API (plus grpc.health.v1 and server reflection)
-/// and Prometheus metrics.
+/// Serve the weft.v1 gRPC API, health, reflection and Prometheus metrics
+///
+/// Services: weft.v1.Generation, grpc.health.v1.Health (NOT_SERVING until the
+/// model is loaded and warm, and again while draining), server reflection.
 ///
 /// Every option can also come from a `WEFT_*` environment variable (shown in
 /// brackets) or from the config file given with `--config` (keys are the
@@ -27,10 +29,26 @@ pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// flags win over the environment, which wins over the file.
 ///
 /// Without `--tenants` the server is open (one tenant, "default", no API
-/// keys) and refuses to bind anything but a loopback address.
+/// keys) and refuses to bind anything but a loopback address. A tenant file:
+///
+///   [[tenant]]
+///   name = "alice"
+///   api_key_sha256 = "<`weft hash-key <key>` output>"   # or a list
+///   weight = 2.0                # fair-share weight (default 1)
+///   priority = [0, 10]          # allowed request priorities (default [0, 0])
+///   max_concurrent = 16         # requests in flight
+///   tokens_per_minute = 200000  # prompt + max_tokens, charged at admission
+///   max_prompt_tokens = 4096
+///   max_tokens = 1024
+///   max_running = 8             # rows in the batch (optional)
+///   max_waiting = 64            # queued requests (optional)
+///
+/// Clients send `authorization: Bearer <key>`.
 ///
 /// SIGTERM / SIGINT: new requests get UNAVAILABLE, health turns NOT_SERVING,
-/// in-flight requests finish (up to --drain-timeout), then the process exits 0.
+/// in-flight requests finish (up to --drain-timeout; what is left then ends
+/// with UNAVAILABLE), then the process exits 0. A second signal cuts the
+/// drain short.
 #[derive(Debug, Clone, Args)]
 #[command(verbatim_doc_comment)]
 pub struct ServeArgs {

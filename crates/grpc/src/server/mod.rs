@@ -198,8 +198,19 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
 
     // Serve until a signal (or the server itself fails).
     let mut server = server;
+    let mut engine_lost = state.engine_lost.subscribe();
     let first = tokio::select! {
         s = sig.recv() => s,
+        _ = engine_lost.wait_for(|lost| *lost) => {
+            error!("the engine stopped unexpectedly; shutting down");
+            state.start_draining();
+            health.set_service_status("", ServingStatus::NotServing).await;
+            health.set_not_serving::<GenerationServer<GenerationService>>().await;
+            let _ = stop_tx.send(true);
+            let _ = tokio::time::timeout(CLOSE_GRACE, server).await;
+            drop(engine);
+            return Err(anyhow::anyhow!("the engine stopped unexpectedly (see the log)"));
+        }
         r = &mut server => {
             let _ = stop_tx.send(true);
             drop(engine);

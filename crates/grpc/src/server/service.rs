@@ -60,6 +60,8 @@ pub struct State {
     idle: Notify,
     next_id: AtomicU64,
     id_prefix: String,
+    /// Turns true when a submit finds the engine gone outside a drain.
+    pub engine_lost: tokio::sync::watch::Sender<bool>,
 }
 
 impl State {
@@ -78,6 +80,7 @@ impl State {
             in_flight: AtomicUsize::new(0),
             idle: Notify::new(),
             next_id: AtomicU64::new(1),
+            engine_lost: tokio::sync::watch::Sender::new(false),
             id_prefix: format!("weft-{:08x}", (nonce ^ (nonce >> 32)) as u32),
         }
     }
@@ -247,10 +250,9 @@ impl GenerationService {
         let Some(slot) = tenant.acquire() else {
             return Err(exhausted(
                 format!(
-                    "tenant {:?} has {} requests in flight (max_concurrent {})",
+                    "tenant {:?} already has {max} requests in flight (max_concurrent {max})",
                     tenant.name,
-                    tenant.max_concurrent.unwrap_or(0),
-                    tenant.max_concurrent.unwrap_or(0)
+                    max = tenant.max_concurrent.unwrap_or(0),
                 ),
                 CONCURRENCY_RETRY_AFTER,
             ));
@@ -264,7 +266,14 @@ impl GenerationService {
                 retry_after,
                 reason,
             } => exhausted(reason, retry_after),
-            SubmitError::ShuttingDown => Status::unavailable("the engine is not running"),
+            SubmitError::ShuttingDown => {
+                if !st.is_draining() {
+                    // The engine thread ended on its own: nothing will be
+                    // served again; let the process report it and exit.
+                    st.engine_lost.send_replace(true);
+                }
+                Status::unavailable("the engine is not running")
+            }
         })?;
         debug!(method, tenant = %tenant.name, request_id = %id, prompt_tokens, max_tokens, "admitted");
         Ok(Flow {
