@@ -30,6 +30,12 @@ const H: usize = 2;
 const HQ: usize = 4;
 const D: usize = 32;
 
+fn on_gpu() -> bool {
+    mlx_rs::Device::try_default()
+        .and_then(|d| d.get_type())
+        .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu))
+}
+
 struct Rng(u64);
 
 impl Rng {
@@ -511,10 +517,12 @@ fn run(sc: Scenario) {
                                 )
                                 .unwrap(),
                             );
-                            let tol = if sc.dtype == Dtype::Float32 {
-                                1e-5
-                            } else {
-                                2e-2
+                            let tol = match (sc.dtype, on_gpu()) {
+                                (Dtype::Float32, false) => 1e-5,
+                                // MLX CUDA's f32 SDPA/matmul accumulate with
+                                // reduced precision (TF32-like): 4e-4 seen.
+                                (Dtype::Float32, true) => 2e-3,
+                                _ => 2e-2,
                             };
                             for hq in 0..HQ {
                                 let got = &out[((ri * HQ + hq) * t + q) * D..][..D];
