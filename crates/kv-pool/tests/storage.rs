@@ -519,9 +519,10 @@ fn run(sc: Scenario) {
                             );
                             let tol = match (sc.dtype, on_gpu()) {
                                 (Dtype::Float32, false) => 1e-5,
-                                // MLX CUDA's f32 SDPA/matmul accumulate with
-                                // reduced precision (TF32-like): 4e-4 seen.
-                                (Dtype::Float32, true) => 2e-3,
+                                // MLX CUDA's f32 matmuls run in TF32 by
+                                // default (10-bit mantissa): logits of up to
+                                // ~10 carry ~1e-2 error.
+                                (Dtype::Float32, true) => 2e-2,
                                 _ => 2e-2,
                             };
                             for hq in 0..HQ {
