@@ -213,11 +213,20 @@ impl BatchRunner {
             }
         }
         // Decode rows: one new token on top of existing state.
-        let decode: Vec<&RowStep> = steps
+        let mut decode: Vec<&RowStep> = steps
             .iter()
             .filter(|s| s.tokens.len() == 1 && s.start_pos > 0)
             .collect();
         self.compose_batch(&decode.iter().map(|s| s.row).collect::<Vec<_>>())?;
+        // The batch keeps its own row order (reordering would copy every
+        // layer's cache); outputs are matched to steps by row id.
+        let pos: HashMap<RowId, usize> = self
+            .batch_rows
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| (r, i))
+            .collect();
+        decode.sort_by_key(|s| pos.get(&s.row).copied().unwrap_or(usize::MAX));
 
         let mut outputs: HashMap<RowId, Array> = HashMap::new();
         for s in steps
@@ -296,11 +305,14 @@ impl BatchRunner {
         v
     }
 
-    /// Makes the decode batch hold exactly `rows`, in that order. Moving rows
+    /// Makes the decode batch hold exactly the rows in `rows` (in any order:
+    /// rows that stay keep their places, joiners are appended). Moving rows
     /// between the batch and solo caches changes no row's contents, so it
     /// happens outside the step transaction.
     fn compose_batch(&mut self, rows: &[RowId]) -> Result<()> {
-        if self.batch_rows == rows {
+        let same =
+            rows.len() == self.batch_rows.len() && rows.iter().all(|r| self.batch_rows.contains(r));
+        if same {
             return Ok(());
         }
         // Park rows that do not decode this step.
@@ -317,6 +329,8 @@ impl BatchRunner {
         let mut order: Vec<RowId> = staying.iter().map(|&i| self.batch_rows[i]).collect();
         let mut batch = if staying.is_empty() {
             None
+        } else if leaving.is_empty() {
+            Some(self.batch.clone())
         } else {
             let mut b = self.batch.clone();
             b.filter(&staying)?;
@@ -334,20 +348,11 @@ impl BatchRunner {
                 order.push(r);
             }
         }
-        let mut batch = batch.unwrap_or_else(|| KvCache::new(self.model.num_layers(), 0));
-        // Reorder to the requested order.
-        let perm: Vec<usize> = rows
-            .iter()
-            .map(|r| order.iter().position(|o| o == r).unwrap_or(0))
-            .collect();
-        if perm.iter().enumerate().any(|(i, &p)| i != p) {
-            batch.filter(&perm)?;
-        }
         for r in rows {
             self.solo.remove(r);
         }
-        self.batch = batch;
-        self.batch_rows = rows.to_vec();
+        self.batch = batch.unwrap_or_else(|| KvCache::new(self.model.num_layers(), 0));
+        self.batch_rows = order;
         Ok(())
     }
 
