@@ -293,6 +293,14 @@ fn run(sc: Scenario) {
             .iter()
             .enumerate()
             .map(|(g, &kind)| {
+                if g == 0 {
+                    let spec: Vec<(SeqId, usize)> = chosen
+                        .iter()
+                        .zip(&new_toks)
+                        .map(|(&i, toks)| (rows[i].seq, toks.len()))
+                        .collect();
+                    return StepLayout::from_pool(&pool, g, &spec, sc.bucket).unwrap();
+                }
                 let rs: Vec<RowStep> = chosen
                     .iter()
                     .zip(&new_toks)

@@ -133,6 +133,10 @@ fn bad_inputs_are_typed_errors_and_change_nothing() {
         Err(StorageError::BadRow(_))
     ));
     assert!(matches!(
+        StepLayout::from_pool(&pool, 9, &[(a, 1)], 1),
+        Err(StorageError::Kv(KvError::UnknownGroup(9)))
+    ));
+    assert!(matches!(
         RowStep::from_pool(&pool, 7, a, 1),
         Err(StorageError::Kv(KvError::UnknownGroup(7)))
     ));

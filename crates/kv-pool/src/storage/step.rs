@@ -222,6 +222,28 @@ impl StepLayout {
         })
     }
 
+    /// Plans a step from the pool directly: `rows` are `(sequence, new
+    /// tokens)` in batch order, after this step's appends; the attention kind
+    /// is the group's.
+    pub fn from_pool(
+        pool: &KvPool,
+        group: GroupId,
+        rows: &[(SeqId, usize)],
+        block_bucket: usize,
+    ) -> Result<Self, StorageError> {
+        let kind = pool
+            .config()
+            .groups
+            .get(group)
+            .ok_or(crate::KvError::UnknownGroup(group))?
+            .kind;
+        let rows = rows
+            .iter()
+            .map(|&(seq, tokens)| RowStep::from_pool(pool, group, seq, tokens))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::new(&rows, kind, block_bucket)
+    }
+
     /// Rows in the step (`B`).
     pub fn batch(&self) -> usize {
         self.starts.len()
