@@ -5,6 +5,7 @@ pub mod bench;
 pub mod blas;
 pub mod engine_bench;
 pub mod generate;
+pub mod malloc;
 pub mod paths;
 pub mod runtime;
 pub mod server;

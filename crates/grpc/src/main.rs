@@ -30,6 +30,7 @@ enum Command {
 
 fn main() {
     weft_grpc::blas::maybe_reexec_with_openblas();
+    weft_grpc::malloc::tune();
     let cli = Cli::parse();
     // A server logs one line per request; the one-shot commands stay quiet.
     let default_filter = match cli.command {

@@ -165,48 +165,64 @@ impl KvCache {
 
     /// Appends the rows of `other` after this cache's rows.
     pub fn merge(&mut self, other: &KvCache) -> Result<()> {
-        if self.keys.len() != other.keys.len() {
+        self.merge_many(&[other])
+    }
+
+    /// Appends the rows of every cache in `others` with one concatenation per
+    /// layer (joiners arriving together cost one copy of the batch, not one each).
+    pub fn merge_many(&mut self, others: &[&KvCache]) -> Result<()> {
+        if others.iter().any(|o| o.keys.len() != self.keys.len()) {
             return Err(ModelError::Invalid("merge: layer counts differ".into()));
         }
-        if self.pending != 0 || other.pending != 0 {
+        if self.pending != 0 || others.iter().any(|o| o.pending != 0) {
             return Err(ModelError::Invalid("merge inside an open step".into()));
         }
-        let cursor = self.cursor.max(other.cursor);
-        let (da, db) = (cursor - self.cursor, cursor - other.cursor);
+        let parts: Vec<&KvCache> = std::iter::once(&*self)
+            .chain(others.iter().copied())
+            .collect();
+        let cursor = parts.iter().map(|c| c.cursor).max().unwrap_or(0);
+        let mut keys = Vec::with_capacity(self.keys.len());
+        let mut values = Vec::with_capacity(self.keys.len());
         for layer in 0..self.keys.len() {
-            for (mine, theirs) in [
-                (&mut self.keys[layer], &other.keys[layer]),
-                (&mut self.values[layer], &other.values[layer]),
-            ] {
-                let merged = match (mine.take(), theirs) {
-                    (None, None) => None,
-                    (a, b) => {
-                        let a = a
-                            .map(|a| a.try_index((.., .., 0..self.cursor, ..)))
-                            .transpose()?;
-                        let b = b
-                            .as_ref()
-                            .map(|b| b.try_index((.., .., 0..other.cursor, ..)))
-                            .transpose()?;
-                        let like = a
-                            .as_ref()
-                            .or(b.as_ref())
-                            .ok_or_else(|| ModelError::Invalid("merge".into()))?;
-                        let (h, d, dt) = (like.dim(1), like.dim(3), like.dtype());
-                        let a = left_pad_to(a, self.left_pad.len() as i32, h, d, dt, da, cursor)?;
-                        let b = left_pad_to(b, other.left_pad.len() as i32, h, d, dt, db, cursor)?;
-                        Some(ops::concatenate(&[a, b], 0)?)
+            for (out, pick) in [(&mut keys, 0), (&mut values, 1)] {
+                fn slot(c: &KvCache, pick: usize, layer: usize) -> &Option<Array> {
+                    if pick == 0 {
+                        &c.keys[layer]
+                    } else {
+                        &c.values[layer]
                     }
+                }
+                let Some(like) = parts.iter().find_map(|c| slot(c, pick, layer).as_ref()) else {
+                    out.push(None);
+                    continue;
                 };
-                *mine = merged;
+                let (h, d, dt) = (like.dim(1), like.dim(3), like.dtype());
+                let mut pieces = Vec::with_capacity(parts.len());
+                for c in &parts {
+                    let a = slot(c, pick, layer)
+                        .as_ref()
+                        .map(|a| a.try_index((.., .., 0..c.cursor, ..)))
+                        .transpose()?;
+                    pieces.push(left_pad_to(
+                        a,
+                        c.left_pad.len() as i32,
+                        h,
+                        d,
+                        dt,
+                        cursor - c.cursor,
+                        cursor,
+                    )?);
+                }
+                out.push(Some(ops::concatenate(&pieces, 0)?));
             }
         }
-        self.left_pad = self
-            .left_pad
+        let left_pad = parts
             .iter()
-            .map(|p| p + da)
-            .chain(other.left_pad.iter().map(|p| p + db))
+            .flat_map(|c| c.left_pad.iter().map(move |p| p + cursor - c.cursor))
             .collect();
+        self.keys = keys;
+        self.values = values;
+        self.left_pad = left_pad;
         self.cursor = cursor;
         Ok(())
     }

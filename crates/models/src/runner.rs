@@ -336,18 +336,28 @@ impl BatchRunner {
             b.filter(&staying)?;
             Some(b)
         };
-        for &r in rows {
-            if !order.contains(&r) {
-                let c = self.solo.get(&r).ok_or_else(|| {
-                    ModelError::Invalid(format!("row {r} has no state to decode from"))
-                })?;
-                match batch.as_mut() {
-                    Some(b) => b.merge(c)?,
-                    None => batch = Some(c.clone()),
+        let joiners: Vec<RowId> = rows
+            .iter()
+            .copied()
+            .filter(|r| !order.contains(r))
+            .collect();
+        let mut caches = Vec::with_capacity(joiners.len());
+        for r in &joiners {
+            caches.push(self.solo.get(r).ok_or_else(|| {
+                ModelError::Invalid(format!("row {r} has no state to decode from"))
+            })?);
+        }
+        if let Some((first, rest)) = caches.split_first() {
+            match batch.as_mut() {
+                Some(b) => b.merge_many(&caches)?,
+                None => {
+                    let mut b = (*first).clone();
+                    b.merge_many(rest)?;
+                    batch = Some(b);
                 }
-                order.push(r);
             }
         }
+        order.extend(joiners);
         for r in rows {
             self.solo.remove(r);
         }
