@@ -58,8 +58,7 @@ impl Model for MlxModel {
     }
 
     fn commit(&mut self) -> Result<(), ModelError> {
-        self.runner.commit();
-        Ok(())
+        self.runner.commit().map_err(failed)
     }
 
     fn rollback(&mut self) {
@@ -189,7 +188,7 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
         want_logits: true,
     }];
     runner.forward(&steps)?;
-    runner.commit();
+    runner.commit()?;
     let steps = [RowStep {
         row,
         tokens: vec![5],
@@ -197,7 +196,7 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
         want_logits: true,
     }];
     runner.forward(&steps)?;
-    runner.commit();
+    runner.commit()?;
     runner.release(row)?;
     Ok(())
 }

@@ -64,6 +64,9 @@ pub struct BatchRunner {
     /// Called after each layer of each forward: fault injection in tests.
     layer_hook: Option<Box<dyn FnMut(usize) -> Result<()>>>,
     prefixes: PrefixStore,
+    /// Fresh rows prefilled together in the open step: split into single-row
+    /// caches at commit, dropped on rollback.
+    groups: Vec<(Vec<RowId>, KvCache)>,
 }
 
 /// Prefix reuse granularity (tokens) and default capacity (tokens).
@@ -83,6 +86,7 @@ impl BatchRunner {
             created: Vec::new(),
             layer_hook: None,
             prefixes: PrefixStore::new(PREFIX_BLOCK, PREFIX_CAPACITY),
+            groups: Vec::new(),
         }
     }
 
@@ -229,10 +233,45 @@ impl BatchRunner {
         decode.sort_by_key(|s| pos.get(&s.row).copied().unwrap_or(usize::MAX));
 
         let mut outputs: HashMap<RowId, Array> = HashMap::new();
-        for s in steps
+        let prefill: Vec<&RowStep> = steps
             .iter()
             .filter(|s| !(s.tokens.len() == 1 && s.start_pos > 0))
-        {
+            .collect();
+        // Fresh rows with prompts of one length prefill together: one [G, T]
+        // forward is about twice as fast per row on CPU as G forwards of [1, T].
+        let mut groups: HashMap<usize, Vec<&RowStep>> = HashMap::new();
+        let mut singles: Vec<&RowStep> = Vec::new();
+        for s in prefill {
+            if s.start_pos == 0 && !self.solo.contains_key(&s.row) {
+                groups.entry(s.tokens.len()).or_default().push(s);
+            } else {
+                singles.push(s);
+            }
+        }
+        let mut group_list: Vec<Vec<&RowStep>> = groups.into_values().collect();
+        group_list.sort_by_key(|g| g[0].row);
+        for g in group_list {
+            if g.len() == 1 {
+                singles.push(g[0]);
+                continue;
+            }
+            let t = g[0].tokens.len() as i32;
+            let ids: Vec<i32> = g
+                .iter()
+                .flat_map(|s| s.tokens.iter().map(|&x| x as i32))
+                .collect();
+            let tokens = Array::from_slice(&ids, &[g.len() as i32, t]);
+            let mut cache = KvCache::new(self.model.num_layers(), g.len());
+            let logits = run(&self.model, &tokens, &mut cache, &mut self.layer_hook)?;
+            for (i, s) in g.iter().enumerate() {
+                if s.want_logits {
+                    outputs.insert(s.row, logits.try_index((i as i32, 0, ..))?);
+                }
+            }
+            self.groups.push((g.iter().map(|s| s.row).collect(), cache));
+        }
+        singles.sort_by_key(|s| s.row);
+        for s in singles {
             if !self.solo.contains_key(&s.row) {
                 self.solo
                     .insert(s.row, KvCache::new(self.model.num_layers(), 1));
@@ -302,6 +341,9 @@ impl BatchRunner {
                 v.extend(c.arrays());
             }
         }
+        for (_, c) in &self.groups {
+            v.extend(c.arrays());
+        }
         v
     }
 
@@ -366,9 +408,15 @@ impl BatchRunner {
         Ok(())
     }
 
-    pub fn commit(&mut self) {
+    pub fn commit(&mut self) -> Result<()> {
         if self.touched_batch {
             self.batch.commit();
+        }
+        for (rows, mut cache) in std::mem::take(&mut self.groups) {
+            cache.commit();
+            for (i, row) in rows.into_iter().enumerate() {
+                self.solo.insert(row, cache.extract(i)?);
+            }
         }
         for r in self.touched_solo.drain(..) {
             if let Some(c) = self.solo.get_mut(&r) {
@@ -377,9 +425,11 @@ impl BatchRunner {
         }
         self.touched_batch = false;
         self.created.clear();
+        Ok(())
     }
 
     pub fn rollback(&mut self) {
+        self.groups.clear();
         if self.touched_batch {
             self.batch.rollback();
         }

@@ -35,6 +35,8 @@ fn rows() -> Vec<Row> {
             33,
             9,
         ),
+        // Same length and join step as the row above: prefilled as one group.
+        r(&(250..272).collect::<Vec<u32>>(), 32, 9),
     ]
 }
 
@@ -95,7 +97,7 @@ fn drive(runner: &mut BatchRunner, rows: &[Row], mut fail: impl FnMut(usize) -> 
             continue;
         }
         let logits = runner.forward(&steps).expect("step");
-        runner.commit();
+        runner.commit().unwrap();
         for (k, &row) in logits.rows.iter().enumerate() {
             let i = row as usize;
             let lp = log_softmax(logits.row(k));
@@ -266,7 +268,7 @@ fn prefix_reuse_matches_a_cold_prefill() {
                 want_logits: true,
             }])
             .unwrap();
-        runner.commit();
+        runner.commit().unwrap();
         l.row(0).to_vec()
     };
     // Cold: the second prompt alone, then 8 greedy tokens.
