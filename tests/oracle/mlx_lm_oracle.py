@@ -19,8 +19,15 @@ from mlx.utils import tree_flatten, tree_map
 
 
 def make_fixture(arch, out, quantize):
-    mx.random.seed(7 if arch == "llama" else 11)
-    if arch == "llama":
+    mx.random.seed({"llama": 7, "qwen3": 11, "qwen2": 13}[arch])
+    if arch == "qwen2":
+        from mlx_lm.models import qwen2 as mod
+
+        cfg = dict(model_type="qwen2", hidden_size=128, num_hidden_layers=3,
+                   intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                   rms_norm_eps=1e-6, vocab_size=512, rope_theta=1000000.0,
+                   tie_word_embeddings=False, max_position_embeddings=4096)
+    elif arch == "llama":
         from mlx_lm.models import llama as mod
 
         cfg = dict(model_type="llama", hidden_size=128, num_hidden_layers=3,
@@ -39,6 +46,8 @@ def make_fixture(arch, out, quantize):
     # Default inits give near-uniform logits (greedy ties); rescale so each
     # layer keeps O(1) activations and logits spread out.
     def reinit(path, p):
+        if path.endswith(".bias"):
+            return 0.5 * mx.random.normal(p.shape)
         if p.ndim == 2:
             fan_in = p.shape[1]
             scale = 1.0 if "embed" in path else fan_in ** -0.5
@@ -174,7 +183,7 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fixture")
-    f.add_argument("--arch", choices=["llama", "qwen3"], required=True)
+    f.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], required=True)
     f.add_argument("--out", required=True)
     f.add_argument("--quantize", action="store_true")
     r = sub.add_parser("run")

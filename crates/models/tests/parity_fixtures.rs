@@ -1,5 +1,5 @@
 //! Parity with mlx-lm on random-weight fixtures mlx-lm itself creates:
-//! a GQA Llama, a Qwen3 (q/k norms, explicit head_dim, tied head), and a
+//! a GQA Llama, a Qwen2 (q/k/v biases), a Qwen3 (q/k norms, explicit head_dim, tied head), and a
 //! quantized Llama with a per-module override (8-bit embedding, 4-bit rest).
 
 mod common;
@@ -75,6 +75,11 @@ const QUANT_F32: WeightPolicy = WeightPolicy {
 #[test]
 fn llama_gqa_matches_mlx_lm() {
     check("llama", false, DENSE_F32);
+}
+
+#[test]
+fn qwen2_with_qkv_bias_matches_mlx_lm() {
+    check("qwen2", false, DENSE_F32);
 }
 
 #[test]
