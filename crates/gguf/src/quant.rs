@@ -307,32 +307,36 @@ fn check_heads(name: &str, rows: usize, n_head: usize, data_len: usize) -> Resul
 /// rows of equal byte length in any storage type; a quantized row moves as a
 /// whole, so nothing is requantized.
 pub fn unpermute_rows(name: &str, data: &[u8], rows: usize, n_head: usize) -> Result<Vec<u8>> {
-    let (head_dim, row_bytes) = check_heads(name, rows, n_head, data.len())?;
-    let half = head_dim / 2;
-    let mut out = vec![0u8; data.len()];
-    for h in 0..n_head {
-        for j in 0..2 {
-            for i in 0..half {
-                let dst = h * head_dim + j * half + i;
-                let src = h * head_dim + 2 * i + j;
-                out[dst * row_bytes..(dst + 1) * row_bytes]
-                    .copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
-            }
-        }
-    }
-    Ok(out)
+    move_head_rows(name, data, rows, n_head, false)
 }
 
 /// llama.cpp's conversion-time permutation (the inverse of [`unpermute_rows`]).
 pub fn permute_rows(name: &str, data: &[u8], rows: usize, n_head: usize) -> Result<Vec<u8>> {
+    move_head_rows(name, data, rows, n_head, true)
+}
+
+/// Row `h*head_dim + 2i + j` (llama.cpp order) <-> row `h*head_dim + j*half + i`
+/// (rotate-half order); `to_llama` picks the direction.
+fn move_head_rows(
+    name: &str,
+    data: &[u8],
+    rows: usize,
+    n_head: usize,
+    to_llama: bool,
+) -> Result<Vec<u8>> {
     let (head_dim, row_bytes) = check_heads(name, rows, n_head, data.len())?;
     let half = head_dim / 2;
     let mut out = vec![0u8; data.len()];
     for h in 0..n_head {
         for j in 0..2 {
             for i in 0..half {
-                let src = h * head_dim + j * half + i;
-                let dst = h * head_dim + 2 * i + j;
+                let rotate_half = h * head_dim + j * half + i;
+                let llama = h * head_dim + 2 * i + j;
+                let (dst, src) = if to_llama {
+                    (llama, rotate_half)
+                } else {
+                    (rotate_half, llama)
+                };
                 out[dst * row_bytes..(dst + 1) * row_bytes]
                     .copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
             }
