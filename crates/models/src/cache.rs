@@ -45,6 +45,16 @@ impl KvCache {
         }
     }
 
+    /// An empty cache whose rows start `pads[row]` columns in: a prefill of
+    /// `[B, T]` tokens left-padded by those amounts gives each row its own
+    /// positions from 0 (padding is masked out and never attended to).
+    pub fn with_left_pad(num_layers: usize, pads: Vec<i32>) -> Self {
+        Self {
+            left_pad: pads,
+            ..Self::new(num_layers, 0)
+        }
+    }
+
     pub fn batch_size(&self) -> usize {
         self.left_pad.len()
     }
@@ -72,8 +82,12 @@ impl KvCache {
         let mut m = Vec::with_capacity(b * (t * s) as usize);
         for &pad in &self.left_pad {
             for q in 0..t {
+                let here = self.cursor + q;
                 for j in 0..s {
-                    m.push(j >= pad && j <= self.cursor + q);
+                    // A padding query still sees itself: a row with no visible
+                    // key would softmax to NaN, and NaN K/V at padding columns
+                    // would leak into real rows through 0 * NaN.
+                    m.push((j >= pad && j <= here) || j == here);
                 }
             }
         }
