@@ -347,10 +347,10 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
     };
     let mut together = BatchRunner::new(load(&md));
     let got = run(&mut together, &[0, 1, 2, 3]);
-    for r in 0..prompts.len() {
+    for (r, got) in got.iter().enumerate() {
         let mut alone = BatchRunner::new(load(&md));
         let want = run(&mut alone, &[r]).remove(0);
-        for (i, ((wt, wl), (gt, gl))) in want.iter().zip(&got[r]).enumerate() {
+        for (i, ((wt, wl), (gt, gl))) in want.iter().zip(got).enumerate() {
             assert_eq!(wt, gt, "row {r} token {i} differs from its solo prefill");
             let d = max_abs_diff(wl, gl);
             assert!(d < 1e-4, "row {r} logits {i} differ by {d}");
