@@ -114,9 +114,15 @@ impl Req {
 
     /// `n` tokens of prompt ++ generated from `start` (clamped to what exists).
     fn tokens(&self, start: usize, n: usize) -> Vec<u32> {
+        let mut v = Vec::with_capacity(n);
+        self.extend_tokens(start, n, &mut v);
+        v
+    }
+
+    /// Appends what [`Req::tokens`] returns to `v`, so a step can refill buffers it keeps.
+    fn extend_tokens(&self, start: usize, n: usize, v: &mut Vec<u32>) {
         let (p, g) = (&self.r.prompt, &self.generated);
         let end = start + n;
-        let mut v = Vec::with_capacity(n);
         if start < p.len() {
             v.extend_from_slice(&p[start..end.min(p.len())]);
         }
@@ -127,7 +133,6 @@ impl Req {
         if gs < ge {
             v.extend_from_slice(&g[gs..ge]);
         }
-        v
     }
 
     fn queue_slot(&self) -> (Reverse<i32>, u64) {
@@ -246,6 +251,24 @@ struct RowCommit {
     finish: Option<(FinishReason, Option<StopMatch>)>,
 }
 
+/// Buffers one step fills and empties again, kept across steps: at large batches,
+/// allocating them per step (and glibc consolidating the freed chunks) was a visible share
+/// of the step.
+#[derive(Default)]
+struct StepBufs {
+    order: Vec<RunSlot>,
+    prefills: Vec<RunSlot>,
+    rows: Vec<Planned>,
+    /// Forward inputs. Only the first `rows.len()` go to the model; the rest keep their
+    /// token buffers for later steps.
+    inputs: Vec<RowInput>,
+    wanted: Vec<RowId>,
+    commits: Vec<RowCommit>,
+    done: Vec<(RequestKey, FinishReason, Option<StopMatch>)>,
+    per_label: Vec<u64>,
+    label_sums: Vec<(usize, usize)>,
+}
+
 /// The detokenizer a request's stream runs itself: requests without stop strings are
 /// detokenized on the receiving side.
 pub(crate) fn stream_detok(
@@ -278,6 +301,7 @@ pub struct Scheduler<M: Model, K: KvBudget = BlockBudget> {
     /// backlogged while nobody else is.
     last_departed: f64,
     scratch: Scratch,
+    bufs: StepBufs,
     stats: Stats,
     metrics: EngineMetrics,
 }
@@ -343,6 +367,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             probation: VecDeque::new(),
             last_departed: 0.0,
             scratch: Scratch::default(),
+            bufs: StepBufs::default(),
             stats: Stats::default(),
             metrics: EngineMetrics::new(),
         })
@@ -522,8 +547,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         let report = if plan.rows.is_empty() {
             StepReport::default()
         } else {
-            self.run(plan, now)
+            self.run(&plan, now)
         };
+        self.bufs.rows = plan.rows;
         if report.committed {
             self.stats.steps += 1;
             self.metrics
@@ -581,7 +607,13 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     }
 
     fn plan(&mut self, now: Instant) -> Plan {
-        loop {
+        let mut order = std::mem::take(&mut self.bufs.order);
+        let mut prefills = std::mem::take(&mut self.bufs.prefills);
+        let mut rows = std::mem::take(&mut self.bufs.rows);
+        let probation = loop {
+            order.clear();
+            prefills.clear();
+            rows.clear();
             let group: Option<HashSet<RequestKey, crate::util::IdBuild>> =
                 self.probation.front().map(|g| {
                     g.iter()
@@ -593,18 +625,16 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 self.probation.pop_front();
                 continue;
             }
-            let mut order: Vec<RunSlot> = self
-                .running
-                .iter()
-                .copied()
-                .filter(|x| group.as_ref().is_none_or(|g| g.contains(&x.key)))
-                .collect();
+            order.extend(
+                self.running
+                    .iter()
+                    .copied()
+                    .filter(|x| group.as_ref().is_none_or(|g| g.contains(&x.key))),
+            );
             let mut free = self.kv.free_blocks();
             // One pass over the batch: decoding rows are planned right away; whether
             // memory suffices for all of them decides between the fast path and the
             // preempting one.
-            let mut rows: Vec<Planned> = Vec::with_capacity(order.len());
-            let mut prefills: Vec<RunSlot> = Vec::new();
             let mut decode_need = 0;
             for &x in &order {
                 let (row, start, rem) = self.progress(x.slot);
@@ -642,10 +672,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 if group.is_none() {
                     self.admit_joiners(now, &mut rows, &mut budget, &mut free);
                 }
-                return Plan {
-                    rows,
-                    probation: group.is_some(),
-                };
+                break group.is_some();
             }
 
             // Memory is short: go through the batch in keep order; decoding rows may
@@ -695,12 +722,14 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             }
 
             // Then prefill chunks of running rows, shrunk to what memory allows.
-            let pre: Vec<RunSlot> = order[..end]
-                .iter()
-                .copied()
-                .filter(|x| self.progress(x.slot).2 > 1)
-                .collect();
-            self.plan_prefills(&pre, &mut rows, &mut budget, &mut free);
+            prefills.clear();
+            prefills.extend(
+                order[..end]
+                    .iter()
+                    .copied()
+                    .filter(|x| self.progress(x.slot).2 > 1),
+            );
+            self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
 
             if rows.is_empty() && end > 0 {
                 self.preempt(order[end - 1].key);
@@ -710,11 +739,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             if group.is_none() {
                 self.admit_joiners(now, &mut rows, &mut budget, &mut free);
             }
-            return Plan {
-                rows,
-                probation: group.is_some(),
-            };
-        }
+            break group.is_some();
+        };
+        self.bufs.order = order;
+        self.bufs.prefills = prefills;
+        Plan { rows, probation }
     }
 
     /// Prefill chunks for running rows (in keep order), each shrunk to the token budget
@@ -894,7 +923,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         self.push_waiting(k);
     }
 
-    fn run(&mut self, plan: Plan, now: Instant) -> StepReport {
+    fn run(&mut self, plan: &Plan, now: Instant) -> StepReport {
         let before = self.cfg.verify_rollback.then(|| self.fingerprint());
         let mut last_err = String::new();
         for attempt in 1..=self.cfg.max_step_retries.max(1) {
@@ -960,26 +989,33 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         if self.faults.hit(FaultPoint::AfterPlan) {
             return Err("injected fault after planning".into());
         }
-        let inputs: Vec<RowInput> = rows
-            .iter()
-            .map(|p| RowInput {
-                row: p.row,
-                tokens: self
-                    .reqs
-                    .at(p.slot)
-                    .map_or_else(Vec::new, |r| r.tokens(p.start, p.n)),
-                start_pos: p.start,
-                want_logits: p.want_logits,
-            })
-            .collect();
-        let logits = self.model.forward(&inputs).map_err(|e| e.to_string())?;
-        let wanted: Vec<RowId> = rows
-            .iter()
-            .filter(|p| p.want_logits)
-            .map(|p| p.row)
-            .collect();
+        let inputs = &mut self.bufs.inputs;
+        if inputs.len() < rows.len() {
+            inputs.resize_with(rows.len(), || RowInput {
+                row: 0,
+                tokens: Vec::new(),
+                start_pos: 0,
+                want_logits: false,
+            });
+        }
+        for (p, input) in rows.iter().zip(inputs.iter_mut()) {
+            input.row = p.row;
+            input.start_pos = p.start;
+            input.want_logits = p.want_logits;
+            input.tokens.clear();
+            if let Some(r) = self.reqs.at(p.slot) {
+                r.extend_tokens(p.start, p.n, &mut input.tokens);
+            }
+        }
+        let logits = self
+            .model
+            .forward(&inputs[..rows.len()])
+            .map_err(|e| e.to_string())?;
+        let wanted = &mut self.bufs.wanted;
+        wanted.clear();
+        wanted.extend(rows.iter().filter(|p| p.want_logits).map(|p| p.row));
         if logits.vocab != self.info.vocab_size
-            || logits.rows != wanted
+            || logits.rows != *wanted
             || logits.data.len() != wanted.len() * logits.vocab
         {
             return Err(format!(
@@ -999,7 +1035,8 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         // each); the two fault points still fire in their own phase of a row's work.
         let sample_fault_at = wanted.len() / 2;
         let book_fault_at = rows.len() / 2;
-        let mut commits: Vec<RowCommit> = Vec::with_capacity(rows.len());
+        let commits = &mut self.bufs.commits;
+        commits.clear();
         let mut li = 0;
         for (i, p) in rows.iter().enumerate() {
             if !p.want_logits {
@@ -1076,20 +1113,35 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
 
         self.model.commit().map_err(|e| e.to_string())?;
         self.kv.commit();
-        Ok(self.apply(rows, commits, now))
+        let mut commits = std::mem::take(&mut self.bufs.commits);
+        let rep = self.apply(rows, &mut commits, now);
+        self.bufs.commits = commits;
+        Ok(rep)
     }
 
-    fn apply(&mut self, rows: &[Planned], commits: Vec<RowCommit>, now: Instant) -> StepReport {
+    /// Applies (and drains) the staged `commits` of a committed step.
+    fn apply(
+        &mut self,
+        rows: &[Planned],
+        commits: &mut Vec<RowCommit>,
+        now: Instant,
+    ) -> StepReport {
         let mut rep = StepReport {
             rows: rows.len(),
             committed: true,
             ..Default::default()
         };
         let w_out = self.cfg.vtc.output;
-        let mut done: Vec<(RequestKey, FinishReason, Option<StopMatch>)> = Vec::new();
+        let mut done = std::mem::take(&mut self.bufs.done);
+        done.clear();
         // Generated tokens per metrics label, recorded once per step.
-        let mut per_label = vec![0u64; self.labels.len()];
-        for (p, c) in rows.iter().zip(commits) {
+        let mut per_label = std::mem::take(&mut self.bufs.per_label);
+        per_label.clear();
+        per_label.resize(self.labels.len(), 0);
+        // Rows that last sampled in the same step share their inter-token latency (in
+        // steady decoding, all of them): one histogram update per run of equal values.
+        let mut itl: Option<(Instant, usize)> = None;
+        for (p, c) in rows.iter().zip(commits.drain(..)) {
             rep.tokens += p.n;
             let Some(r) = self.reqs.at_mut(p.slot) else {
                 continue;
@@ -1119,10 +1171,16 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                         .ttft
                         .record(now.saturating_duration_since(r.arrival).as_secs_f64());
                 }
-                Some(prev) => self
-                    .metrics
-                    .itl
-                    .record(now.saturating_duration_since(prev).as_secs_f64()),
+                Some(prev) => match &mut itl {
+                    Some((at, n)) if *at == prev => *n += 1,
+                    run => {
+                        if let Some((at, n)) = run.replace((prev, 1)) {
+                            self.metrics
+                                .itl
+                                .record_many(now.saturating_duration_since(at).as_secs_f64(), n);
+                        }
+                    }
+                },
             }
             r.last_token_at = Some(now);
             let textual = !matches!(
@@ -1142,14 +1200,21 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 done.push((p.key, reason, stop));
             }
         }
-        for ((_, m), n) in self.labels.iter().zip(per_label) {
+        if let Some((at, n)) = itl {
+            self.metrics
+                .itl
+                .record_many(now.saturating_duration_since(at).as_secs_f64(), n);
+        }
+        for ((_, m), &n) in self.labels.iter().zip(&per_label) {
             if n > 0 {
                 m.generation_tokens.increment(n);
             }
         }
-        for (k, reason, stop) in done {
+        self.bufs.per_label = per_label;
+        for (k, reason, stop) in done.drain(..) {
             self.finish(k, reason, stop, None, now);
         }
+        self.bufs.done = done;
         rep
     }
 
@@ -1228,12 +1293,14 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         } else {
             (total - free) as f64 / total as f64
         });
-        let mut sums = vec![(0usize, 0usize); self.labels.len()];
+        let sums = &mut self.bufs.label_sums;
+        sums.clear();
+        sums.resize(self.labels.len(), (0, 0));
         for t in &self.tenants {
             sums[t.label].0 += t.running;
             sums[t.label].1 += t.queue.len();
         }
-        for ((_, m), (run, wait)) in self.labels.iter().zip(sums) {
+        for ((_, m), &(run, wait)) in self.labels.iter().zip(sums.iter()) {
             m.running.set(run as f64);
             m.waiting.set(wait as f64);
         }
