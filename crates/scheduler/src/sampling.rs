@@ -124,38 +124,41 @@ fn argmax(x: &[f32]) -> Option<u32> {
     // Greedy decoding runs this once per row per step, so it is a large part of the host
     // cost at big batch sizes. One branch-free pass of lane-wise maxima, which compiles
     // to packed max instructions on baseline x86-64 (`v > m` is false for NaN, so NaN
-    // never wins); then, only in the lanes that hold the maximum (usually one), a strided
-    // scan for its first occurrence.
+    // never wins), reduced pairwise (a scalar fold over the lanes is one long dependency
+    // chain); then a scan for the first chunk holding the maximum, a whole chunk per
+    // (predictable) branch, and its first occurrence within that chunk.
     const LANES: usize = 16;
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
-    let full = x.len() - tail.len();
     for c in chunks {
         for (m, &v) in lanes.iter_mut().zip(c) {
             *m = if v > *m { v } else { *m };
         }
     }
-    let max = lanes
+    let mut w = LANES / 2;
+    while w > 0 {
+        let (lo, hi) = lanes.split_at_mut(w);
+        for (a, &b) in lo.iter_mut().zip(&hi[..w]) {
+            *a = if b > *a { b } else { *a };
+        }
+        w /= 2;
+    }
+    let max = tail
         .iter()
-        .chain(tail)
-        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+        .fold(lanes[0], |m, &v| if v > m { v } else { m });
     if max == f32::NEG_INFINITY {
         // Only -inf and NaN: the first value that is not NaN, if any.
         return x.iter().position(|v| !v.is_nan()).map(|i| i as u32);
     }
-    let mut best = usize::MAX;
-    for (l, &m) in lanes.iter().enumerate() {
-        if m == max {
-            if let Some(i) = (l..full).step_by(LANES).find(|&i| x[i] == max) {
-                best = best.min(i);
-            }
+    for (ci, c) in x.chunks_exact(LANES).enumerate() {
+        if c.iter().fold(false, |hit, &v| hit | (v == max)) {
+            let j = c.iter().position(|&v| v == max)?;
+            return Some((ci * LANES + j) as u32);
         }
     }
-    if best == usize::MAX {
-        best = full + tail.iter().position(|&v| v == max)?;
-    }
-    Some(best as u32)
+    let j = tail.iter().position(|&v| v == max)?;
+    Some((x.len() - tail.len() + j) as u32)
 }
 
 fn draw(x: &[f32], p: &SamplingParams, u: f64, cand: &mut Vec<(u32, f32)>) -> Result<u32, String> {
