@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
 use tracing::{error, info};
 
 use crate::admission::Admission;
+use crate::chan;
 use crate::config::SchedulerConfig;
 use crate::kv::{BlockBudget, KvBudget};
 use crate::model::{Detokenizer, Model, ModelInfo};
@@ -43,7 +43,7 @@ enum Command {
     Submit {
         key: RequestKey,
         req: Box<Request>,
-        tx: mpsc::UnboundedSender<Msg>,
+        tx: chan::Sender<Msg>,
         arrival: Instant,
     },
     Cancel {
@@ -73,7 +73,7 @@ impl EngineHandle {
     pub fn submit(&self, req: Request) -> Result<EventStream, SubmitError> {
         let now = Instant::now();
         let key = self.shared.admission.admit(&req, now)?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = chan::channel();
         let local = crate::scheduler::stream_detok(&req, &self.shared.detok);
         if let Err(std_mpsc::SendError(cmd)) = self.tx.send(Command::Submit {
             key,

@@ -60,6 +60,7 @@
 //! `Usage::cached_prompt_tokens` is 0.
 
 mod admission;
+mod chan;
 pub mod config;
 mod detok;
 pub mod engine;

@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
-
+use crate::chan;
 use crate::detok::TextState;
 use crate::model::Detokenizer;
 
@@ -243,7 +242,7 @@ struct LocalText {
 /// mistake a crash for a clean end.
 pub struct EventStream {
     key: RequestKey,
-    rx: mpsc::UnboundedReceiver<Msg>,
+    rx: chan::Receiver<Msg>,
     done: bool,
     text: Option<LocalText>,
 }
@@ -261,7 +260,7 @@ impl EventStream {
     /// `detok`: Some when the stream detokenizes (the request has no stop strings).
     pub(crate) fn new(
         key: RequestKey,
-        rx: mpsc::UnboundedReceiver<Msg>,
+        rx: chan::Receiver<Msg>,
         detok: Option<Arc<dyn Detokenizer>>,
     ) -> Self {
         let text = detok.map(|detok| LocalText {
@@ -356,8 +355,8 @@ impl EventStream {
         }
         match self.rx.try_recv() {
             Ok(msg) => self.observe(Some(msg)),
-            Err(mpsc::error::TryRecvError::Empty) => None,
-            Err(mpsc::error::TryRecvError::Disconnected) => self.observe(None),
+            Err(chan::TryRecvError::Empty) => None,
+            Err(chan::TryRecvError::Disconnected) => self.observe(None),
         }
     }
 

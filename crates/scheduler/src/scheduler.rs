@@ -10,10 +10,10 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
 use tracing::{debug, error, warn};
 
 use crate::admission::Admission;
+use crate::chan;
 use crate::config::SchedulerConfig;
 use crate::detok::{TextState, TextUpdate};
 use crate::fault::{FaultPlan, FaultPoint};
@@ -87,7 +87,7 @@ struct Req {
     tenant: usize,
     seq: u64,
     r: Request,
-    tx: mpsc::UnboundedSender<Msg>,
+    tx: chan::Sender<Msg>,
     row: Option<RowId>,
     generated: Vec<u32>,
     /// Tokens of prompt ++ generated that the model has committed for `row`.
@@ -406,7 +406,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     /// Validate, apply limits, and queue a request. Same checks as `Engine::submit`.
     pub fn submit(&mut self, req: Request, now: Instant) -> Result<EventStream, SubmitError> {
         let key = self.admission.admit(&req, now)?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = chan::channel();
         let local = stream_detok(&req, &self.detok);
         self.enqueue(key, req, tx, now);
         Ok(EventStream::new(key, rx, local))
@@ -417,7 +417,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         &mut self,
         key: RequestKey,
         r: Request,
-        tx: mpsc::UnboundedSender<Msg>,
+        tx: chan::Sender<Msg>,
         arrival: Instant,
     ) {
         let tenant = self.tenant_index(&r.tenant, r.tenant_weight);
