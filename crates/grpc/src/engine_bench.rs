@@ -28,6 +28,10 @@ pub struct EngineBenchArgs {
     /// Prefill chunk size of the scheduler.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// Tokens (decode + prefill) in one forward call; the default is `weft
+    /// serve`'s, so the engine is measured as it serves.
+    #[arg(long, default_value_t = 2048)]
+    pub max_step_tokens: usize,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -52,7 +56,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
     let opts = args.compute.load_options()?;
     let config = SchedulerConfig {
         max_batch_rows: args.streams.max(1),
-        max_step_tokens: (args.prefill_chunk + args.streams).max(args.streams),
+        max_step_tokens: args.max_step_tokens.max(args.streams),
         prefill_chunk: args.prefill_chunk,
         kv_total_blocks: (args.streams * (args.prompt_tokens + args.gen_tokens)).div_ceil(16) + 64,
         ..SchedulerConfig::default()
