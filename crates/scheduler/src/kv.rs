@@ -52,6 +52,9 @@ pub trait KvBudget {
 #[derive(Debug, Clone)]
 pub struct BlockBudget {
     block_size: usize,
+    /// log2 of `block_size` when it is a power of two (the usual case): block counts are
+    /// taken several times per row per step, and a shift is far cheaper than a division.
+    shift: Option<u32>,
     total: usize,
     used: usize,
     /// Tokens held per row, and the transaction that last journaled the row (so each
@@ -65,8 +68,12 @@ pub struct BlockBudget {
 
 impl BlockBudget {
     pub fn new(block_size: usize, total_blocks: usize) -> Self {
+        let block_size = block_size.max(1);
         Self {
-            block_size: block_size.max(1),
+            block_size,
+            shift: block_size
+                .is_power_of_two()
+                .then(|| block_size.trailing_zeros()),
             total: total_blocks,
             used: 0,
             rows: IdMap::default(),
@@ -81,7 +88,16 @@ impl BlockBudget {
     }
 
     fn blocks(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
+        blocks_of(tokens, self.block_size, self.shift)
+    }
+}
+
+/// `ceil(tokens / bs)`; `shift` is log2 of `bs` when that is a power of two.
+#[inline]
+fn blocks_of(tokens: usize, bs: usize, shift: Option<u32>) -> usize {
+    match shift {
+        Some(s) => (tokens >> s) + usize::from(tokens & (bs - 1) != 0),
+        None => tokens.div_ceil(bs),
     }
 }
 
@@ -98,15 +114,19 @@ impl KvBudget for BlockBudget {
     fn row_tokens(&self, row: RowId) -> usize {
         self.rows.get(&row).map_or(0, |r| r.0)
     }
+    fn blocks_needed(&self, row: RowId, tokens: usize) -> usize {
+        self.blocks(tokens)
+            .saturating_sub(self.blocks(self.row_tokens(row)))
+    }
     fn reserve(&mut self, row: RowId, tokens: usize) -> Result<(), KvError> {
         let free = self.total - self.used;
-        let bs = self.block_size;
+        let (bs, shift) = (self.block_size, self.shift);
         let entry = self.rows.entry(row).or_insert((0, 0));
         let old = entry.0;
         if tokens <= old {
             return Ok(());
         }
-        let needed = tokens.div_ceil(bs) - old.div_ceil(bs);
+        let needed = blocks_of(tokens, bs, shift) - blocks_of(old, bs, shift);
         if needed > free {
             if old == 0 {
                 self.rows.remove(&row);
@@ -189,5 +209,16 @@ mod tests {
         b.release(1);
         assert_eq!(b.free_blocks(), 10);
         assert_eq!(b.rows(), 0);
+    }
+
+    #[test]
+    fn block_counts_are_ceilings_for_any_block_size() {
+        for bs in [1usize, 2, 3, 7, 16, 17, 64] {
+            let b = BlockBudget::new(bs, 1 << 20);
+            for t in (0..200).chain([usize::MAX - 1, usize::MAX]) {
+                assert_eq!(b.blocks(t), t.div_ceil(bs), "block size {bs}, {t} tokens");
+                assert_eq!(b.blocks_needed(9, t), t.div_ceil(bs));
+            }
+        }
     }
 }

@@ -122,6 +122,16 @@ impl Req {
     /// Appends what [`Req::tokens`] returns to `v`, so a step can refill buffers it keeps.
     fn extend_tokens(&self, start: usize, n: usize, v: &mut Vec<u32>) {
         let (p, g) = (&self.r.prompt, &self.generated);
+        if n == 1 {
+            // A decoding row feeds one token; a push is much cheaper than the memcpy call
+            // that copying a one-element slice becomes.
+            let t = match start.checked_sub(p.len()) {
+                None => p.get(start),
+                Some(i) => g.get(i),
+            };
+            v.extend(t);
+            return;
+        }
         let end = start + n;
         if start < p.len() {
             v.extend_from_slice(&p[start..end.min(p.len())]);
