@@ -109,18 +109,24 @@ impl<T> Receiver<T> {
         let mut st = self.shared.lock();
         match st.queue.pop_front() {
             Some(msg) => Ok(msg),
-            None if st.sender_gone => Err(TryRecvError::Disconnected),
+            None if st.sender_gone || self.is_closed() => Err(TryRecvError::Disconnected),
             None => Err(TryRecvError::Empty),
         }
     }
 
-    /// `Ready(None)` once the sender is gone and everything it sent was received.
+    /// Closed by this side: nothing more can arrive.
+    fn is_closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Relaxed)
+    }
+
+    /// `Ready(None)` once the sender is gone (or this side closed) and everything sent
+    /// was received.
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         let mut st = self.shared.lock();
         if let Some(msg) = st.queue.pop_front() {
             return Poll::Ready(Some(msg));
         }
-        if st.sender_gone {
+        if st.sender_gone || self.is_closed() {
             return Poll::Ready(None);
         }
         match &mut st.waker {
@@ -215,6 +221,8 @@ mod tests {
         assert!(tx.is_closed());
         assert_eq!(tx.send(2), Err(2));
         assert_eq!(rx.try_recv(), Ok(1));
+        assert_eq!(rx.try_recv(), Err(TryRecvError::Disconnected));
+        assert_eq!(rx.blocking_recv(), None);
         let (tx, rx) = channel::<u32>();
         drop(rx);
         assert!(tx.is_closed());
