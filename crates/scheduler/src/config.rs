@@ -1,6 +1,7 @@
 //! Engine configuration.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use crate::fault::FaultPlan;
 
@@ -73,6 +74,14 @@ pub struct SchedulerConfig {
     pub max_logprobs: usize,
     /// Seeds requests that carry no seed (mixed with the request key).
     pub seed: u64,
+    /// Burst coalescing: an engine with nothing running waits, after a request
+    /// arrives, until no other request has arrived for this long (capped at
+    /// `coalesce_max`) before its first step, so requests sent together prefill
+    /// in one batched step instead of the first one alone and the rest a whole
+    /// prefill later. Zero turns it off. Never delays a step with running rows.
+    pub coalesce_gap: Duration,
+    /// Longest burst-coalescing wait.
+    pub coalesce_max: Duration,
     /// Test-only fault injection; empty in production.
     pub faults: FaultPlan,
     /// Test-only: after every rolled-back attempt, compare a fingerprint of the whole
@@ -96,6 +105,8 @@ impl Default for SchedulerConfig {
             max_step_retries: 3,
             max_logprobs: 20,
             seed: 0x5eed,
+            coalesce_gap: Duration::ZERO,
+            coalesce_max: Duration::ZERO,
             faults: FaultPlan::default(),
             verify_rollback: false,
         }

@@ -297,6 +297,26 @@ fn run_loop<M: Model, K: KvBudget>(
                 Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
             }
         }
+        if let (true, Some((gap, cap))) = (sched.only_waiting(), sched.coalesce()) {
+            // Clients of a burst arrive a few ms apart; stepping at the first
+            // would prefill it alone and leave the rest waiting a whole step.
+            let until = Instant::now() + cap;
+            loop {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                match rx.recv_timeout(gap.min(left)) {
+                    Ok(cmd) => {
+                        if !handle(&mut sched, cmd) {
+                            break 'outer;
+                        }
+                    }
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => break,
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break 'outer,
+                }
+            }
+        }
         let rep = sched.step(Instant::now());
         stalled = rep.rows == 0 && sched.has_work();
         *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();

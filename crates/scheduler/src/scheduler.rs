@@ -413,6 +413,17 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         !self.reqs.is_empty()
     }
 
+    /// Requests queued while no row runs: the engine may wait for more of a
+    /// burst before stepping (see `SchedulerConfig::coalesce_gap`).
+    pub fn only_waiting(&self) -> bool {
+        self.running.is_empty() && !self.reqs.is_empty()
+    }
+
+    /// The burst-coalescing window, if on: (gap, cap).
+    pub fn coalesce(&self) -> Option<(Duration, Duration)> {
+        (!self.cfg.coalesce_gap.is_zero()).then_some((self.cfg.coalesce_gap, self.cfg.coalesce_max))
+    }
+
     /// Validate, apply limits, and queue a request. Same checks as `Engine::submit`.
     pub fn submit(&mut self, req: Request, now: Instant) -> Result<EventStream, SubmitError> {
         let key = self.admission.admit(&req, now)?;

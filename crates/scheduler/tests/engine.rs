@@ -196,3 +196,32 @@ fn submit_errors_are_immediate() {
         Err(SubmitError::Invalid(_))
     ));
 }
+
+/// Requests of a burst that reach an idle engine a little apart are prefilled in
+/// one step with burst coalescing on; without it, the first one steps alone.
+#[tokio::test]
+async fn burst_coalescing_batches_close_arrivals_into_one_step() {
+    for (gap, want_steps) in [(Duration::from_millis(400), 1), (Duration::ZERO, 2)] {
+        let cfg = weft_scheduler::SchedulerConfig {
+            coalesce_gap: gap,
+            coalesce_max: gap * 5,
+            ..sched_config()
+        };
+        let engine = Engine::start(
+            cfg,
+            || Ok::<_, String>(FakeModel::new(fake_config())),
+            Arc::new(FakeDetokenizer),
+        )
+        .expect("engine starts");
+        let first = engine.submit(Request::new("a", vec![1, 2, 3], 1)).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let second = engine.submit(Request::new("b", vec![4, 5, 6], 1)).unwrap();
+        assert_eq!(collect(first).await.0.len(), 1);
+        assert_eq!(collect(second).await.0.len(), 1);
+        // Stats are published after the step that sent the events.
+        eventually(|| engine.stats().steps >= want_steps).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(engine.stats().steps, want_steps, "gap {gap:?}");
+        engine.shutdown();
+    }
+}

@@ -16,6 +16,8 @@ use crate::generate::ComputeArgs;
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Burst-coalescing gap of the first step after idle (see `--coalesce`).
+pub const DEFAULT_COALESCE: Duration = Duration::from_millis(10);
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 
 /// Serve the weft.v1 gRPC API, health, reflection and Prometheus metrics
@@ -98,6 +100,11 @@ pub struct ServeArgs {
     /// How long SIGTERM/SIGINT waits for in-flight requests, e.g. 30s, 500ms [default: 30s].
     #[arg(long, env = "WEFT_DRAIN_TIMEOUT", value_name = "DURATION")]
     pub drain_timeout: Option<String>,
+    /// Burst coalescing: when nothing is running, the first step waits until no
+    /// request has arrived for this long (at most 5x it), so requests sent
+    /// together prefill as one batch. 0 turns it off [default: 10ms].
+    #[arg(long, env = "WEFT_COALESCE", value_name = "DURATION")]
+    pub coalesce: Option<String>,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -119,6 +126,7 @@ struct FileConfig {
     kv_memory: Option<String>,
     default_max_tokens: Option<usize>,
     drain_timeout: Option<String>,
+    coalesce: Option<String>,
     compute_dtype: Option<String>,
     weights: Option<String>,
 }
@@ -145,6 +153,7 @@ pub struct Settings {
     pub kv_block_size: usize,
     pub default_max_tokens: usize,
     pub drain_timeout: Duration,
+    pub coalesce: Duration,
     pub compute: ComputeArgs,
 }
 
@@ -228,6 +237,13 @@ impl Settings {
                 .or(file.default_max_tokens)
                 .unwrap_or(DEFAULT_MAX_TOKENS),
             drain_timeout: drain,
+            coalesce: args
+                .coalesce
+                .or(file.coalesce)
+                .map(|s| parse_duration(&s))
+                .transpose()
+                .context("--coalesce")?
+                .unwrap_or(DEFAULT_COALESCE),
             compute,
         };
         s.check()?;
@@ -294,6 +310,8 @@ impl Settings {
             max_waiting: self.max_waiting,
             kv_block_size: self.kv_block_size,
             kv_total_blocks: kv_blocks,
+            coalesce_gap: self.coalesce,
+            coalesce_max: self.coalesce * 5,
             ..SchedulerConfig::default()
         }
     }
