@@ -1,139 +1,86 @@
 //! The event channel of one request: one sender (the engine), one receiver (its
-//! [`crate::EventStream`]), unbounded.
+//! [`crate::EventStream`]), unbounded, in order. A thin layer over [`flume`] that adds
+//! what flume lacks: closing the receiving side while keeping what was already sent.
 //!
 //! Every generated token of every row is one send, so at large batches sending is a
-//! visible share of a step. tokio's unbounded channel is lock-free but pays about five
-//! atomic read-modify-writes per send (message count, slot claim, ready bit, and two on
-//! the receiver's waker). Here a mutex guards the queue and the waker together, so a send
-//! pays two (lock and unlock). Every critical section is a push, a pop or a flag write,
-//! so neither side can hold up the other for longer than that.
+//! visible share of a step; flume's unbounded send is one uncontended lock and a push
+//! (tokio's unbounded channel paid about five atomic read-modify-writes per send).
 
-use std::collections::VecDeque;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll, Wake, Waker};
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
-struct State<T> {
-    queue: VecDeque<T>,
-    /// The receiver's waker while it waits on an empty queue.
-    waker: Option<Waker>,
-    /// The sender is gone: once the queue is drained, the stream has ended.
-    sender_gone: bool,
-}
+use flume::r#async::RecvStream;
+use futures_core::Stream;
 
-struct Shared<T> {
-    state: Mutex<State<T>>,
-    /// The receiver closed or went away, so sends fail. Written under the lock (so a send
-    /// that holds the lock sees it), read without it by `is_closed`, which the engine asks
-    /// of every live request every step.
-    closed: AtomicBool,
-}
+pub(crate) use flume::TryRecvError;
 
-impl<T> Shared<T> {
-    fn lock(&self) -> MutexGuard<'_, State<T>> {
-        // Every critical section leaves the state consistent, so a panic in another
-        // holder (which only poisons the lock) is no reason to give up on the channel.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-pub(crate) fn channel<T>() -> (Sender<T>, Receiver<T>) {
-    let shared = Arc::new(Shared {
-        state: Mutex::new(State {
-            queue: VecDeque::new(),
-            waker: None,
-            sender_gone: false,
-        }),
-        closed: AtomicBool::new(false),
-    });
+pub(crate) fn channel<T: 'static>() -> (Sender<T>, Receiver<T>) {
+    let (tx, rx) = flume::unbounded();
+    let closed = Arc::new(AtomicBool::new(false));
     (
         Sender {
-            shared: shared.clone(),
+            tx,
+            closed: closed.clone(),
         },
-        Receiver { shared },
+        Receiver {
+            stream: rx.clone().into_stream(),
+            rx,
+            closed,
+        },
     )
 }
 
 pub(crate) struct Sender<T> {
-    shared: Arc<Shared<T>>,
+    tx: flume::Sender<T>,
+    /// Set by the receiver when it closes or goes away. Read without a lock by
+    /// `is_closed`, which the engine asks of every live request every step.
+    closed: Arc<AtomicBool>,
 }
 
 impl<T> Sender<T> {
     /// Queues `msg`; gives it back if the receiver is closed or gone.
     pub fn send(&self, msg: T) -> Result<(), T> {
-        let waker = {
-            let mut st = self.shared.lock();
-            if self.shared.closed.load(Ordering::Relaxed) {
-                return Err(msg);
-            }
-            st.queue.push_back(msg);
-            st.waker.take()
-        };
-        // Woken outside the lock: the woken task may run at once and take it.
-        if let Some(w) = waker {
-            w.wake();
+        if self.is_closed() {
+            return Err(msg);
         }
-        Ok(())
+        self.tx.send(msg).map_err(|e| e.into_inner())
     }
 
     pub fn is_closed(&self) -> bool {
-        self.shared.closed.load(Ordering::Acquire)
+        self.closed.load(Ordering::Acquire)
     }
 }
 
-impl<T> Drop for Sender<T> {
-    fn drop(&mut self) {
-        let waker = {
-            let mut st = self.shared.lock();
-            st.sender_gone = true;
-            st.waker.take()
-        };
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
+pub(crate) struct Receiver<T: 'static> {
+    rx: flume::Receiver<T>,
+    /// The async side of `rx` (a second handle on the same channel): it keeps the
+    /// registered waker between polls.
+    stream: RecvStream<'static, T>,
+    closed: Arc<AtomicBool>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum TryRecvError {
-    Empty,
-    Disconnected,
-}
-
-pub(crate) struct Receiver<T> {
-    shared: Arc<Shared<T>>,
-}
-
-impl<T> Receiver<T> {
-    pub fn try_recv(&mut self) -> Result<T, TryRecvError> {
-        let mut st = self.shared.lock();
-        match st.queue.pop_front() {
-            Some(msg) => Ok(msg),
-            None if st.sender_gone || self.is_closed() => Err(TryRecvError::Disconnected),
-            None => Err(TryRecvError::Empty),
-        }
-    }
-
+impl<T: 'static> Receiver<T> {
     /// Closed by this side: nothing more can arrive.
     fn is_closed(&self) -> bool {
-        self.shared.closed.load(Ordering::Relaxed)
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    pub fn try_recv(&mut self) -> Result<T, TryRecvError> {
+        match self.rx.try_recv() {
+            Err(TryRecvError::Empty) if self.is_closed() => Err(TryRecvError::Disconnected),
+            r => r,
+        }
     }
 
     /// `Ready(None)` once the sender is gone (or this side closed) and everything sent
     /// was received.
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
-        let mut st = self.shared.lock();
-        if let Some(msg) = st.queue.pop_front() {
-            return Poll::Ready(Some(msg));
+        if self.is_closed() {
+            return Poll::Ready(self.rx.try_recv().ok());
         }
-        if st.sender_gone || self.is_closed() {
-            return Poll::Ready(None);
-        }
-        match &mut st.waker {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            slot => *slot = Some(cx.waker().clone()),
-        }
-        Poll::Pending
+        Pin::new(&mut self.stream).poll_next(cx)
     }
 
     pub async fn recv(&mut self) -> Option<T> {
@@ -142,47 +89,21 @@ impl<T> Receiver<T> {
 
     /// Blocks the calling thread until a message arrives or the sender is gone.
     pub fn blocking_recv(&mut self) -> Option<T> {
-        let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-        let mut cx = Context::from_waker(&waker);
-        loop {
-            match self.poll_recv(&mut cx) {
-                Poll::Ready(msg) => return msg,
-                // A wake between the poll and the park leaves the thread's token set, so
-                // the park returns at once; spurious returns just poll again.
-                Poll::Pending => std::thread::park(),
-            }
+        if self.is_closed() {
+            return self.rx.try_recv().ok();
         }
+        self.rx.recv().ok()
     }
 
     /// Later sends fail; what was already sent can still be received.
     pub fn close(&mut self) {
-        let _st = self.shared.lock();
-        self.shared.closed.store(true, Ordering::Release);
+        self.closed.store(true, Ordering::Release);
     }
 }
 
-impl<T> Drop for Receiver<T> {
+impl<T: 'static> Drop for Receiver<T> {
     fn drop(&mut self) {
-        let (queue, waker) = {
-            let mut st = self.shared.lock();
-            self.shared.closed.store(true, Ordering::Release);
-            (std::mem::take(&mut st.queue), st.waker.take())
-        };
-        // Dropped outside the lock: their destructors may take time.
-        drop(queue);
-        drop(waker);
-    }
-}
-
-struct ThreadWaker(std::thread::Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.0.unpark();
+        self.close();
     }
 }
 
