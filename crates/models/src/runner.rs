@@ -54,7 +54,10 @@ enum Home {
 pub struct BatchRunner {
     model: LlamaModel,
     batch: KvCache,
-    batch_rows: Vec<RowId>,
+    /// The row in each batch position; `None` for a released row whose cache
+    /// columns are dropped at the next recomposition, so rows finishing
+    /// together cost one filter of the batch, not one each.
+    batch_rows: Vec<Option<RowId>>,
     solo: HashMap<RowId, KvCache>,
     /// Caches written by the open step, to commit or roll back together.
     touched_batch: bool,
@@ -153,11 +156,11 @@ impl BatchRunner {
     }
 
     pub fn num_rows(&self) -> usize {
-        self.batch_rows.len() + self.solo.len()
+        self.batch_rows.iter().flatten().count() + self.solo.len()
     }
 
     fn home(&self, row: RowId) -> Option<Home> {
-        if let Some(i) = self.batch_rows.iter().position(|&r| r == row) {
+        if let Some(i) = self.batch_rows.iter().position(|&r| r == Some(row)) {
             Some(Home::Batch(i))
         } else if self.solo.contains_key(&row) {
             Some(Home::Solo)
@@ -170,9 +173,11 @@ impl BatchRunner {
     pub fn release(&mut self, row: RowId) -> Result<()> {
         match self.home(row) {
             Some(Home::Batch(i)) => {
-                let keep: Vec<usize> = (0..self.batch_rows.len()).filter(|&j| j != i).collect();
-                self.batch.filter(&keep)?;
-                self.batch_rows.remove(i);
+                self.batch_rows[i] = None;
+                if self.batch_rows.iter().all(Option::is_none) {
+                    self.batch = KvCache::new(self.model.num_layers(), 0);
+                    self.batch_rows.clear();
+                }
             }
             Some(Home::Solo) => {
                 self.solo.remove(&row);
@@ -228,7 +233,7 @@ impl BatchRunner {
             .batch_rows
             .iter()
             .enumerate()
-            .map(|(i, &r)| (r, i))
+            .filter_map(|(i, r)| r.map(|r| (r, i)))
             .collect();
         decode.sort_by_key(|s| pos.get(&s.row).copied().unwrap_or(usize::MAX));
 
@@ -356,23 +361,26 @@ impl BatchRunner {
     /// between the batch and solo caches changes no row's contents, so it
     /// happens outside the step transaction.
     fn compose_batch(&mut self, rows: &[RowId]) -> Result<()> {
-        let same =
-            rows.len() == self.batch_rows.len() && rows.iter().all(|r| self.batch_rows.contains(r));
+        let same = rows.len() == self.batch_rows.len()
+            && rows.iter().all(|&r| self.batch_rows.contains(&Some(r)));
         if same {
             return Ok(());
         }
-        // Park rows that do not decode this step.
+        // Released rows are dropped; live rows that do not decode this step
+        // are parked in single-row caches.
         let leaving: Vec<usize> = (0..self.batch_rows.len())
-            .filter(|&i| !rows.contains(&self.batch_rows[i]))
+            .filter(|&i| self.batch_rows[i].is_none_or(|r| !rows.contains(&r)))
             .collect();
         for &i in &leaving {
-            let one = self.batch.extract(i)?;
-            self.solo.insert(self.batch_rows[i], one);
+            if let Some(r) = self.batch_rows[i] {
+                let one = self.batch.extract(i)?;
+                self.solo.insert(r, one);
+            }
         }
         let staying: Vec<usize> = (0..self.batch_rows.len())
             .filter(|i| !leaving.contains(i))
             .collect();
-        let mut order: Vec<RowId> = staying.iter().map(|&i| self.batch_rows[i]).collect();
+        let mut order: Vec<RowId> = staying.iter().filter_map(|&i| self.batch_rows[i]).collect();
         let mut batch = if staying.is_empty() {
             None
         } else if leaving.is_empty() {
@@ -408,7 +416,7 @@ impl BatchRunner {
             self.solo.remove(r);
         }
         self.batch = batch.unwrap_or_else(|| KvCache::new(self.model.num_layers(), 0));
-        self.batch_rows = order;
+        self.batch_rows = order.into_iter().map(Some).collect();
         Ok(())
     }
 
