@@ -75,7 +75,8 @@ pub struct ServeArgs {
     /// Rows (requests) in one forward call [default: 64].
     #[arg(long, env = "WEFT_MAX_BATCH_ROWS")]
     pub max_batch_rows: Option<usize>,
-    /// Tokens (decode + prefill) in one forward call [default: max(2048, max-batch-rows)].
+    /// Tokens (decode + prefill) in one forward call [default: 2048 + max-batch-rows, so
+    /// a full decode batch leaves 2048 tokens of prefill].
     #[arg(long, env = "WEFT_MAX_STEP_TOKENS")]
     pub max_step_tokens: Option<usize>,
     /// Requests queued across all tenants before RESOURCE_EXHAUSTED [default: 1024].
@@ -192,7 +193,7 @@ impl Settings {
         let max_step_tokens = args
             .max_step_tokens
             .or(file.max_step_tokens)
-            .unwrap_or(max_batch_rows.max(2048));
+            .unwrap_or(2048 + max_batch_rows);
         let kv_size = match (args.kv_blocks, &args.kv_memory) {
             (Some(b), _) => KvSize::Blocks(b),
             (None, Some(m)) => KvSize::Bytes(parse_bytes(m)?),
