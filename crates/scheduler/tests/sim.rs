@@ -575,3 +575,49 @@ fn prefix_reuse_is_exact_and_tenant_scoped() {
     assert_eq!(got_b, want);
     assert_eq!(s.stats().kv_blocks_free, sched_config().kv_total_blocks);
 }
+
+/// Continuous batching: a request arriving while other rows decode is prefilled in
+/// the next step, not after the running rows finish.
+#[test]
+fn joiner_starts_while_others_decode() {
+    let mut g = rng(5);
+    let mut specs: Vec<Spec> = (0..16)
+        .map(|_| {
+            let mut req = Request::new("a", prompt(&mut g, 20), 200);
+            req.ignore_eos = true;
+            Spec {
+                arrival_step: 0,
+                req,
+                cancel_after: None,
+                drop_after: None,
+                deadline_after: None,
+            }
+        })
+        .collect();
+    let mut late = Request::new("a", prompt(&mut g, 20), 5);
+    late.ignore_eos = true;
+    specs.push(Spec {
+        arrival_step: 30,
+        req: late,
+        cancel_after: None,
+        drop_after: None,
+        deadline_after: None,
+    });
+    let mut cfg = sched_config();
+    cfg.kv_total_blocks = 10_000;
+    let r = run(
+        cfg,
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    assert_clean(&r);
+    let first = r.outcomes[16]
+        .first_token_step
+        .expect("late request got a token");
+    assert!(
+        first <= 1,
+        "late joiner waited {first} steps for its first token"
+    );
+}
