@@ -9,6 +9,7 @@ pub mod malloc;
 pub mod paths;
 pub mod runtime;
 pub mod server;
+pub mod units;
 
 /// Generated `weft.v1` types, client and server.
 pub mod pb {

@@ -54,6 +54,7 @@ pub use dist::LengthDist;
 pub use stats::{BenchReport, GroupReport, LatencySummary, RequestRecord};
 pub use tenant::{TenantRate, TenantSpec};
 
+use crate::units::parse_positive_duration;
 use arrivals::PoissonArrivals;
 use client::{Planned, RequestOptions};
 use stats::Collector;
@@ -103,7 +104,7 @@ pub struct BenchArgs {
 
     /// Stop sending after this long (e.g. 30, 30s, 2m, 500ms); in-flight
     /// requests are waited for.
-    #[arg(long, short = 'd', value_parser = parse_duration)]
+    #[arg(long, short = 'd', value_parser = parse_positive_duration)]
     pub duration: Option<Duration>,
 
     /// Prompt length in tokens (approximate: ~one word per token; the
@@ -150,7 +151,7 @@ pub struct BenchArgs {
     pub no_ignore_eos: bool,
 
     /// Per-request time limit (counted as TIMEOUT when passed).
-    #[arg(long, value_parser = parse_duration, default_value = "600s")]
+    #[arg(long, value_parser = parse_positive_duration, default_value = "600s")]
     pub timeout: Duration,
 
     /// gRPC: HTTP/2 connections to spread requests over.
@@ -169,30 +170,6 @@ pub struct BenchArgs {
     /// No progress bar (it is also hidden when stderr is not a terminal).
     #[arg(long, short = 'q')]
     pub quiet: bool,
-}
-
-/// Parses `30`, `30s`, `1.5m`, `500ms`, `1h` into a duration.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
-        Some(i) => (&s[..i], &s[i..]),
-        None => (s, "s"),
-    };
-    let x: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{s}`: expected a duration like 30, 30s, 2m, 500ms"))?;
-    let secs = match unit {
-        "ms" => x / 1000.0,
-        "s" => x,
-        "m" => x * 60.0,
-        "h" => x * 3600.0,
-        _ => return Err(format!("`{s}`: unknown unit `{unit}` (ms, s, m, h)")),
-    };
-    if !(secs.is_finite() && secs > 0.0) {
-        return Err(format!("`{s}`: must be positive"));
-    }
-    Ok(Duration::from_secs_f64(secs))
 }
 
 /// One source of load in the measured phase.
@@ -745,20 +722,6 @@ mod tests {
     fn args(line: &str) -> Result<BenchArgs, clap::Error> {
         Cli::try_parse_from(std::iter::once("bench").chain(line.split_whitespace()))
             .map(|c| c.bench)
-    }
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
-        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
-        assert_eq!(parse_duration("1.5m").unwrap(), Duration::from_secs(90));
-        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
-        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
-        assert!(parse_duration("0").unwrap_err().contains("positive"));
-        assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
-        assert!(parse_duration("x")
-            .unwrap_err()
-            .contains("expected a duration"));
     }
 
     #[test]

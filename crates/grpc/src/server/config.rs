@@ -12,6 +12,7 @@ use serde::Deserialize;
 use weft_scheduler::SchedulerConfig;
 
 use crate::generate::ComputeArgs;
+use crate::units::parse_duration;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
@@ -207,8 +208,9 @@ impl Settings {
         let drain = args
             .drain_timeout
             .or(file.drain_timeout)
-            .map(|s| parse_duration(&s))
-            .transpose()?
+            .map(|s| parse_duration(&s).map_err(anyhow::Error::msg))
+            .transpose()
+            .context("--drain-timeout")?
             .unwrap_or(DEFAULT_DRAIN_TIMEOUT);
         let mut compute = args.compute;
         // Flags and env already decided unless they were left at "auto".
@@ -241,7 +243,7 @@ impl Settings {
             coalesce: args
                 .coalesce
                 .or(file.coalesce)
-                .map(|s| parse_duration(&s))
+                .map(|s| parse_duration(&s).map_err(anyhow::Error::msg))
                 .transpose()
                 .context("--coalesce")?
                 .unwrap_or(DEFAULT_COALESCE),
@@ -322,29 +324,6 @@ fn load_file(p: &Path) -> anyhow::Result<FileConfig> {
     let text =
         std::fs::read_to_string(p).with_context(|| format!("reading config {}", p.display()))?;
     toml::from_str(&text).with_context(|| format!("config {}", p.display()))
-}
-
-/// "30s", "500ms", "2m", "1h" or plain seconds ("2.5").
-pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {
-    let t = s.trim();
-    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
-        (n, 1e-3)
-    } else if let Some(n) = t.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = t.strip_suffix('m') {
-        (n, 60.0)
-    } else if let Some(n) = t.strip_suffix('h') {
-        (n, 3600.0)
-    } else {
-        (t, 1.0)
-    };
-    let v: f64 = num
-        .trim()
-        .parse()
-        .ok()
-        .filter(|v: &f64| v.is_finite() && *v >= 0.0)
-        .with_context(|| format!("{s:?}: expected a duration such as 30s, 500ms, 2m"))?;
-    Ok(Duration::from_secs_f64(v * scale))
 }
 
 /// "2GiB", "512MiB", "1.5G", "1000000" (bytes).
@@ -461,8 +440,6 @@ mod tests {
 
     #[test]
     fn units() {
-        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
-        assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
         assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
         assert_eq!(parse_bytes("1.5G").unwrap(), 1_500_000_000);
         let mut s = Settings::resolve(args("--kv-memory 1MiB --kv-block-size 16")).unwrap();

@@ -1,0 +1,60 @@
+//! Durations as flags and config values spell them ("30s", "500ms", "2m",
+//! "1h", or plain seconds such as "2.5"), for `weft serve` and `weft bench`.
+
+use std::time::Duration;
+
+/// Parses a non-negative duration; callers that need it positive check that.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let (num, unit) = match t.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => (&t[..i], &t[i..]),
+        None => (t, "s"),
+    };
+    let x: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{t}`: expected a duration like 30, 30s, 2m, 500ms"))?;
+    let secs = match unit {
+        "ms" => x / 1000.0,
+        "s" => x,
+        "m" => x * 60.0,
+        "h" => x * 3600.0,
+        _ => return Err(format!("`{t}`: unknown unit `{unit}` (ms, s, m, h)")),
+    };
+    if !(secs.is_finite() && secs >= 0.0) {
+        return Err(format!("`{t}`: must be zero or more"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// As [`parse_duration`], refusing zero.
+pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err(format!("`{}`: must be positive", s.trim()));
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_and_without_units() {
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("1.5m").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
+        assert!(parse_positive_duration("0")
+            .unwrap_err()
+            .contains("positive"));
+        assert!(parse_duration("-1s").unwrap_err().contains("zero or more"));
+        assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("x")
+            .unwrap_err()
+            .contains("expected a duration"));
+    }
+}
