@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tracing::{error, info};
+use tracing::{debug, error, info};
 
 use crate::admission::Admission;
 use crate::chan;
@@ -317,7 +317,17 @@ fn run_loop<M: Model, K: KvBudget>(
                 }
             }
         }
-        let rep = sched.step(Instant::now());
+        let t = Instant::now();
+        let rep = sched.step(t);
+        if rep.rows > 0 {
+            debug!(
+                rows = rep.rows,
+                tokens = rep.tokens,
+                attempts = rep.attempts,
+                ms = t.elapsed().as_secs_f64() * 1e3,
+                "step"
+            );
+        }
         stalled = rep.rows == 0 && sched.has_work();
         *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();
     }

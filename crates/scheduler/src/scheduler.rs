@@ -835,7 +835,15 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                     self.model.prefix_len(&self.tenants[t].name, &seq),
                 )
             };
-            let n = self.cfg.prefill_chunk.min(total - cached).min(*budget);
+            let rest = total - cached;
+            let n = self.cfg.prefill_chunk.min(rest).min(*budget);
+            if n < rest && rest <= self.cfg.prefill_chunk && rows.iter().any(|r| r.n > 1) {
+                // A prompt that fits one chunk but not this step's leftover budget
+                // starts whole next step: started now, its tail would run next step
+                // as a lone single-row forward beside the batched prefill group.
+                // Head-of-line, like a memory stall, to keep the fair order.
+                break;
+            }
             let need = (cached + n).div_ceil(bs);
             let watermark = if self.running.is_empty() {
                 0

@@ -621,3 +621,51 @@ fn joiner_starts_while_others_decode() {
         "late joiner waited {first} steps for its first token"
     );
 }
+
+/// A short prompt that does not fit whole in the budget left by a step's other
+/// prefill waits for the next step instead of starting with a partial chunk; a
+/// prompt longer than one chunk still starts with whatever budget is left.
+#[test]
+fn short_prompts_are_not_split_across_steps() {
+    let specs_of = |second_len: usize| -> Vec<Spec> {
+        let mut g = rng(9);
+        [60, second_len]
+            .iter()
+            .map(|&n| {
+                let mut req = Request::new("a", prompt(&mut g, n), 3);
+                req.ignore_eos = true;
+                Spec {
+                    arrival_step: 0,
+                    req,
+                    cancel_after: None,
+                    drop_after: None,
+                    deadline_after: None,
+                }
+            })
+            .collect()
+    };
+    let mut cfg = sched_config();
+    cfg.max_step_tokens = 100;
+    cfg.prefill_chunk = 64;
+    cfg.kv_total_blocks = 1000;
+    for (second_len, started_in_step_0) in [(60, 1), (200, 2)] {
+        let mut running_after_first = None;
+        let r = run(
+            cfg.clone(),
+            fake_config(),
+            FakeFaults::default(),
+            &specs_of(second_len),
+            |step, s: &Scheduler<FakeModel>, _| {
+                if step == 0 {
+                    running_after_first = Some(s.stats().running);
+                }
+            },
+        );
+        assert_clean(&r);
+        assert_eq!(
+            running_after_first,
+            Some(started_in_step_0),
+            "second prompt of {second_len} tokens"
+        );
+    }
+}
