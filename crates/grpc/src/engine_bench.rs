@@ -28,10 +28,10 @@ pub struct EngineBenchArgs {
     /// Prefill chunk size of the scheduler.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
-    /// Tokens (decode + prefill) in one forward call; the default is `weft
-    /// serve`'s, so the engine is measured as it serves.
-    #[arg(long, default_value_t = 2048)]
-    pub max_step_tokens: usize,
+    /// Tokens (decode + prefill) in one forward call [default: 2048 + streams,
+    /// as `weft serve` sizes it, so the engine is measured as it serves].
+    #[arg(long)]
+    pub max_step_tokens: Option<usize>,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -56,7 +56,10 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
     let opts = args.compute.load_options()?;
     let config = SchedulerConfig {
         max_batch_rows: args.streams.max(1),
-        max_step_tokens: args.max_step_tokens.max(args.streams),
+        max_step_tokens: args
+            .max_step_tokens
+            .unwrap_or(2048 + args.streams)
+            .max(args.streams),
         prefill_chunk: args.prefill_chunk,
         kv_total_blocks: (args.streams * (args.prompt_tokens + args.gen_tokens)).div_ceil(16) + 64,
         ..SchedulerConfig::default()
