@@ -49,6 +49,17 @@ impl StepLogits {
 enum Home {
     Batch(usize),
     Solo,
+    /// Position in a parked prefill group.
+    Parked(usize, usize),
+}
+
+/// Rows prefilled together, kept as one multi-row cache until they join the
+/// decode batch: joining as a whole costs one concatenation instead of a copy
+/// per row out of the group and another into the batch.
+struct Parked {
+    /// `None` once a row was released or moved out.
+    rows: Vec<Option<RowId>>,
+    cache: KvCache,
 }
 
 pub struct BatchRunner {
@@ -70,6 +81,8 @@ pub struct BatchRunner {
     /// Fresh rows prefilled together in the open step: split into single-row
     /// caches at commit, dropped on rollback.
     groups: Vec<(Vec<RowId>, KvCache)>,
+    /// Committed prefill groups whose rows have not joined the batch yet.
+    parked: Vec<Parked>,
 }
 
 /// Prefix reuse granularity (tokens) and default capacity (tokens).
@@ -90,6 +103,7 @@ impl BatchRunner {
             layer_hook: None,
             prefixes: PrefixStore::new(PREFIX_BLOCK, PREFIX_CAPACITY),
             groups: Vec::new(),
+            parked: Vec::new(),
         }
     }
 
@@ -133,6 +147,7 @@ impl BatchRunner {
                 Some(c) => c.clone(),
                 None => return Ok(()),
             },
+            Some(Home::Parked(g, i)) => self.parked[g].cache.extract(i)?,
             None => return Ok(()),
         };
         self.prefixes.insert(tenant, tokens.to_vec(), cache);
@@ -152,11 +167,18 @@ impl BatchRunner {
         match self.home(row)? {
             Home::Batch(i) => Some(self.batch.lengths()[i] as usize),
             Home::Solo => self.solo.get(&row).map(|c| c.lengths()[0] as usize),
+            Home::Parked(g, i) => Some(self.parked[g].cache.lengths()[i] as usize),
         }
     }
 
     pub fn num_rows(&self) -> usize {
-        self.batch_rows.iter().flatten().count() + self.solo.len()
+        self.batch_rows.iter().flatten().count()
+            + self.solo.len()
+            + self
+                .parked
+                .iter()
+                .map(|p| p.rows.iter().flatten().count())
+                .sum::<usize>()
     }
 
     fn home(&self, row: RowId) -> Option<Home> {
@@ -165,7 +187,12 @@ impl BatchRunner {
         } else if self.solo.contains_key(&row) {
             Some(Home::Solo)
         } else {
-            None
+            self.parked.iter().enumerate().find_map(|(g, p)| {
+                p.rows
+                    .iter()
+                    .position(|&r| r == Some(row))
+                    .map(|i| Home::Parked(g, i))
+            })
         }
     }
 
@@ -181,6 +208,10 @@ impl BatchRunner {
             }
             Some(Home::Solo) => {
                 self.solo.remove(&row);
+            }
+            Some(Home::Parked(g, i)) => {
+                self.parked[g].rows[i] = None;
+                self.drop_empty_parked();
             }
             None => {}
         }
@@ -248,7 +279,7 @@ impl BatchRunner {
         let mut fresh: Vec<&RowStep> = Vec::new();
         let mut singles: Vec<&RowStep> = Vec::new();
         for s in prefill {
-            if s.start_pos == 0 && !self.solo.contains_key(&s.row) {
+            if s.start_pos == 0 && self.home(s.row).is_none() {
                 fresh.push(s);
             } else {
                 singles.push(s);
@@ -281,6 +312,7 @@ impl BatchRunner {
         }
         singles.sort_by_key(|s| s.row);
         for s in singles {
+            self.unpark(s.row)?;
             if !self.solo.contains_key(&s.row) {
                 self.solo
                     .insert(s.row, KvCache::new(self.model.num_layers(), 1));
@@ -298,6 +330,7 @@ impl BatchRunner {
                 outputs.insert(s.row, logits.reshape(&[-1])?);
             }
         }
+        self.drop_empty_parked();
         if !decode.is_empty() {
             let ids: Vec<i32> = decode.iter().map(|s| s.tokens[0] as i32).collect();
             let tokens = Array::from_slice(&ids, &[ids.len() as i32, 1]);
@@ -395,11 +428,37 @@ impl BatchRunner {
             .copied()
             .filter(|r| !order.contains(r))
             .collect();
+        // Parked groups whose rows all join merge as they are; rows of other
+        // groups move out one by one.
+        let whole: Vec<usize> = (0..self.parked.len())
+            .filter(|&g| {
+                self.parked[g]
+                    .rows
+                    .iter()
+                    .all(|r| r.is_some_and(|r| joiners.contains(&r)))
+            })
+            .collect();
+        for &r in &joiners {
+            if let Some(Home::Parked(g, _)) = self.home(r) {
+                if !whole.contains(&g) {
+                    self.unpark(r)?;
+                }
+            }
+        }
         let mut caches = Vec::with_capacity(joiners.len());
+        let mut joined = Vec::with_capacity(joiners.len());
+        for &g in &whole {
+            caches.push(&self.parked[g].cache);
+            joined.extend(self.parked[g].rows.iter().flatten().copied());
+        }
         for r in &joiners {
+            if joined.contains(r) {
+                continue;
+            }
             caches.push(self.solo.get(r).ok_or_else(|| {
                 ModelError::Invalid(format!("row {r} has no state to decode from"))
             })?);
+            joined.push(*r);
         }
         if let Some((first, rest)) = caches.split_first() {
             match batch.as_mut() {
@@ -411,13 +470,32 @@ impl BatchRunner {
                 }
             }
         }
-        order.extend(joiners);
+        order.extend(joined);
         for r in rows {
             self.solo.remove(r);
         }
+        for &g in whole.iter().rev() {
+            self.parked.remove(g);
+        }
+        self.drop_empty_parked();
         self.batch = batch.unwrap_or_else(|| KvCache::new(self.model.num_layers(), 0));
         self.batch_rows = order.into_iter().map(Some).collect();
         Ok(())
+    }
+
+    /// Moves a parked row into a single-row cache of its own (same contents).
+    /// Leaves emptied groups in place, so group indices stay valid.
+    fn unpark(&mut self, row: RowId) -> Result<()> {
+        if let Some(Home::Parked(g, i)) = self.home(row) {
+            let one = self.parked[g].cache.extract(i)?;
+            self.parked[g].rows[i] = None;
+            self.solo.insert(row, one);
+        }
+        Ok(())
+    }
+
+    fn drop_empty_parked(&mut self) {
+        self.parked.retain(|p| p.rows.iter().any(Option::is_some));
     }
 
     pub fn commit(&mut self) -> Result<()> {
@@ -426,9 +504,10 @@ impl BatchRunner {
         }
         for (rows, mut cache) in std::mem::take(&mut self.groups) {
             cache.commit();
-            for (i, row) in rows.into_iter().enumerate() {
-                self.solo.insert(row, cache.extract(i)?);
-            }
+            self.parked.push(Parked {
+                rows: rows.into_iter().map(Some).collect(),
+                cache,
+            });
         }
         for r in self.touched_solo.drain(..) {
             if let Some(c) = self.solo.get_mut(&r) {

@@ -347,13 +347,57 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
     };
     let mut together = BatchRunner::new(load(&md));
     let got = run(&mut together, &[0, 1, 2, 3]);
-    for (r, got) in got.iter().enumerate() {
-        let mut alone = BatchRunner::new(load(&md));
-        let want = run(&mut alone, &[r]).remove(0);
-        for (i, ((wt, wl), (gt, gl))) in want.iter().zip(got).enumerate() {
+    let alone: Vec<Vec<(u32, Vec<f32>)>> = (0..prompts.len())
+        .map(|r| run(&mut BatchRunner::new(load(&md)), &[r]).remove(0))
+        .collect();
+    let check = |r: usize, got: &[(u32, Vec<f32>)]| {
+        for (i, ((wt, wl), (gt, gl))) in alone[r].iter().zip(got).enumerate() {
             assert_eq!(wt, gt, "row {r} token {i} differs from its solo prefill");
             let d = max_abs_diff(wl, gl);
             assert!(d < 1e-4, "row {r} logits {i} differ by {d}");
         }
+    };
+    for (r, got) in got.iter().enumerate() {
+        check(r, got);
     }
+
+    // The group breaks up before it joins the batch: row 1 is released after
+    // its first token and row 2 sits out step 1.
+    let mut split = BatchRunner::new(load(&md));
+    let mut next: Vec<RowStep> = (0..prompts.len())
+        .map(|r| RowStep {
+            row: r as u64,
+            tokens: prompts[r].clone(),
+            start_pos: 0,
+            want_logits: true,
+        })
+        .collect();
+    let mut out: Vec<Vec<(u32, Vec<f32>)>> = vec![vec![]; prompts.len()];
+    for step in 0..8 {
+        let active: Vec<RowStep> = next
+            .iter()
+            .filter(|s| {
+                let released = step >= 1 && s.row == 1;
+                let sits_out = step == 1 && s.row == 2;
+                !released && !sits_out
+            })
+            .cloned()
+            .collect();
+        let l = split.forward(&active).unwrap();
+        split.commit().unwrap();
+        for (k, a) in active.iter().enumerate() {
+            let t = argmax(l.row(k));
+            out[a.row as usize].push((t, l.row(k).to_vec()));
+            let s = &mut next[a.row as usize];
+            s.start_pos += s.tokens.len();
+            s.tokens = vec![t];
+        }
+        if step == 0 {
+            split.release(1).unwrap();
+        }
+    }
+    for r in [0, 2, 3] {
+        check(r, &out[r]);
+    }
+    assert_eq!(out[2].len(), 7);
 }
