@@ -146,19 +146,21 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
         .context("building the reflection service")?;
 
     let mut grpc_stop = stop_rx.clone();
+    // Server::tcp_nodelay only applies to sockets tonic binds itself; ours come
+    // from our own listener, so TcpIncoming sets it. Without it Nagle holds the
+    // small frames ending a stream until the client's delayed ACK (~40 ms), and
+    // closed-loop clients' next requests arrive in late waves.
+    let incoming = tonic::transport::server::TcpIncoming::from_listener(listener, true, None)
+        .map_err(|e| anyhow::anyhow!("gRPC listener: {e}"))?;
     let router = Server::builder()
-        .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health_svc)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(GenerationServer::new(GenerationService::new(state.clone())));
-    let server = tokio::spawn(router.serve_with_incoming_shutdown(
-        tokio_stream::wrappers::TcpListenerStream::new(listener),
-        async move {
-            let _ = grpc_stop.wait_for(|s| *s).await;
-        },
-    ));
+    let server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async move {
+        let _ = grpc_stop.wait_for(|s| *s).await;
+    }));
     say(&format!("grpc listening on {grpc_addr}"));
     info!(addr = %grpc_addr, tenants = ?state.tenants.all().iter().map(|t| t.name.clone()).collect::<Vec<_>>(), "gRPC listening; loading the model");
 
