@@ -276,25 +276,15 @@ fn run_loop<M: Model, K: KvBudget>(
                     .next_deadline(now)
                     .map_or(IDLE_POLL, |d| d.min(IDLE_POLL))
             };
-            match rx.recv_timeout(wait) {
-                Ok(cmd) => {
-                    if !handle(&mut sched, cmd) {
-                        break 'outer;
-                    }
-                }
-                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
-                Err(std_mpsc::RecvTimeoutError::Disconnected) => break 'outer,
+            if take(&rx, &mut sched, Some(wait)) == Got::Stop {
+                break 'outer;
             }
         }
         loop {
-            match rx.try_recv() {
-                Ok(cmd) => {
-                    if !handle(&mut sched, cmd) {
-                        break 'outer;
-                    }
-                }
-                Err(std_mpsc::TryRecvError::Empty) => break,
-                Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
+            match take(&rx, &mut sched, None) {
+                Got::Handled => {}
+                Got::Nothing => break,
+                Got::Stop => break 'outer,
             }
         }
         if let (true, Some((gap, cap))) = (sched.only_waiting(), sched.coalesce()) {
@@ -306,14 +296,10 @@ fn run_loop<M: Model, K: KvBudget>(
                 if left.is_zero() {
                     break;
                 }
-                match rx.recv_timeout(gap.min(left)) {
-                    Ok(cmd) => {
-                        if !handle(&mut sched, cmd) {
-                            break 'outer;
-                        }
-                    }
-                    Err(std_mpsc::RecvTimeoutError::Timeout) => break,
-                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break 'outer,
+                match take(&rx, &mut sched, Some(gap.min(left))) {
+                    Got::Handled => {}
+                    Got::Nothing => break,
+                    Got::Stop => break 'outer,
                 }
             }
         }
@@ -334,6 +320,40 @@ fn run_loop<M: Model, K: KvBudget>(
     sched.shutdown(Instant::now());
     *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();
     info!("engine stopped");
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Got {
+    Handled,
+    /// Nothing queued (`wait` None) or nothing arrived within `wait`.
+    Nothing,
+    /// Shutdown, or every handle is gone.
+    Stop,
+}
+
+/// Takes one command, waiting up to `wait` for it (not at all when None), and handles it.
+fn take<M: Model, K: KvBudget>(
+    rx: &std_mpsc::Receiver<Command>,
+    sched: &mut Scheduler<M, K>,
+    wait: Option<Duration>,
+) -> Got {
+    let cmd = match wait {
+        Some(w) => match rx.recv_timeout(w) {
+            Ok(cmd) => cmd,
+            Err(std_mpsc::RecvTimeoutError::Timeout) => return Got::Nothing,
+            Err(std_mpsc::RecvTimeoutError::Disconnected) => return Got::Stop,
+        },
+        None => match rx.try_recv() {
+            Ok(cmd) => cmd,
+            Err(std_mpsc::TryRecvError::Empty) => return Got::Nothing,
+            Err(std_mpsc::TryRecvError::Disconnected) => return Got::Stop,
+        },
+    };
+    if handle(sched, cmd) {
+        Got::Handled
+    } else {
+        Got::Stop
+    }
 }
 
 /// Returns false on shutdown.
