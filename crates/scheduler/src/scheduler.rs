@@ -822,6 +822,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         free: &mut usize,
     ) {
         let bs = self.kv.block_size();
+        let mut prefilling = rows.iter().any(|r| r.n > 1);
         while self.running.len() < self.cfg.max_batch_rows && *budget > 0 {
             let Some(t) = self.pick_tenant() else { break };
             let Some((_, &k)) = self.tenants[t].queue.first_key_value() else {
@@ -837,7 +838,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             };
             let rest = total - cached;
             let n = self.cfg.prefill_chunk.min(rest).min(*budget);
-            if n < rest && rest <= self.cfg.prefill_chunk && rows.iter().any(|r| r.n > 1) {
+            if n < rest && rest <= self.cfg.prefill_chunk && prefilling {
                 // A prompt that fits one chunk but not this step's leftover budget
                 // starts whole next step: started now, its tail would run next step
                 // as a lone single-row forward beside the batched prefill group.
@@ -860,6 +861,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             let n = self.cfg.prefill_chunk.min(total - cached).min(*budget);
             *free -= (cached + n).div_ceil(bs);
             *budget -= n;
+            prefilling |= n > 1;
             rows.push(Planned {
                 key: k,
                 slot,
