@@ -585,24 +585,12 @@ fn joiner_starts_while_others_decode() {
         .map(|_| {
             let mut req = Request::new("a", prompt(&mut g, 20), 200);
             req.ignore_eos = true;
-            Spec {
-                arrival_step: 0,
-                req,
-                cancel_after: None,
-                drop_after: None,
-                deadline_after: None,
-            }
+            Spec::at(0, req)
         })
         .collect();
     let mut late = Request::new("a", prompt(&mut g, 20), 5);
     late.ignore_eos = true;
-    specs.push(Spec {
-        arrival_step: 30,
-        req: late,
-        cancel_after: None,
-        drop_after: None,
-        deadline_after: None,
-    });
+    specs.push(Spec::at(30, late));
     let mut cfg = sched_config();
     cfg.kv_total_blocks = 10_000;
     let r = run(
@@ -634,13 +622,7 @@ fn short_prompts_are_not_split_across_steps() {
             .map(|&n| {
                 let mut req = Request::new("a", prompt(&mut g, n), 3);
                 req.ignore_eos = true;
-                Spec {
-                    arrival_step: 0,
-                    req,
-                    cancel_after: None,
-                    drop_after: None,
-                    deadline_after: None,
-                }
+                Spec::at(0, req)
             })
             .collect()
     };

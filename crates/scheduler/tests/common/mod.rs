@@ -29,6 +29,19 @@ pub struct Spec {
     pub deadline_after: Option<u64>,
 }
 
+impl Spec {
+    /// A request arriving at `arrival_step` that runs to its end undisturbed.
+    pub fn at(arrival_step: u64, req: Request) -> Self {
+        Spec {
+            arrival_step,
+            req,
+            cancel_after: None,
+            drop_after: None,
+            deadline_after: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Outcome {
     pub submit_error: Option<SubmitError>,
