@@ -4,7 +4,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use clap::Args;
-use weft_models::{ChatMessage, LoadOptions};
+use weft_models::{ChatMessage, Kernels, LoadOptions};
 use weft_scheduler::{Event, Request, SamplingParams, SchedulerConfig};
 
 use crate::runtime;
@@ -18,6 +18,11 @@ pub struct ComputeArgs {
     /// Quantized weights: auto (dequantize on CPU, keep on GPU), keep or dequantize.
     #[arg(long, default_value = "auto", env = "WEFT_WEIGHTS")]
     pub weights: String,
+    /// SiLU/attention kernels: auto (cpu-tuned for f32 on CPU, stock otherwise),
+    /// stock (MLX's own ops, bit-identical to mlx-lm) or cpu-tuned (exp built
+    /// from vectorised ops; MLX's CPU exp is scalar).
+    #[arg(long, default_value = "auto", env = "WEFT_KERNELS")]
+    pub kernels: String,
 }
 
 impl ComputeArgs {
@@ -35,9 +40,16 @@ impl ComputeArgs {
             "dequantize" => Some(true),
             other => anyhow::bail!("--weights {other:?}: expected auto, keep or dequantize"),
         };
+        let kernels = match self.kernels.as_str() {
+            "auto" => None,
+            "stock" => Some(Kernels::Stock),
+            "cpu-tuned" => Some(Kernels::CpuTuned),
+            other => anyhow::bail!("--kernels {other:?}: expected auto, stock or cpu-tuned"),
+        };
         Ok(LoadOptions {
             dtype,
             dequantize,
+            kernels,
             ..LoadOptions::default()
         })
     }

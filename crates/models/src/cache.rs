@@ -78,9 +78,44 @@ impl KvCache {
             };
         }
         let s = self.cursor + t;
-        let b = self.batch_size();
-        let mut m = Vec::with_capacity(b * (t * s) as usize);
-        for &pad in &self.left_pad {
+        let b = self.batch_size() as i32;
+        StepMask::Array(Array::from_slice(&self.visibility(t), &[b, 1, t, s]))
+    }
+
+    /// The same mask as `mask`, additive (0 visible, -inf hidden) and shaped
+    /// `[B, 1, 1, T, S]` (or `[T, S]` without padding) for attention that
+    /// groups query heads; None when nothing is hidden.
+    pub fn additive_mask(&self, t: i32) -> Option<Array> {
+        let padded = self.left_pad.iter().any(|&p| p > 0);
+        if !padded && t == 1 {
+            return None;
+        }
+        let s = self.cursor + t;
+        let (rows, shape) = if padded {
+            (
+                self.left_pad.clone(),
+                vec![self.batch_size() as i32, 1, 1, t, s],
+            )
+        } else {
+            (vec![0], vec![t, s])
+        };
+        let bias: Vec<f32> = self
+            .visibility_of(&rows, t)
+            .into_iter()
+            .map(|v| if v { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        Some(Array::from_slice(&bias, &shape))
+    }
+
+    fn visibility(&self, t: i32) -> Vec<bool> {
+        self.visibility_of(&self.left_pad, t)
+    }
+
+    /// Row-major `[rows, T, S]`: may query `q` of a row padded by `pad` see column `j`.
+    fn visibility_of(&self, pads: &[i32], t: i32) -> Vec<bool> {
+        let s = self.cursor + t;
+        let mut m = Vec::with_capacity(pads.len() * (t * s) as usize);
+        for &pad in pads {
             for q in 0..t {
                 let here = self.cursor + q;
                 for j in 0..s {
@@ -91,7 +126,7 @@ impl KvCache {
                 }
             }
         }
-        StepMask::Array(Array::from_slice(&m, &[b as i32, 1, t, s]))
+        m
     }
 
     /// Writes one layer's new K/V `[B, Hkv, T, D]` at the cursor; returns the

@@ -4,6 +4,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod cpu_kernels;
 pub mod error;
 pub mod linear;
 pub mod llama;
@@ -15,6 +16,7 @@ pub mod weights;
 
 pub use cache::KvCache;
 pub use config::{Arch, ModelConfig};
+pub use cpu_kernels::Kernels;
 pub use error::ModelError;
 pub use linear::WeightPolicy;
 pub use llama::LlamaModel;

@@ -5,7 +5,7 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::error::{ModelError, Result};
 use crate::weights::Weights;
 
-/// How weights are held in memory for compute.
+/// How weights are held in memory for compute, and the kernels that use them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WeightPolicy {
     /// Dequantize quantized weights once at load (fast on CPU, where MLX's
@@ -13,6 +13,8 @@ pub struct WeightPolicy {
     pub dequantize: bool,
     /// Dtype of activations and dense weights.
     pub dtype: Dtype,
+    /// Formulation of SiLU and attention (`Kernels::CpuTuned` needs f32).
+    pub kernels: crate::cpu_kernels::Kernels,
 }
 
 #[derive(Debug, Clone)]

@@ -6,6 +6,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::cache::{KvCache, StepMask};
 use crate::config::{Arch, ModelConfig};
+use crate::cpu_kernels::{self, Kernels};
 use crate::error::{ModelError, Result};
 use crate::linear::{Linear, WeightPolicy};
 use crate::weights::Weights;
@@ -65,6 +66,12 @@ struct Layer {
     mlp: Mlp,
     input_norm: Array,
     post_norm: Array,
+}
+
+/// One step's attention mask, in the form the model's kernels take.
+enum AttnMask {
+    Step(StepMask),
+    Additive(Option<Array>),
 }
 
 /// Rotary embedding parameters, fixed at load.
@@ -232,7 +239,10 @@ impl LlamaModel {
         let t = shape[1];
         let mut h = self.embed.embed(tokens, self.policy.dtype)?;
         let offsets = cache.offsets_array();
-        let mask = cache.mask(t);
+        let mask = match self.policy.kernels {
+            Kernels::Stock => AttnMask::Step(cache.mask(t)),
+            Kernels::CpuTuned => AttnMask::Additive(cache.additive_mask(t)),
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, Some(&layer.input_norm), self.config.rms_norm_eps)?;
             let a = self.attention(i, &layer.attn, &x, cache, &offsets, &mask)?;
@@ -241,7 +251,10 @@ impl LlamaModel {
             let m = &layer.mlp;
             let gu = m.gate_up.forward(&x)?;
             let (g, u) = (&gu[0], &gu[1]);
-            let act = ops::multiply(&ops::multiply(g, &ops::sigmoid(g)?)?, u)?;
+            let act = match self.policy.kernels {
+                Kernels::Stock => ops::multiply(&ops::multiply(g, &ops::sigmoid(g)?)?, u)?,
+                Kernels::CpuTuned => cpu_kernels::silu_mul(g, u)?,
+            };
             h = ops::add(&h, &m.down.forward(&act)?)?;
             after_layer(i)?;
         }
@@ -262,7 +275,7 @@ impl LlamaModel {
         x: &Array,
         cache: &mut KvCache,
         offsets: &Array,
-        mask: &StepMask,
+        mask: &AttnMask,
     ) -> Result<Array> {
         let c = &self.config;
         let (b, t) = (x.dim(0), x.dim(1));
@@ -287,8 +300,11 @@ impl LlamaModel {
         let (k, v) = cache.update(layer, &k, &v)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let out = match mask {
-            StepMask::None => fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None)?,
-            StepMask::Causal => fast::scaled_dot_product_attention(
+            AttnMask::Additive(m) => cpu_kernels::attention(&q, &k, &v, scale, m.as_ref())?,
+            AttnMask::Step(StepMask::None) => {
+                fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None)?
+            }
+            AttnMask::Step(StepMask::Causal) => fast::scaled_dot_product_attention(
                 &q,
                 &k,
                 &v,
@@ -296,7 +312,9 @@ impl LlamaModel {
                 ScaledDotProductAttentionMask::Causal,
                 None,
             )?,
-            StepMask::Array(m) => fast::scaled_dot_product_attention(&q, &k, &v, scale, m, None)?,
+            AttnMask::Step(StepMask::Array(m)) => {
+                fast::scaled_dot_product_attention(&q, &k, &v, scale, m, None)?
+            }
         };
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?

@@ -5,6 +5,7 @@ use std::path::Path;
 use mlx_rs::Dtype;
 
 use crate::config::ModelConfig;
+use crate::cpu_kernels::Kernels;
 use crate::error::{ModelError, Result};
 use crate::linear::WeightPolicy;
 use crate::llama::LlamaModel;
@@ -45,6 +46,9 @@ pub struct LoadOptions {
     /// Dequantize at load; None picks per device (yes on CPU, no on GPU).
     pub dequantize: Option<bool>,
     pub device: Device,
+    /// SiLU/attention formulation; None picks per device and dtype
+    /// (`Kernels::CpuTuned` for f32 on CPU, stock MLX ops otherwise).
+    pub kernels: Option<Kernels>,
 }
 
 impl Default for LoadOptions {
@@ -53,6 +57,7 @@ impl Default for LoadOptions {
             dtype: None,
             dequantize: None,
             device: Device::detect(),
+            kernels: None,
         }
     }
 }
@@ -60,11 +65,19 @@ impl Default for LoadOptions {
 impl LoadOptions {
     pub fn policy(&self) -> WeightPolicy {
         let cpu = self.device == Device::Cpu;
+        let dtype = self
+            .dtype
+            .unwrap_or(if cpu { Dtype::Float32 } else { Dtype::Bfloat16 });
+        let tuned_fits = cpu && dtype == Dtype::Float32;
         WeightPolicy {
-            dtype: self
-                .dtype
-                .unwrap_or(if cpu { Dtype::Float32 } else { Dtype::Bfloat16 }),
+            dtype,
             dequantize: self.dequantize.unwrap_or(cpu),
+            kernels: match self.kernels {
+                Some(Kernels::CpuTuned) if !tuned_fits => Kernels::Stock,
+                Some(k) => k,
+                None if tuned_fits => Kernels::CpuTuned,
+                None => Kernels::Stock,
+            },
         }
     }
 }

@@ -9,7 +9,9 @@ use std::rc::Rc;
 
 use common::*;
 use mlx_rs::Dtype;
-use weft_models::{BatchRunner, LlamaModel, ModelConfig, ModelError, RowStep, WeightPolicy};
+use weft_models::{
+    BatchRunner, Kernels, LlamaModel, ModelConfig, ModelError, RowStep, WeightPolicy,
+};
 
 struct Row {
     ids: Vec<u32>,
@@ -136,6 +138,8 @@ fn load(md: &std::path::Path) -> LlamaModel {
         WeightPolicy {
             dequantize: true,
             dtype: Dtype::Float32,
+            // What `weft serve` runs on CPU.
+            kernels: Kernels::CpuTuned,
         },
     )
     .unwrap()

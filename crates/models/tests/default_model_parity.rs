@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use mlx_rs::Dtype;
-use weft_models::{Device, LoadOptions};
+use weft_models::{Device, Kernels, LoadOptions};
 
 fn default_model_dir() -> std::path::PathBuf {
     let cache = std::env::var_os("WEFT_HOME")
@@ -57,15 +57,24 @@ fn default_model_matches_mlx_lm() {
             args.push("--dequantize");
         }
         let want = oracle(&args);
-        check(&dir, &want, dequantize, TOL);
+        for kernels in [Kernels::Stock, Kernels::CpuTuned] {
+            check(&dir, &want, dequantize, kernels, TOL);
+        }
     }
 }
 
-fn check(dir: &std::path::Path, want: &serde_json::Value, dequantize: bool, tol: f32) {
+fn check(
+    dir: &std::path::Path,
+    want: &serde_json::Value,
+    dequantize: bool,
+    kernels: Kernels,
+    tol: f32,
+) {
     let opts = LoadOptions {
         dtype: Some(Dtype::Float32),
         dequantize: Some(dequantize),
         device: Device::Cpu,
+        kernels: Some(kernels),
     };
     let loaded = weft_models::load(dir, opts).unwrap();
     for (i, p) in PROMPTS.iter().enumerate() {
@@ -89,12 +98,12 @@ fn check(dir: &std::path::Path, want: &serde_json::Value, dequantize: bool, tol:
             .position(|&m| m < NEAR_TIE)
             .map_or(N, |p| p + 1);
         eprintln!(
-            "dequantize={dequantize} prompt {i}: max |dlogit| {diff:.2e}; greedy compared over {upto} tokens; min margin {:.3}",
+            "dequantize={dequantize} {kernels:?} prompt {i}: max |dlogit| {diff:.2e}; greedy compared over {upto} tokens; min margin {:.3}",
             margins.iter().copied().fold(f64::INFINITY, f64::min)
         );
         assert!(
             diff < tol,
-            "dequantize={dequantize} prompt {i}: logits differ by {diff} (tolerance {tol})"
+            "dequantize={dequantize} {kernels:?} prompt {i}: logits differ by {diff} (tolerance {tol})"
         );
         assert!(
             upto >= 32,

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use mlx_rs::Dtype;
-use weft_models::{LlamaModel, ModelConfig, WeightPolicy};
+use weft_models::{Kernels, LlamaModel, ModelConfig, WeightPolicy};
 
 const PROMPTS: &[&[u32]] = &[
     &[1, 2, 3, 4, 5],
@@ -66,15 +66,27 @@ fn check(arch: &str, quantize: bool, policy: WeightPolicy) {
 const DENSE_F32: WeightPolicy = WeightPolicy {
     dequantize: true,
     dtype: Dtype::Float32,
+    kernels: Kernels::Stock,
 };
 const QUANT_F32: WeightPolicy = WeightPolicy {
     dequantize: false,
     dtype: Dtype::Float32,
+    kernels: Kernels::Stock,
+};
+/// Weft's CPU default: this crate's exp, SiLU and attention.
+const DENSE_F32_TUNED: WeightPolicy = WeightPolicy {
+    kernels: Kernels::CpuTuned,
+    ..DENSE_F32
 };
 
 #[test]
 fn llama_gqa_matches_mlx_lm() {
     check("llama", false, DENSE_F32);
+}
+
+#[test]
+fn llama_gqa_with_cpu_tuned_kernels_matches_mlx_lm() {
+    check("llama", false, DENSE_F32_TUNED);
 }
 
 #[test]
