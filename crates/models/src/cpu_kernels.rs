@@ -103,8 +103,7 @@ pub fn attention(
     scale: f32,
     mask: Option<&Array>,
 ) -> Result<Array> {
-    let (b, hq, t, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
-    let (hkv, s) = (k.dim(1), k.dim(2));
+    let (b, hq, t, s) = (q.dim(0), q.dim(1), q.dim(2), k.dim(2));
     if ((b * hq * t * s) as usize) < MIN_TUNED_SCORES {
         use mlx_rs::fast::scaled_dot_product_attention as sdpa;
         return Ok(match mask {
