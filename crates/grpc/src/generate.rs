@@ -20,7 +20,7 @@ pub struct ComputeArgs {
     pub weights: String,
     /// SiLU/attention kernels: auto (cpu-tuned for f32 on CPU, stock otherwise),
     /// stock (MLX's own ops, bit-identical to mlx-lm) or cpu-tuned (exp built
-    /// from vectorised ops; MLX's CPU exp is scalar).
+    /// from vectorised ops, as MLX's CPU exp is scalar; f32 on CPU only).
     #[arg(long, default_value = "auto", env = "WEFT_KERNELS")]
     pub kernels: String,
 }
@@ -46,12 +46,21 @@ impl ComputeArgs {
             "cpu-tuned" => Some(Kernels::CpuTuned),
             other => anyhow::bail!("--kernels {other:?}: expected auto, stock or cpu-tuned"),
         };
-        Ok(LoadOptions {
+        let opts = LoadOptions {
             dtype,
             dequantize,
             kernels,
             ..LoadOptions::default()
-        })
+        };
+        let policy = opts.policy();
+        if kernels == Some(Kernels::CpuTuned) && policy.kernels != Kernels::CpuTuned {
+            anyhow::bail!(
+                "--kernels cpu-tuned needs f32 activations on the CPU (this run computes in {:?} on the {:?}); use --compute-dtype f32 or --kernels auto",
+                policy.dtype,
+                opts.device
+            );
+        }
+        Ok(opts)
     }
 }
 
