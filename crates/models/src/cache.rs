@@ -79,7 +79,10 @@ impl KvCache {
         }
         let s = self.cursor + t;
         let b = self.batch_size() as i32;
-        StepMask::Array(Array::from_slice(&self.visibility(t), &[b, 1, t, s]))
+        StepMask::Array(Array::from_slice(
+            &self.visibility(&self.left_pad, t),
+            &[b, 1, t, s],
+        ))
     }
 
     /// The same mask as `mask`, additive (0 visible, -inf hidden) and shaped
@@ -91,28 +94,21 @@ impl KvCache {
             return None;
         }
         let s = self.cursor + t;
-        let (rows, shape) = if padded {
-            (
-                self.left_pad.clone(),
-                vec![self.batch_size() as i32, 1, 1, t, s],
-            )
+        let (pads, shape): (&[i32], _) = if padded {
+            (&self.left_pad, vec![self.batch_size() as i32, 1, 1, t, s])
         } else {
-            (vec![0], vec![t, s])
+            (&[0], vec![t, s])
         };
         let bias: Vec<f32> = self
-            .visibility_of(&rows, t)
+            .visibility(pads, t)
             .into_iter()
             .map(|v| if v { 0.0 } else { f32::NEG_INFINITY })
             .collect();
         Some(Array::from_slice(&bias, &shape))
     }
 
-    fn visibility(&self, t: i32) -> Vec<bool> {
-        self.visibility_of(&self.left_pad, t)
-    }
-
     /// Row-major `[rows, T, S]`: may query `q` of a row padded by `pad` see column `j`.
-    fn visibility_of(&self, pads: &[i32], t: i32) -> Vec<bool> {
+    fn visibility(&self, pads: &[i32], t: i32) -> Vec<bool> {
         let s = self.cursor + t;
         let mut m = Vec::with_capacity(pads.len() * (t * s) as usize);
         for &pad in pads {

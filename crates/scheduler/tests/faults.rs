@@ -41,13 +41,7 @@ fn assert_same_streams(a: &Run, b: &Run) {
 #[test]
 fn random_faults_everywhere_leave_streams_unchanged() {
     let specs = workload(21, 500);
-    let clean = run(
-        sched_config(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let clean = run_plain(sched_config(), &specs);
     assert_clean(&clean);
 
     let mut cfg = sched_config();
@@ -82,23 +76,11 @@ fn random_faults_everywhere_leave_streams_unchanged() {
 #[test]
 fn each_fault_point_alone_is_retried() {
     let specs = workload(4, 120);
-    let clean = run(
-        sched_config(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let clean = run_plain(sched_config(), &specs);
     for point in FaultPoint::ALL {
         let mut cfg = sched_config();
         cfg.faults = FaultPlan::default().at(point, 3).at(point, 4).at(point, 50);
-        let r = run(
-            cfg,
-            fake_config(),
-            FakeFaults::default(),
-            &specs,
-            |_, _, _| {},
-        );
+        let r = run_plain(cfg, &specs);
         assert_clean(&r);
         assert_eq!(r.sched.stats().rollbacks, 3, "{point:?}");
         assert_same_streams(&clean, &r);
@@ -129,13 +111,7 @@ fn poisoned_requests_fail_alone_and_others_continue() {
     for &i in &poisoned {
         specs[i].req.prompt[0] = poison;
     }
-    let clean = run(
-        sched_config(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let clean = run_plain(sched_config(), &specs);
     let mut cfg = sched_config();
     cfg.max_step_retries = 2;
     let faults = FakeFaults {

@@ -6,7 +6,6 @@ use std::collections::HashSet;
 
 use common::*;
 use metrics_util::debugging::DebuggingRecorder;
-use weft_scheduler::fake::FakeFaults;
 use weft_scheduler::{metrics as m, FaultPlan, FaultPoint, Request, TenantLimits};
 
 #[test]
@@ -36,15 +35,7 @@ fn metrics_are_emitted_with_bounded_tenant_labels() {
     cfg.tenants
         .insert("tenant-0".into(), TenantLimits::default());
     cfg.faults = FaultPlan::default().at(FaultPoint::AfterForward, 2);
-    let r = metrics::with_local_recorder(&recorder, || {
-        run(
-            cfg,
-            fake_config(),
-            FakeFaults::default(),
-            &specs,
-            |_, _, _| {},
-        )
-    });
+    let r = metrics::with_local_recorder(&recorder, || run_plain(cfg, &specs));
     assert_clean(&r);
     assert!(r.sched.stats().preemptions > 0);
 

@@ -70,23 +70,11 @@ fn mixed_workload_under_kv_pressure_matches_unpressured_run() {
     big.kv_total_blocks = 100_000;
     big.max_batch_rows = 128;
     big.max_step_tokens = 1024;
-    let reference = run(
-        big,
-        fake_config(),
-        FakeFaults::default(),
-        &undisturbed(&specs),
-        |_, _, _| {},
-    );
+    let reference = run_plain(big, &undisturbed(&specs));
     assert_clean(&reference);
     assert_eq!(reference.sched.stats().preemptions, 0);
 
-    let pressured = run(
-        sched_config(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let pressured = run_plain(sched_config(), &specs);
     assert_clean(&pressured);
     let st = pressured.sched.stats();
     assert!(
@@ -223,13 +211,7 @@ fn greedy_streams_equal_direct_oracle() {
             }
         })
         .collect();
-    let r = run(
-        sched_config(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let r = run_plain(sched_config(), &specs);
     assert_clean(&r);
     assert!(r.sched.stats().preemptions > 0);
     let oracle = FakeModel::new(fake_config());
@@ -593,13 +575,7 @@ fn joiner_starts_while_others_decode() {
     specs.push(Spec::at(30, late));
     let mut cfg = sched_config();
     cfg.kv_total_blocks = 10_000;
-    let r = run(
-        cfg,
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let r = run_plain(cfg, &specs);
     assert_clean(&r);
     let first = r.outcomes[16]
         .first_token_step

@@ -168,6 +168,17 @@ pub fn varied_request(rng: &mut ChaCha8Rng, tenant: &str, weight: f64, i: usize)
 }
 
 /// Drive `specs` to completion. `on_step` sees the scheduler after every step.
+/// `run` with the default fake model, no model faults and no step observer.
+pub fn run_plain(cfg: SchedulerConfig, specs: &[Spec]) -> Run {
+    run(
+        cfg,
+        fake_config(),
+        FakeFaults::default(),
+        specs,
+        |_, _, _| {},
+    )
+}
+
 pub fn run(
     cfg: SchedulerConfig,
     fake: FakeConfig,
