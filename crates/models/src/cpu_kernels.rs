@@ -10,6 +10,7 @@
 //! Results differ from the stock ops by float rounding, which is why this is a
 //! kernel choice (`Kernels`) and the stock path stays for exact parity runs.
 
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::error::Result;
@@ -93,9 +94,12 @@ pub fn silu_mul(gate: &Array, up: &Array) -> Result<Array> {
 ///
 /// `q` is `[B, Hq, T, D]`, `k`/`v` are `[B, Hkv, S, D]` with `Hq` a multiple
 /// of `Hkv` (query head `h` reads kv head `h / (Hq / Hkv)`, as in MLX), and
-/// `mask` is additive (0 or -inf), broadcastable to `[B, 1, 1, T, S]`.
-/// The `Hq / Hkv` query heads sharing a kv head go through one matmul, so K and
-/// V are never repeated.
+/// `mask` is additive (0 or -inf), `[B, 1, 1, T, S]` or `[T, S]`, and causal:
+/// the `T` queries are the last `T` columns and none sees a column after its
+/// own. The `Hq / Hkv` query heads sharing a kv head go through one matmul, so
+/// K and V are never repeated; a long run of queries is split into blocks that
+/// each read only the columns up to their last query (a causal prefill does
+/// about half the score work, and the score buffers stay block-sized).
 pub fn attention(
     q: &Array,
     k: &Array,
@@ -112,8 +116,33 @@ pub fn attention(
             Some(m) => sdpa(q, k, v, scale, &m.reshape(&[b, 1, t, s])?, None)?,
         });
     }
-    grouped_attention_exp2(q, k, v, scale, mask)
+    let blocks = (t / MIN_QUERY_BLOCK).min(MAX_QUERY_BLOCKS);
+    if blocks < 2 {
+        return grouped_attention_exp2(q, k, v, scale, mask);
+    }
+    let step = (t + blocks - 1) / blocks;
+    let mut outs = Vec::with_capacity(blocks as usize);
+    for q0 in (0..t).step_by(step as usize) {
+        let q1 = (q0 + step).min(t);
+        let seen = s - t + q1;
+        let qb = q.try_index((.., .., q0..q1, ..))?;
+        let kb = k.try_index((.., .., ..seen, ..))?;
+        let vb = v.try_index((.., .., ..seen, ..))?;
+        let mb = match mask {
+            None => None,
+            Some(m) if m.ndim() == 2 => Some(m.try_index((q0..q1, ..seen))?),
+            Some(m) => Some(m.try_index((.., .., .., q0..q1, ..seen))?),
+        };
+        outs.push(grouped_attention_exp2(&qb, &kb, &vb, scale, mb.as_ref())?);
+    }
+    Ok(ops::concatenate(&outs, 2)?)
 }
+
+/// Query blocks for long prefills: at least this many queries per block (below
+/// it MLX's per-op dispatch eats the saving) and at most this many blocks
+/// (past it the saving grows little: n blocks do (n + 1) / 2n of the work).
+const MIN_QUERY_BLOCK: i32 = 64;
+const MAX_QUERY_BLOCKS: i32 = 8;
 
 fn grouped_attention_exp2(
     q: &Array,
@@ -188,6 +217,87 @@ mod tests {
         }
     }
 
+    fn max_diff(a: &Array, b: &Array) -> f32 {
+        ops::abs(ops::subtract(a, b).unwrap())
+            .unwrap()
+            .max(None)
+            .unwrap()
+            .as_slice::<f32>()[0]
+    }
+
+    #[test]
+    fn long_query_runs_split_into_blocks_match_mlx_sdpa() {
+        use mlx_rs::fast::{scaled_dot_product_attention as sdpa, ScaledDotProductAttentionMask};
+        // 200 queries after 30 cached columns: three query blocks.
+        let (b, hq, hkv, t, s, d) = (2, 4, 2, 200, 230, 16);
+        let normal = |seed: u64, shape: &[i32]| {
+            let key = mlx_rs::random::key(seed).unwrap();
+            mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap()
+        };
+        let (q, k, v) = (
+            normal(11, &[b, hq, t, d]),
+            normal(12, &[b, hkv, s, d]),
+            normal(13, &[b, hkv, s, d]),
+        );
+        let causal: Vec<f32> = (0..t)
+            .flat_map(|qi| {
+                (0..s).map(move |j| {
+                    if j <= s - t + qi {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let want = sdpa(
+            &q,
+            &k,
+            &v,
+            0.25,
+            ScaledDotProductAttentionMask::Causal,
+            None,
+        )
+        .unwrap();
+        let got = attention(&q, &k, &v, 0.25, Some(&Array::from_slice(&causal, &[t, s]))).unwrap();
+        let diff = max_diff(&want, &got);
+        assert!(diff < 1e-5, "causal: max |sdpa - attention| = {diff}");
+
+        // Row 1 is left-padded by 40 columns (a padding query sees itself, as
+        // in `KvCache`, so no row is fully masked).
+        let mut visible = Vec::new();
+        for row in 0..b {
+            for qi in 0..t {
+                for j in 0..s {
+                    visible.push(j <= s - t + qi && (row == 0 || j >= 40) || j == s - t + qi);
+                }
+            }
+        }
+        let additive: Vec<f32> = visible
+            .iter()
+            .map(|&ok| if ok { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        let want = sdpa(
+            &q,
+            &k,
+            &v,
+            0.25,
+            &Array::from_slice(&visible, &[b, 1, t, s]),
+            None,
+        )
+        .unwrap();
+        let got = attention(
+            &q,
+            &k,
+            &v,
+            0.25,
+            Some(&Array::from_slice(&additive, &[b, 1, 1, t, s])),
+        )
+        .unwrap();
+        let diff = max_diff(&want, &got);
+        assert!(diff < 1e-5, "padded: max |sdpa - attention| = {diff}");
+    }
+
     #[test]
     fn attention_matches_mlx_sdpa_with_gqa_and_mask() {
         use mlx_rs::fast;
@@ -215,11 +325,7 @@ mod tests {
         let add_mask = Array::from_slice(&additive, &[b, 1, 1, t, s]);
         let want = fast::scaled_dot_product_attention(&q, &k, &v, 0.35, &bool_mask, None).unwrap();
         let got = grouped_attention_exp2(&q, &k, &v, 0.35, Some(&add_mask)).unwrap();
-        let diff = ops::abs(ops::subtract(&want, &got).unwrap())
-            .unwrap()
-            .max(None)
-            .unwrap()
-            .as_slice::<f32>()[0];
+        let diff = max_diff(&want, &got);
         assert!(diff < 1e-5, "max |sdpa - attention| = {diff}");
 
         // Without padding the mask is one `[T, S]` causal block for all rows.
@@ -245,11 +351,7 @@ mod tests {
         )
         .unwrap();
         let got = grouped_attention_exp2(&q, &k, &v, 0.35, Some(&causal)).unwrap();
-        let diff = ops::abs(ops::subtract(&want, &got).unwrap())
-            .unwrap()
-            .max(None)
-            .unwrap()
-            .as_slice::<f32>()[0];
+        let diff = max_diff(&want, &got);
         assert!(diff < 1e-5, "causal: max |sdpa - attention| = {diff}");
     }
 }
