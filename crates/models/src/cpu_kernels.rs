@@ -108,7 +108,8 @@ pub fn attention(
     mask: Option<&Array>,
 ) -> Result<Array> {
     let (b, hq, t, s) = (q.dim(0), q.dim(1), q.dim(2), k.dim(2));
-    if ((b * hq * t * s) as usize) < MIN_TUNED_SCORES {
+    let scores = [b, hq, t, s].iter().map(|&n| n as usize).product::<usize>();
+    if scores < MIN_TUNED_SCORES {
         use mlx_rs::fast::scaled_dot_product_attention as sdpa;
         return Ok(match mask {
             None => sdpa(q, k, v, scale, None, None)?,
