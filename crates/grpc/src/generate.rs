@@ -23,6 +23,10 @@ pub struct ComputeArgs {
     /// from vectorised ops, as MLX's CPU exp is scalar; f32 on CPU only).
     #[arg(long, default_value = "auto", env = "WEFT_KERNELS")]
     pub kernels: String,
+    /// Parallel CPU lanes a batched step is spread over: auto (up to 2 on
+    /// the CPU, one per core; 1 on the GPU) or a count. 1 turns lanes off.
+    #[arg(long, default_value = "auto", env = "WEFT_CPU_LANES")]
+    pub cpu_lanes: String,
 }
 
 impl ComputeArgs {
@@ -46,10 +50,18 @@ impl ComputeArgs {
             "cpu-tuned" => Some(Kernels::CpuTuned),
             other => anyhow::bail!("--kernels {other:?}: expected auto, stock or cpu-tuned"),
         };
+        let cpu_lanes = match self.cpu_lanes.as_str() {
+            "auto" => None,
+            n => match n.parse::<usize>() {
+                Ok(n @ 1..=64) => Some(n),
+                _ => anyhow::bail!("--cpu-lanes {n:?}: expected auto or a count from 1 to 64"),
+            },
+        };
         let opts = LoadOptions {
             dtype,
             dequantize,
             kernels,
+            cpu_lanes,
             ..LoadOptions::default()
         };
         let policy = opts.policy();

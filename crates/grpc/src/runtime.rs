@@ -169,6 +169,7 @@ pub fn start_engine(
         move || -> anyhow::Result<MlxModel> {
             let loaded = weft_models::load(&dir_owned, opts)?;
             let mut runner = BatchRunner::new(loaded.model);
+            runner.set_lanes(opts.lanes());
             warm_up(&mut runner)?;
             Ok(MlxModel::new(runner, eos))
         },

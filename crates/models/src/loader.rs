@@ -7,6 +7,7 @@ use mlx_rs::Dtype;
 use crate::config::ModelConfig;
 use crate::cpu_kernels::Kernels;
 use crate::error::{ModelError, Result};
+use crate::lanes::Lanes;
 use crate::linear::WeightPolicy;
 use crate::llama::LlamaModel;
 use crate::tokenizer::Tokenizer;
@@ -49,6 +50,9 @@ pub struct LoadOptions {
     /// SiLU/attention formulation; None picks per device and dtype
     /// (`Kernels::CpuTuned` for f32 on CPU, stock MLX ops otherwise).
     pub kernels: Option<Kernels>,
+    /// Parallel CPU lanes for batched steps ([`crate::Lanes`]); None picks
+    /// per device (up to 2 on the CPU, 1 on the GPU).
+    pub cpu_lanes: Option<usize>,
 }
 
 impl Default for LoadOptions {
@@ -58,11 +62,21 @@ impl Default for LoadOptions {
             dequantize: None,
             device: Device::detect(),
             kernels: None,
+            cpu_lanes: None,
         }
     }
 }
 
 impl LoadOptions {
+    /// The lanes a [`crate::BatchRunner`] should spread steps over.
+    pub fn lanes(&self) -> Lanes {
+        match (self.device, self.cpu_lanes) {
+            (Device::Gpu, _) => Lanes::single(),
+            (Device::Cpu, None) => Lanes::auto_cpu(),
+            (Device::Cpu, Some(n)) => Lanes::cpu(n),
+        }
+    }
+
     pub fn policy(&self) -> WeightPolicy {
         let cpu = self.device == Device::Cpu;
         let dtype = self

@@ -13,6 +13,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
+use crate::lanes::{self, Lanes};
 use crate::llama::LlamaModel;
 use crate::prefix::PrefixStore;
 
@@ -83,6 +84,8 @@ pub struct BatchRunner {
     groups: Vec<(Vec<RowId>, KvCache)>,
     /// Committed prefill groups whose rows have not joined the batch yet.
     parked: Vec<Parked>,
+    /// CPU streams a step's independent forwards are spread over.
+    lanes: Lanes,
 }
 
 /// Prefix reuse granularity (tokens) and default capacity (tokens).
@@ -104,7 +107,14 @@ impl BatchRunner {
             prefixes: PrefixStore::new(PREFIX_BLOCK, PREFIX_CAPACITY),
             groups: Vec::new(),
             parked: Vec::new(),
+            lanes: Lanes::single(),
         }
+    }
+
+    /// Spreads each step's independent forwards over these lanes (see
+    /// [`Lanes`]); a runner starts with one.
+    pub fn set_lanes(&mut self, lanes: Lanes) {
+        self.lanes = lanes;
     }
 
     /// Sets the prefix cache capacity in tokens (0 turns reuse off).
@@ -285,11 +295,20 @@ impl BatchRunner {
                 singles.push(s);
             }
         }
-        for g in ragged_groups(fresh) {
-            if g.len() == 1 {
-                singles.push(g[0]);
-                continue;
-            }
+        let plan = plan_lanes(
+            ragged_groups(fresh),
+            singles,
+            decode.len(),
+            self.lanes.count(),
+            self.lanes.min_tokens(),
+        );
+        // Held until the step is evaluated, at the end of this function.
+        let _blas = if plan.parallel {
+            self.lanes.single_threaded_blas()
+        } else {
+            None
+        };
+        for (g, lane) in plan.groups {
             let t = g.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i32;
             let mut ids: Vec<i32> = Vec::with_capacity(g.len() * t as usize);
             let mut pads = Vec::with_capacity(g.len());
@@ -302,7 +321,9 @@ impl BatchRunner {
             }
             let tokens = Array::from_slice(&ids, &[g.len() as i32, t]);
             let mut cache = KvCache::with_left_pad(self.model.num_layers(), pads);
-            let logits = run(&self.model, &tokens, &mut cache, &mut self.layer_hook)?;
+            let logits = self.lanes.on(lane, || {
+                run(&self.model, &tokens, &mut cache, &mut self.layer_hook)
+            })?;
             for (i, s) in g.iter().enumerate() {
                 if s.want_logits {
                     outputs.insert(s.row, logits.try_index((i as i32, 0, ..))?);
@@ -310,8 +331,7 @@ impl BatchRunner {
             }
             self.groups.push((g.iter().map(|s| s.row).collect(), cache));
         }
-        singles.sort_by_key(|s| s.row);
-        for s in singles {
+        for (s, lane) in plan.singles {
             self.unpark(s.row)?;
             if !self.solo.contains_key(&s.row) {
                 self.solo
@@ -325,7 +345,9 @@ impl BatchRunner {
                 .get_mut(&s.row)
                 .ok_or_else(|| ModelError::Invalid("solo cache vanished".into()))?;
             self.touched_solo.push(s.row);
-            let logits = run(&self.model, &tokens, cache, &mut self.layer_hook)?;
+            let logits = self.lanes.on(lane, || {
+                run(&self.model, &tokens, cache, &mut self.layer_hook)
+            })?;
             if s.want_logits {
                 outputs.insert(s.row, logits.reshape(&[-1])?);
             }
@@ -335,7 +357,9 @@ impl BatchRunner {
             let ids: Vec<i32> = decode.iter().map(|s| s.tokens[0] as i32).collect();
             let tokens = Array::from_slice(&ids, &[ids.len() as i32, 1]);
             self.touched_batch = true;
-            let logits = run(&self.model, &tokens, &mut self.batch, &mut self.layer_hook)?;
+            let logits = self.lanes.on(plan.decode_lane, || {
+                run(&self.model, &tokens, &mut self.batch, &mut self.layer_hook)
+            })?;
             for (i, s) in decode.iter().enumerate() {
                 if s.want_logits {
                     outputs.insert(s.row, logits.try_index((i as i32, 0, ..))?);
@@ -562,6 +586,89 @@ fn ragged_groups(mut rows: Vec<&RowStep>) -> Vec<Vec<&RowStep>> {
     groups
 }
 
+/// Which lane builds each forward of a step.
+struct LanePlan<'a> {
+    groups: Vec<(Vec<&'a RowStep>, usize)>,
+    singles: Vec<(&'a RowStep, usize)>,
+    decode_lane: usize,
+    /// More than one lane has work: BLAS goes single-threaded for the step.
+    parallel: bool,
+}
+
+/// A decode forward reads every weight once whatever its batch, which costs
+/// about as much as this many prefill tokens.
+const DECODE_PASS_TOKENS: usize = 64;
+
+/// Spreads a step's forwards over `lanes`. With more than one lane, groups
+/// big enough to feed two lanes are halved; if in the end fewer than two
+/// lanes would carry `min_tokens`, everything stays on lane 0 with the
+/// groups whole, as a one-lane runner would build it. Deterministic.
+fn plan_lanes<'a>(
+    groups: Vec<Vec<&'a RowStep>>,
+    mut singles: Vec<&'a RowStep>,
+    decode_rows: usize,
+    lanes: usize,
+    min_tokens: usize,
+) -> LanePlan<'a> {
+    let width = |g: &[&RowStep]| g.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+    let one_lane = |groups: Vec<Vec<&'a RowStep>>, mut singles: Vec<&'a RowStep>| {
+        let mut whole = Vec::new();
+        for g in groups {
+            match g.len() {
+                1 => singles.push(g[0]),
+                _ => whole.push((g, 0)),
+            }
+        }
+        singles.sort_by_key(|s| s.row);
+        LanePlan {
+            groups: whole,
+            singles: singles.into_iter().map(|s| (s, 0)).collect(),
+            decode_lane: 0,
+            parallel: false,
+        }
+    };
+    if lanes < 2 {
+        return one_lane(groups, singles);
+    }
+    let mut split: Vec<Vec<&RowStep>> = Vec::new();
+    for g in &groups {
+        if g.len() >= 2 && g.len() * width(g) >= 2 * min_tokens {
+            let (a, b) = g.split_at(g.len() / 2);
+            split.extend([a.to_vec(), b.to_vec()]);
+        } else {
+            split.push(g.clone());
+        }
+    }
+    let (multi, ones): (Vec<_>, Vec<_>) = split.into_iter().partition(|g| g.len() > 1);
+    let mut all_singles = singles.clone();
+    all_singles.extend(ones.into_iter().flatten());
+    all_singles.sort_by_key(|s| s.row);
+    let mut costs: Vec<usize> = multi.iter().map(|g| g.len() * width(g)).collect();
+    costs.extend(all_singles.iter().map(|s| s.tokens.len()));
+    if decode_rows > 0 {
+        costs.push(decode_rows + DECODE_PASS_TOKENS);
+    }
+    let at = lanes::assign(&costs, lanes);
+    let mut load = vec![0usize; lanes];
+    for (c, &l) in costs.iter().zip(&at) {
+        load[l] += c;
+    }
+    if load.iter().filter(|&&l| l >= min_tokens).count() < 2 {
+        singles.sort_by_key(|s| s.row);
+        return one_lane(groups, singles);
+    }
+    let n = multi.len();
+    LanePlan {
+        groups: multi.into_iter().zip(at.iter().copied()).collect(),
+        singles: all_singles
+            .into_iter()
+            .zip(at[n..].iter().copied())
+            .collect(),
+        decode_lane: at.last().copied().filter(|_| decode_rows > 0).unwrap_or(0),
+        parallel: true,
+    }
+}
+
 fn run(
     model: &LlamaModel,
     tokens: &Array,
@@ -571,5 +678,85 @@ fn run(
     match hook {
         Some(h) => model.forward_with_hook(tokens, cache, true, &mut |i| h(i)),
         None => model.forward(tokens, cache, true),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn steps(rows: usize, tokens: usize) -> Vec<RowStep> {
+        (0..rows)
+            .map(|r| RowStep {
+                row: r as RowId,
+                tokens: vec![1; tokens],
+                start_pos: 0,
+                want_logits: true,
+            })
+            .collect()
+    }
+
+    fn rows_of(g: &[&RowStep]) -> Vec<RowId> {
+        g.iter().map(|s| s.row).collect()
+    }
+
+    #[test]
+    fn one_lane_keeps_groups_whole() {
+        let s = steps(8, 128);
+        let plan = plan_lanes(ragged_groups(s.iter().collect()), vec![], 4, 1, 256);
+        assert!(!plan.parallel);
+        assert_eq!(plan.groups.len(), 1);
+        assert_eq!(plan.groups[0].1, 0);
+        assert_eq!(plan.decode_lane, 0);
+    }
+
+    #[test]
+    fn a_big_group_is_halved_over_two_lanes() {
+        let s = steps(8, 128);
+        let plan = plan_lanes(ragged_groups(s.iter().collect()), vec![], 0, 2, 256);
+        assert!(plan.parallel);
+        let got: Vec<(Vec<RowId>, usize)> =
+            plan.groups.iter().map(|(g, l)| (rows_of(g), *l)).collect();
+        assert_eq!(got, vec![(vec![0, 1, 2, 3], 0), (vec![4, 5, 6, 7], 1)]);
+    }
+
+    #[test]
+    fn small_steps_and_pure_decode_stay_on_one_lane() {
+        let s = steps(2, 16);
+        let plan = plan_lanes(ragged_groups(s.iter().collect()), vec![], 8, 2, 256);
+        assert!(!plan.parallel);
+        assert_eq!(
+            plan.groups.len(),
+            1,
+            "a group too small to split stays whole"
+        );
+        assert!(plan.groups.iter().all(|(_, l)| *l == 0));
+        let plan = plan_lanes(vec![], vec![], 32, 2, 256);
+        assert!(!plan.parallel);
+        assert_eq!(plan.decode_lane, 0);
+    }
+
+    #[test]
+    fn decode_and_chunks_balance_against_a_group() {
+        // A 4 x 128 group (two halves of 256 token-rows), a 300-token chunk
+        // and a 16-row decode (16 + 64): largest first, the chunk takes lane
+        // 0, both halves lane 1 (256, then 512 against 300), the decode lane 0.
+        let g = steps(4, 128);
+        let mut chunk = steps(1, 300);
+        chunk[0].row = 9;
+        chunk[0].start_pos = 100;
+        let plan = plan_lanes(
+            ragged_groups(g.iter().collect()),
+            chunk.iter().collect(),
+            16,
+            2,
+            256,
+        );
+        assert!(plan.parallel);
+        let lanes: Vec<usize> = plan.groups.iter().map(|(_, l)| *l).collect();
+        assert_eq!(lanes, vec![1, 1]);
+        assert_eq!(plan.singles.len(), 1);
+        assert_eq!(plan.singles[0].1, 0);
+        assert_eq!(plan.decode_lane, 0);
     }
 }

@@ -10,7 +10,7 @@ use std::rc::Rc;
 use common::*;
 use mlx_rs::Dtype;
 use weft_models::{
-    BatchRunner, Kernels, LlamaModel, ModelConfig, ModelError, RowStep, WeightPolicy,
+    BatchRunner, Kernels, Lanes, LlamaModel, ModelConfig, ModelError, RowStep, WeightPolicy,
 };
 
 struct Row {
@@ -171,53 +171,76 @@ fn joining_and_leaving_rows_match_batch_generator() {
     ]);
 
     let mut runner = BatchRunner::new(load(&md));
-    let got = drive(&mut runner, &rs, |_| false);
-    for (i, (tokens, lps)) in got.iter().enumerate() {
-        let w = &want["rows"][i];
-        let wt = json_u32(&w["tokens"]);
-        let margins: Vec<f64> = w["margins"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| m.as_f64().unwrap())
-            .collect();
-        let min_margin = margins.iter().copied().fold(f64::INFINITY, f64::min);
-        eprintln!(
-            "row {i}: {} tokens, min top-2 margin {min_margin:.2e}",
-            wt.len()
-        );
-        // Compare up to the first near-tie (after it, histories may diverge legitimately).
-        let upto = margins
-            .iter()
-            .position(|&m| m < NEAR_TIE)
-            .map_or(wt.len(), |p| p + 1);
-        assert!(
-            upto >= 32 || upto == wt.len(),
-            "row {i}: near-tie at token {upto}; pick other prompts"
-        );
-        assert_eq!(
-            &tokens[..upto],
-            &wt[..upto],
-            "row {i}: greedy tokens differ from BatchGenerator"
-        );
-        for s in 0..upto {
-            let diff = max_abs_diff(&lps[s], &json_f32(&w["full"][s]));
-            assert!(diff < TOL, "row {i} step {s}: logprobs differ by {diff}");
+    let one_lane = drive(&mut runner, &rs, |_| false);
+    // Two CPU lanes with every step eligible to split: prefill groups are
+    // halved and forwards of one step built on two streams.
+    let mut runner = two_lanes(&md);
+    let two_lanes = drive(&mut runner, &rs, |_| false);
+    for (lanes, got) in [(1, one_lane), (2, two_lanes)] {
+        eprintln!("{lanes} lane(s):");
+        for (i, (tokens, lps)) in got.iter().enumerate() {
+            let w = &want["rows"][i];
+            let wt = json_u32(&w["tokens"]);
+            let margins: Vec<f64> = w["margins"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m.as_f64().unwrap())
+                .collect();
+            let min_margin = margins.iter().copied().fold(f64::INFINITY, f64::min);
+            eprintln!(
+                "row {i}: {} tokens, min top-2 margin {min_margin:.2e}",
+                wt.len()
+            );
+            // Compare up to the first near-tie (after it, histories may diverge legitimately).
+            let upto = margins
+                .iter()
+                .position(|&m| m < NEAR_TIE)
+                .map_or(wt.len(), |p| p + 1);
+            assert!(
+                upto >= 32 || upto == wt.len(),
+                "row {i}: near-tie at token {upto}; pick other prompts"
+            );
+            assert_eq!(
+                &tokens[..upto],
+                &wt[..upto],
+                "row {i}: greedy tokens differ from BatchGenerator"
+            );
+            for s in 0..upto {
+                let diff = max_abs_diff(&lps[s], &json_f32(&w["full"][s]));
+                assert!(
+                    diff < TOL,
+                    "{lanes} lane(s), row {i} step {s}: logprobs differ by {diff}"
+                );
+            }
         }
     }
+}
+
+/// A runner whose steps all split over two CPU lanes when they can.
+fn two_lanes(md: &std::path::Path) -> BatchRunner {
+    let mut runner = BatchRunner::new(load(md));
+    runner.set_lanes(Lanes::cpu(2).with_min_tokens(1));
+    runner
 }
 
 #[test]
 fn failed_steps_roll_back_and_retry_to_the_same_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let md = fixture(dir.path(), true);
+    faults_roll_back(&md, |md| BatchRunner::new(load(md)));
+    // The same with each step's forwards spread over two CPU lanes.
+    faults_roll_back(&md, two_lanes);
+}
+
+fn faults_roll_back(md: &std::path::Path, make: impl Fn(&std::path::Path) -> BatchRunner) {
     let rs = rows();
-    let mut runner = BatchRunner::new(load(&md));
+    let mut runner = make(md);
     let clean = drive(&mut runner, &rs, |_| false);
 
     // Fail mid-forward (after layer 1) on some steps, and drop whole
     // successful steps on others ("fault after eval"), then retry.
-    let mut runner = BatchRunner::new(load(&md));
+    let mut runner = make(md);
     let arm = Rc::new(Cell::new(false));
     let armed = arm.clone();
     runner.set_layer_hook(Some(Box::new(move |layer| {

@@ -75,6 +75,7 @@ fn check(
         dequantize: Some(dequantize),
         device: Device::Cpu,
         kernels: Some(kernels),
+        cpu_lanes: None,
     };
     let loaded = weft_models::load(dir, opts).unwrap();
     for (i, p) in PROMPTS.iter().enumerate() {
