@@ -56,8 +56,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "prefill B={b} T={p}: {:.1} ms",
         t0.elapsed().as_secs_f64() * 1e3
     );
-    let tok: Vec<i32> = (0..b).map(|i| 200 + i).collect();
-    let tok = Array::from_slice(&tok, &[b, 1]);
+    // DECODE_T > 1 times a verify step of speculative decoding (T tokens per row).
+    let dt: i32 = std::env::var("DECODE_T")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    let tok: Vec<i32> = (0..b * dt).map(|i| 200 + i).collect();
+    let tok = Array::from_slice(&tok, &[b, dt]);
     let mut times = vec![];
     for _ in 0..steps {
         let t = Instant::now();

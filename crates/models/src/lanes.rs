@@ -168,4 +168,34 @@ mod tests {
         assert_eq!(assign(&[3, 3], 1), vec![0, 0]);
         assert_eq!(assign(&[], 2), Vec::<usize>::new());
     }
+
+    /// The guard drops OpenBLAS to one thread and restores the count. Needs
+    /// Debian's OpenBLAS (scripts/setup.sh installs it); loaded here the way
+    /// `weft` preloads it, into the global symbol scope.
+    #[test]
+    fn blas_guard_goes_single_threaded_and_restores() {
+        let path = c"/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0";
+        // SAFETY: loading a shared library; OpenBLAS has no unsafe constructors.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        if handle.is_null() {
+            assert!(
+                !cfg!(all(target_os = "linux", target_arch = "x86_64")),
+                "OpenBLAS missing: run scripts/setup.sh"
+            );
+            return;
+        }
+        let blas = BlasThreads::find().expect("OpenBLAS symbols after dlopen");
+        // SAFETY: OpenBLAS's own thread-count calls.
+        let get = || unsafe { (blas.get)() };
+        unsafe { (blas.set)(2) };
+        assert_eq!(get(), 2);
+        let guard = blas.single().expect("two threads to drop from");
+        assert_eq!(get(), 1);
+        drop(guard);
+        assert_eq!(get(), 2);
+        // Already single-threaded: nothing to change or restore.
+        unsafe { (blas.set)(1) };
+        assert!(blas.single().is_none());
+        unsafe { (blas.set)(2) };
+    }
 }

@@ -600,73 +600,71 @@ struct LanePlan<'a> {
 const DECODE_PASS_TOKENS: usize = 64;
 
 /// Spreads a step's forwards over `lanes`. With more than one lane, groups
-/// big enough to feed two lanes are halved; if in the end fewer than two
-/// lanes would carry `min_tokens`, everything stays on lane 0 with the
-/// groups whole, as a one-lane runner would build it. Deterministic.
+/// big enough to feed two lanes are halved (halves that land on the same lane
+/// are joined again); if in the end fewer than two lanes would carry
+/// `min_tokens`, everything stays on lane 0 with the groups whole, as a
+/// one-lane runner would build it. Deterministic.
 fn plan_lanes<'a>(
     groups: Vec<Vec<&'a RowStep>>,
-    mut singles: Vec<&'a RowStep>,
+    singles: Vec<&'a RowStep>,
     decode_rows: usize,
     lanes: usize,
     min_tokens: usize,
 ) -> LanePlan<'a> {
     let width = |g: &[&RowStep]| g.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
-    let one_lane = |groups: Vec<Vec<&'a RowStep>>, mut singles: Vec<&'a RowStep>| {
-        let mut whole = Vec::new();
-        for g in groups {
-            match g.len() {
-                1 => singles.push(g[0]),
-                _ => whole.push((g, 0)),
-            }
-        }
-        singles.sort_by_key(|s| s.row);
-        LanePlan {
-            groups: whole,
-            singles: singles.into_iter().map(|s| (s, 0)).collect(),
-            decode_lane: 0,
-            parallel: false,
-        }
-    };
-    if lanes < 2 {
-        return one_lane(groups, singles);
-    }
-    let mut split: Vec<Vec<&RowStep>> = Vec::new();
-    for g in &groups {
-        if g.len() >= 2 && g.len() * width(g) >= 2 * min_tokens {
+    // Jobs: (origin group, rows); singles carry no origin.
+    let mut jobs: Vec<(Option<usize>, Vec<&'a RowStep>)> = Vec::new();
+    for (o, g) in groups.iter().enumerate() {
+        if lanes > 1 && g.len() >= 2 && g.len() * width(g) >= 2 * min_tokens {
             let (a, b) = g.split_at(g.len() / 2);
-            split.extend([a.to_vec(), b.to_vec()]);
+            jobs.extend([(Some(o), a.to_vec()), (Some(o), b.to_vec())]);
         } else {
-            split.push(g.clone());
+            jobs.push((Some(o), g.clone()));
         }
     }
-    let (multi, ones): (Vec<_>, Vec<_>) = split.into_iter().partition(|g| g.len() > 1);
-    let mut all_singles = singles.clone();
-    all_singles.extend(ones.into_iter().flatten());
-    all_singles.sort_by_key(|s| s.row);
-    let mut costs: Vec<usize> = multi.iter().map(|g| g.len() * width(g)).collect();
-    costs.extend(all_singles.iter().map(|s| s.tokens.len()));
+    jobs.extend(singles.iter().map(|&s| (None, vec![s])));
+    let mut costs: Vec<usize> = jobs.iter().map(|(_, g)| g.len() * width(g)).collect();
     if decode_rows > 0 {
         costs.push(decode_rows + DECODE_PASS_TOKENS);
     }
-    let at = lanes::assign(&costs, lanes);
-    let mut load = vec![0usize; lanes];
+    let mut at = lanes::assign(&costs, lanes.max(1));
+    let mut load = vec![0usize; lanes.max(1)];
     for (c, &l) in costs.iter().zip(&at) {
         load[l] += c;
     }
-    if load.iter().filter(|&&l| l >= min_tokens).count() < 2 {
-        singles.sort_by_key(|s| s.row);
-        return one_lane(groups, singles);
+    let parallel = load.iter().filter(|&&l| l >= min_tokens).count() >= 2;
+    if !parallel {
+        at.iter_mut().for_each(|l| *l = 0);
     }
-    let n = multi.len();
-    LanePlan {
-        groups: multi.into_iter().zip(at.iter().copied()).collect(),
-        singles: all_singles
-            .into_iter()
-            .zip(at[n..].iter().copied())
-            .collect(),
-        decode_lane: at.last().copied().filter(|_| decode_rows > 0).unwrap_or(0),
-        parallel: true,
+    let decode_lane = if decode_rows > 0 { at[jobs.len()] } else { 0 };
+    // A group whose parts all share a lane runs whole.
+    let mut plan = LanePlan {
+        groups: Vec::new(),
+        singles: Vec::new(),
+        decode_lane,
+        parallel,
+    };
+    let mut emit = |rows: Vec<&'a RowStep>, lane: usize| match rows.len() {
+        1 => plan.singles.push((rows[0], lane)),
+        _ => plan.groups.push((rows, lane)),
+    };
+    for (o, g) in groups.into_iter().enumerate() {
+        let parts: Vec<usize> = (0..jobs.len()).filter(|&j| jobs[j].0 == Some(o)).collect();
+        if parts.iter().all(|&j| at[j] == at[parts[0]]) {
+            emit(g, at[parts[0]]);
+        } else {
+            for j in parts {
+                emit(std::mem::take(&mut jobs[j].1), at[j]);
+            }
+        }
     }
+    for (j, job) in jobs.iter().enumerate() {
+        if job.0.is_none() {
+            emit(job.1.clone(), at[j]);
+        }
+    }
+    plan.singles.sort_by_key(|(s, _)| s.row);
+    plan
 }
 
 fn run(
@@ -740,7 +738,8 @@ mod tests {
     fn decode_and_chunks_balance_against_a_group() {
         // A 4 x 128 group (two halves of 256 token-rows), a 300-token chunk
         // and a 16-row decode (16 + 64): largest first, the chunk takes lane
-        // 0, both halves lane 1 (256, then 512 against 300), the decode lane 0.
+        // 0, both halves lane 1 (256, then 512 against 300), so the group runs
+        // whole there; the decode goes to lane 0.
         let g = steps(4, 128);
         let mut chunk = steps(1, 300);
         chunk[0].row = 9;
@@ -753,8 +752,9 @@ mod tests {
             256,
         );
         assert!(plan.parallel);
-        let lanes: Vec<usize> = plan.groups.iter().map(|(_, l)| *l).collect();
-        assert_eq!(lanes, vec![1, 1]);
+        let got: Vec<(Vec<RowId>, usize)> =
+            plan.groups.iter().map(|(g, l)| (rows_of(g), *l)).collect();
+        assert_eq!(got, vec![(vec![0, 1, 2, 3], 1)]);
         assert_eq!(plan.singles.len(), 1);
         assert_eq!(plan.singles[0].1, 0);
         assert_eq!(plan.decode_lane, 0);
