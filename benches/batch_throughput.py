@@ -3,7 +3,7 @@ same model, same machine, same run, same compute dtype (f32, weights
 dequantized at load) and the same BLAS (OpenBLAS preloaded on both sides).
 
   .venv/bin/python benches/batch_throughput.py --weft target/release/weft \
-      [--streams 1,8,32] [--prompt-tokens 128] [--gen-tokens 64]
+      [--streams 1,8,32] [--prompt-tokens 128] [--gen-tokens 64] [--weft-args '--cpu-lanes 1']
 
 Both sides get N distinct prompts at once, ignore EOS, and report
   generation tok/s = all generated tokens / wall time (prefill included)
@@ -66,13 +66,14 @@ def main():
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--weft-args", default="", help="extra bench-engine flags, e.g. '--cpu-lanes 1'")
     a = ap.parse_args()
     env = dict(os.environ, LD_PRELOAD=OPENBLAS)
     rows = []
     for n in [int(x) for x in a.streams.split(",")]:
         w = subprocess.run([a.weft, "bench-engine", "--model", a.model, "--streams", str(n),
                             "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
-                            "--weights", "dequantize", "--compute-dtype", "f32"],
+                            "--weights", "dequantize", "--compute-dtype", "f32", *a.weft_args.split()],
                            capture_output=True, text=True, check=True)
         weft = json.loads(w.stdout.strip().splitlines()[-1])
         m = subprocess.run([sys.executable, "-c", MLX_CHILD, str(HERE.parent / "tests/oracle"), a.model,
