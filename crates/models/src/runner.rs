@@ -86,6 +86,8 @@ pub struct BatchRunner {
     parked: Vec<Parked>,
     /// CPU streams a step's independent forwards are spread over.
     lanes: Lanes,
+    /// Lanes the last `forward` built graphs on.
+    lanes_used: usize,
 }
 
 /// Prefix reuse granularity (tokens) and default capacity (tokens).
@@ -108,6 +110,7 @@ impl BatchRunner {
             groups: Vec::new(),
             parked: Vec::new(),
             lanes: Lanes::single(),
+            lanes_used: 0,
         }
     }
 
@@ -115,6 +118,11 @@ impl BatchRunner {
     /// [`Lanes`]); a runner starts with one.
     pub fn set_lanes(&mut self, lanes: Lanes) {
         self.lanes = lanes;
+    }
+
+    /// How many lanes the last step ran on (1 unless it was split).
+    pub fn lanes_used(&self) -> usize {
+        self.lanes_used
     }
 
     /// Sets the prefix cache capacity in tokens (0 turns reuse off).
@@ -302,6 +310,18 @@ impl BatchRunner {
             self.lanes.count(),
             self.lanes.min_tokens(),
         );
+        self.lanes_used = if plan.parallel {
+            let mut used: Vec<usize> = plan.groups.iter().map(|(_, l)| *l).collect();
+            used.extend(plan.singles.iter().map(|(_, l)| *l));
+            if !decode.is_empty() {
+                used.push(plan.decode_lane);
+            }
+            used.sort_unstable();
+            used.dedup();
+            used.len()
+        } else {
+            1
+        };
         // Held until the step is evaluated, at the end of this function.
         let _blas = if plan.parallel {
             self.lanes.single_threaded_blas()

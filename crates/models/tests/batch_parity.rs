@@ -278,6 +278,73 @@ fn faults_roll_back(md: &std::path::Path, make: impl Fn(&std::path::Path) -> Bat
     assert_eq!(seen.len(), 10, "every planned fault fired");
 }
 
+/// At the default split threshold: four fresh prompts of 128-140 tokens that
+/// arrive while another row decodes are prefilled as two halves on two lanes
+/// (the decode on the lighter one), and every row gets the tokens and logits
+/// a one-lane runner gives it.
+#[test]
+fn two_lanes_match_one_lane_at_the_default_threshold() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = fixture(dir.path(), false);
+    let prompts: Vec<Vec<u32>> = [10usize, 140, 136, 132, 128]
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| {
+            (0..n)
+                .map(|i| ((i * 31 + r * 7 + 3) % 500) as u32)
+                .collect()
+        })
+        .collect();
+    let drive = |runner: &mut BatchRunner| {
+        let mut next: Vec<Option<RowStep>> = vec![None; prompts.len()];
+        let mut out: Vec<Vec<(u32, Vec<f32>)>> = vec![vec![]; prompts.len()];
+        let mut lanes = vec![];
+        for step in 0..10 {
+            // Row 0 starts at step 0, rows 1-4 join together at step 2.
+            for (r, p) in prompts.iter().enumerate() {
+                if step == if r == 0 { 0 } else { 2 } {
+                    next[r] = Some(RowStep {
+                        row: r as u64,
+                        tokens: p.clone(),
+                        start_pos: 0,
+                        want_logits: true,
+                    });
+                }
+            }
+            let active: Vec<RowStep> = next.iter().flatten().cloned().collect();
+            let l = runner.forward(&active).unwrap();
+            runner.commit().unwrap();
+            lanes.push(runner.lanes_used());
+            for (k, a) in active.iter().enumerate() {
+                let t = argmax(l.row(k));
+                out[a.row as usize].push((t, l.row(k).to_vec()));
+                let s = next[a.row as usize].as_mut().unwrap();
+                s.start_pos += s.tokens.len();
+                s.tokens = vec![t];
+            }
+        }
+        (out, lanes)
+    };
+    let (want, one) = drive(&mut BatchRunner::new(load(&md)));
+    let mut runner = BatchRunner::new(load(&md));
+    runner.set_lanes(Lanes::cpu(2));
+    let (got, two) = drive(&mut runner);
+    assert!(one.iter().all(|&n| n == 1), "one-lane runner split a step");
+    assert_eq!(two[2], 2, "the joining step ran on both lanes");
+    assert!(
+        two.iter().enumerate().all(|(s, &n)| s == 2 || n == 1),
+        "only the joining step is big enough to split: {two:?}"
+    );
+    for (r, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w.len(), g.len());
+        for (i, ((wt, wl), (gt, gl))) in w.iter().zip(g).enumerate() {
+            assert_eq!(wt, gt, "row {r} token {i} differs on two lanes");
+            let d = max_abs_diff(wl, gl);
+            assert!(d < 1e-4, "row {r} logits {i} differ by {d} on two lanes");
+        }
+    }
+}
+
 /// A row started from a cached prefix (same tenant) continues exactly like a
 /// cold row; another tenant gets no hit.
 #[test]
