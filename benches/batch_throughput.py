@@ -29,9 +29,11 @@ from mlx_lm.utils import load_model
 from mlx_lm.generate import BatchGenerator
 from mlx_lm_oracle import dequantize_modules
 model_dir, n, p, g = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+native = len(sys.argv) > 6 and sys.argv[6] == "native"
 model, _ = load_model(model_dir)
-dequantize_modules(model)
-model.set_dtype(mx.float32)
+if not native:
+    dequantize_modules(model)
+    model.set_dtype(mx.float32)
 vocab = model.args.vocab_size
 prompts = [[100 + ((s * 7919 + i * 104729) % (vocab - 200)) for i in range(p)] for s in range(n)]
 def run(prompts, g):
@@ -67,18 +69,26 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--weft-args", default="", help="extra bench-engine flags, e.g. '--cpu-lanes 1'")
+    ap.add_argument("--native", action="store_true",
+                    help="each side's default policy for the device (for the GPU: quantized weights kept, "
+                         "mlx-lm loads the model as stored), no OpenBLAS")
     a = ap.parse_args()
-    env = dict(os.environ, LD_PRELOAD=OPENBLAS)
+    env = dict(os.environ) if a.native else dict(os.environ, LD_PRELOAD=OPENBLAS)
+    policy = [] if a.native else ["--weights", "dequantize", "--compute-dtype", "f32"]
     rows = []
     for n in [int(x) for x in a.streams.split(",")]:
         w = subprocess.run([a.weft, "bench-engine", "--model", a.model, "--streams", str(n),
                             "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
-                            "--weights", "dequantize", "--compute-dtype", "f32", *a.weft_args.split()],
-                           capture_output=True, text=True, check=True)
+                            *policy, *a.weft_args.split()],
+                           capture_output=True, text=True)
+        if w.returncode != 0:
+            sys.exit(f"weft bench-engine failed ({w.returncode}):\n{w.stderr[-4000:]}")
         weft = json.loads(w.stdout.strip().splitlines()[-1])
         m = subprocess.run([sys.executable, "-c", MLX_CHILD, str(HERE.parent / "tests/oracle"), a.model,
-                            str(n), str(a.prompt_tokens), str(a.gen_tokens)],
-                           env=env, capture_output=True, text=True, check=True)
+                            str(n), str(a.prompt_tokens), str(a.gen_tokens), "native" if a.native else "f32"],
+                           env=env, capture_output=True, text=True)
+        if m.returncode != 0:
+            sys.exit(f"mlx-lm BatchGenerator failed ({m.returncode}):\n{m.stderr[-4000:]}")
         mlx = json.loads(m.stdout.strip().splitlines()[-1])
         rows.append((n, weft, mlx))
     print(f"prompt {a.prompt_tokens} tokens, {a.gen_tokens} generated per stream, {time.strftime('%Y-%m-%d')}")

@@ -74,6 +74,21 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
                 .collect()
         })
         .collect();
+    // Like the peer's harness: one short request at the measured prompt length
+    // first, so first-use costs (GPU kernel loading, allocator growth) stay out
+    // of the numbers. Its own tenant: no prefix reuse for the measured prompts.
+    if let Some(p) = prompts.first() {
+        let mut r = Request::new("warmup", p.clone(), 4);
+        r.ignore_eos = true;
+        let mut s = engine.submit(r)?;
+        while let Some(ev) = s.blocking_recv() {
+            if let Event::Finished(f) = ev {
+                if let Some(e) = f.error {
+                    anyhow::bail!("the warm-up request failed: {e}");
+                }
+            }
+        }
+    }
     let start = Instant::now();
     let mut streams = Vec::new();
     for p in prompts {
