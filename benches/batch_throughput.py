@@ -30,6 +30,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm_oracle import dequantize_modules
 model_dir, n, p, g = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 native = len(sys.argv) > 6 and sys.argv[6] == "native"
+rounds = int(sys.argv[7]) if len(sys.argv) > 7 else 1
 model, _ = load_model(model_dir)
 if not native:
     dequantize_modules(model)
@@ -51,7 +52,8 @@ def run(prompts, g):
                 done += 1
     return start, firsts, times
 run(prompts[:1], 4)  # warm-up
-start, firsts, times = run(prompts, g)
+for _ in range(rounds):  # the last round is reported
+    start, firsts, times = run(prompts, g)
 end = max(times); last_first = max(firsts.values())
 steady = sum(1 for t in times if t > last_first)
 ttft = sorted((f - start) * 1e3 for f in firsts.values())
@@ -69,6 +71,8 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--weft-args", default="", help="extra bench-engine flags, e.g. '--cpu-lanes 1'")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="whole workload runs per side in one process, the last reported (GPU kernels load per shape)")
     ap.add_argument("--native", action="store_true",
                     help="each side's default policy for the device (for the GPU: quantized weights kept, "
                          "mlx-lm loads the model as stored), no OpenBLAS")
@@ -79,13 +83,14 @@ def main():
     for n in [int(x) for x in a.streams.split(",")]:
         w = subprocess.run([a.weft, "bench-engine", "--model", a.model, "--streams", str(n),
                             "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
-                            *policy, *a.weft_args.split()],
+                            "--rounds", str(a.rounds), *policy, *a.weft_args.split()],
                            capture_output=True, text=True)
         if w.returncode != 0:
             sys.exit(f"weft bench-engine failed ({w.returncode}):\n{w.stderr[-4000:]}")
         weft = json.loads(w.stdout.strip().splitlines()[-1])
         m = subprocess.run([sys.executable, "-c", MLX_CHILD, str(HERE.parent / "tests/oracle"), a.model,
-                            str(n), str(a.prompt_tokens), str(a.gen_tokens), "native" if a.native else "f32"],
+                            str(n), str(a.prompt_tokens), str(a.gen_tokens), "native" if a.native else "f32",
+                            str(a.rounds)],
                            env=env, capture_output=True, text=True)
         if m.returncode != 0:
             sys.exit(f"mlx-lm BatchGenerator failed ({m.returncode}):\n{m.stderr[-4000:]}")
