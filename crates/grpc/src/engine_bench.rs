@@ -32,6 +32,10 @@ pub struct EngineBenchArgs {
     /// as `weft serve` sizes it, so the engine is measured as it serves].
     #[arg(long)]
     pub max_step_tokens: Option<usize>,
+    /// Prefill tokens in a step that also decodes (as `weft serve
+    /// --decode-prefill-tokens`).
+    #[arg(long)]
+    pub decode_prefill_tokens: Option<usize>,
     /// Runs of the whole workload in one process; the last is reported
     /// (a GPU backend compiles and loads kernels per shape on first use).
     #[arg(long, default_value_t = 1)]
@@ -65,6 +69,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             .unwrap_or(2048 + args.streams)
             .max(args.streams),
         prefill_chunk: args.prefill_chunk,
+        decode_prefill_tokens: args.decode_prefill_tokens,
         kv_total_blocks: (args.streams * (args.prompt_tokens + args.gen_tokens)).div_ceil(16) + 64,
         ..SchedulerConfig::default()
     };

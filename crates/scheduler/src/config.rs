@@ -53,6 +53,11 @@ pub struct SchedulerConfig {
     pub max_step_tokens: usize,
     /// Largest prefill piece of one row in one step.
     pub prefill_chunk: usize,
+    /// Prefill tokens in a step that also decodes rows (None: whatever
+    /// `max_step_tokens` leaves). Decoding rows wait for every prefill in their
+    /// step, so this bounds their inter-token latency while prompts arrive; a
+    /// step with no decoding rows still prefills up to `max_step_tokens`.
+    pub decode_prefill_tokens: Option<usize>,
     /// Requests waiting across all tenants.
     pub max_waiting: usize,
     /// Limits of tenants named here; their names are also the only `tenant` label values
@@ -95,6 +100,7 @@ impl Default for SchedulerConfig {
             max_batch_rows: 256,
             max_step_tokens: 2048,
             prefill_chunk: 512,
+            decode_prefill_tokens: None,
             max_waiting: 4096,
             tenants: HashMap::new(),
             default_tenant: TenantLimits::default(),
@@ -123,6 +129,12 @@ impl SchedulerConfig {
         }
         if self.prefill_chunk == 0 {
             return Err("prefill_chunk must be > 0".into());
+        }
+        if self.decode_prefill_tokens == Some(0) {
+            return Err(
+                "decode_prefill_tokens must be > 0 (0 would stall prompts behind decoding rows)"
+                    .into(),
+            );
         }
         if self.kv_block_size == 0 {
             return Err("kv_block_size must be > 0".into());

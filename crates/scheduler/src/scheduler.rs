@@ -680,7 +680,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 // skips sorting the whole batch in the common case.
                 free -= decode_need;
                 prefills.sort_by_cached_key(|x| self.keep_key(x.slot));
-                let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
+                let mut budget = self.prefill_budget(decodes);
                 self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
                 if rows.is_empty() && !prefills.is_empty() {
                     // Every running row is stalled on memory: free the least-kept one so
@@ -700,7 +700,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             // preempt the least-kept rows.
             rows.clear();
             order.sort_by_cached_key(|x| self.keep_key(x.slot));
-            let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
+            let mut budget = self.prefill_budget(decodes);
             let mut end = order.len();
             let mut i = 0;
             while i < end {
@@ -765,6 +765,15 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         self.bufs.order = order;
         self.bufs.prefills = prefills;
         Plan { rows, probation }
+    }
+
+    /// Prefill tokens a step with `decodes` decoding rows may add.
+    fn prefill_budget(&self, decodes: usize) -> usize {
+        let left = self.cfg.max_step_tokens.saturating_sub(decodes);
+        match self.cfg.decode_prefill_tokens {
+            Some(cap) if decodes > 0 => left.min(cap),
+            _ => left,
+        }
     }
 
     /// Prefill chunks for running rows (in keep order), each shrunk to the token budget

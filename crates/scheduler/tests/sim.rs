@@ -627,3 +627,62 @@ fn short_prompts_are_not_split_across_steps() {
         );
     }
 }
+
+/// `decode_prefill_tokens` bounds the prefill riding along with decoding rows
+/// (their inter-token latency), and only then: a step without decoding rows
+/// still fills `max_step_tokens`.
+#[test]
+fn decode_prefill_tokens_bound_prefill_beside_decoding_rows() {
+    let mut g = rng(21);
+    let mut req = |n: usize, max_tokens: usize| {
+        let mut r = Request::new("a", prompt(&mut g, n), max_tokens);
+        r.ignore_eos = true;
+        r
+    };
+    // Two 300-token prompts at once (nobody decodes yet), then a 500-token one
+    // arriving while both decode.
+    let specs = vec![
+        Spec::at(0, req(300, 40)),
+        Spec::at(0, req(300, 40)),
+        Spec::at(3, req(500, 4)),
+    ];
+    let mut cfg = sched_config();
+    cfg.max_step_tokens = 1024;
+    cfg.prefill_chunk = 512;
+    cfg.kv_total_blocks = 1000;
+    for cap in [None, Some(64)] {
+        cfg.decode_prefill_tokens = cap;
+        let mut per_step = vec![];
+        let mut seen = 0;
+        let r = run(
+            cfg.clone(),
+            fake_config(),
+            FakeFaults::default(),
+            &specs,
+            |_, s: &Scheduler<FakeModel>, _| {
+                let t = s.model().stats().tokens;
+                per_step.push(t - seen);
+                seen = t;
+            },
+        );
+        assert_clean(&r);
+        assert_eq!(per_step[0], 600, "{cap:?}: both prompts in the first step");
+        let late = &r.outcomes[2];
+        let waited = late.first_token_step.expect("first token");
+        match cap {
+            None => {
+                assert!(per_step.contains(&502), "{cap:?}: {per_step:?}");
+                assert!(waited <= 1, "{cap:?}: waited {waited} steps");
+            }
+            Some(c) => {
+                // Two decoding rows plus at most `c` prefill tokens per step
+                // until the late prompt is in.
+                assert!(
+                    per_step[1..].iter().all(|&n| n <= 2 + c as u64),
+                    "{cap:?}: {per_step:?}"
+                );
+                assert!(waited >= 500 / c as u64, "{cap:?}: waited {waited} steps");
+            }
+        }
+    }
+}

@@ -86,6 +86,11 @@ pub struct ServeArgs {
     /// Largest prefill piece of one request in one step [default: 512].
     #[arg(long, env = "WEFT_PREFILL_CHUNK")]
     pub prefill_chunk: Option<usize>,
+    /// Prefill tokens in a step that also decodes: bounds how long running
+    /// requests wait between tokens while new prompts arrive [default: no bound
+    /// beyond --max-step-tokens].
+    #[arg(long, env = "WEFT_DECODE_PREFILL_TOKENS")]
+    pub decode_prefill_tokens: Option<usize>,
     /// KV cache size in blocks [default: from --kv-memory, else 4096].
     #[arg(long, env = "WEFT_KV_BLOCKS", conflicts_with = "kv_memory")]
     pub kv_blocks: Option<usize>,
@@ -123,6 +128,7 @@ struct FileConfig {
     max_step_tokens: Option<usize>,
     max_waiting: Option<usize>,
     prefill_chunk: Option<usize>,
+    decode_prefill_tokens: Option<usize>,
     kv_blocks: Option<usize>,
     kv_block_size: Option<usize>,
     kv_memory: Option<String>,
@@ -151,6 +157,7 @@ pub struct Settings {
     pub max_step_tokens: usize,
     pub max_waiting: usize,
     pub prefill_chunk: usize,
+    pub decode_prefill_tokens: Option<usize>,
     pub kv_size: KvSize,
     pub kv_block_size: usize,
     pub default_max_tokens: usize,
@@ -233,6 +240,7 @@ impl Settings {
             max_step_tokens,
             max_waiting: args.max_waiting.or(file.max_waiting).unwrap_or(1024),
             prefill_chunk: args.prefill_chunk.or(file.prefill_chunk).unwrap_or(512),
+            decode_prefill_tokens: args.decode_prefill_tokens.or(file.decode_prefill_tokens),
             kv_size,
             kv_block_size: args.kv_block_size.or(file.kv_block_size).unwrap_or(16),
             default_max_tokens: args
@@ -259,6 +267,10 @@ impl Settings {
             ("max-step-tokens", self.max_step_tokens),
             ("max-waiting", self.max_waiting),
             ("prefill-chunk", self.prefill_chunk),
+            (
+                "decode-prefill-tokens",
+                self.decode_prefill_tokens.unwrap_or(1),
+            ),
             ("kv-block-size", self.kv_block_size),
             ("default-max-tokens", self.default_max_tokens),
         ] {
@@ -310,6 +322,7 @@ impl Settings {
             max_batch_rows: self.max_batch_rows,
             max_step_tokens: self.max_step_tokens,
             prefill_chunk: self.prefill_chunk,
+            decode_prefill_tokens: self.decode_prefill_tokens,
             max_waiting: self.max_waiting,
             kv_block_size: self.kv_block_size,
             kv_total_blocks: kv_blocks,
