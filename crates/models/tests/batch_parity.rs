@@ -181,12 +181,7 @@ fn joining_and_leaving_rows_match_batch_generator() {
         for (i, (tokens, lps)) in got.iter().enumerate() {
             let w = &want["rows"][i];
             let wt = json_u32(&w["tokens"]);
-            let margins: Vec<f64> = w["margins"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|m| m.as_f64().unwrap())
-                .collect();
+            let margins = json_f64(&w["margins"]);
             let min_margin = margins.iter().copied().fold(f64::INFINITY, f64::min);
             eprintln!(
                 "row {i}: {} tokens, min top-2 margin {min_margin:.2e}",

@@ -88,12 +88,7 @@ fn check(
         );
         let (logits, tokens) = greedy(&loaded.model, &ids, N);
         let diff = max_abs_diff(&logits, &json_f32(&w["logits"]));
-        let margins: Vec<f64> = w["margins"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| m.as_f64().unwrap())
-            .collect();
+        let margins = json_f64(&w["margins"]);
         let upto = margins
             .iter()
             .position(|&m| m < NEAR_TIE)

@@ -97,6 +97,14 @@ pub fn json_f32(v: &serde_json::Value) -> Vec<f32> {
         .collect()
 }
 
+pub fn json_f64(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
 pub fn json_u32(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
