@@ -226,21 +226,14 @@ mod tests {
             .as_slice::<f32>()[0]
     }
 
-    #[test]
-    fn long_query_runs_split_into_blocks_match_mlx_sdpa() {
-        use mlx_rs::fast::{scaled_dot_product_attention as sdpa, ScaledDotProductAttentionMask};
-        // 200 queries after 30 cached columns: three query blocks.
-        let (b, hq, hkv, t, s, d) = (2, 4, 2, 200, 230, 16);
-        let normal = |seed: u64, shape: &[i32]| {
-            let key = mlx_rs::random::key(seed).unwrap();
-            mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap()
-        };
-        let (q, k, v) = (
-            normal(11, &[b, hq, t, d]),
-            normal(12, &[b, hkv, s, d]),
-            normal(13, &[b, hkv, s, d]),
-        );
-        let causal: Vec<f32> = (0..t)
+    fn normal(seed: u64, shape: &[i32]) -> Array {
+        let key = mlx_rs::random::key(seed).unwrap();
+        mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap()
+    }
+
+    /// Additive `[T, S]` causal bias: query `qi` sees columns up to `S - T + qi`.
+    fn causal_bias(t: i32, s: i32) -> Vec<f32> {
+        (0..t)
             .flat_map(|qi| {
                 (0..s).map(move |j| {
                     if j <= s - t + qi {
@@ -250,7 +243,27 @@ mod tests {
                     }
                 })
             })
-            .collect();
+            .collect()
+    }
+
+    fn additive(visible: &[bool]) -> Vec<f32> {
+        visible
+            .iter()
+            .map(|&ok| if ok { 0.0 } else { f32::NEG_INFINITY })
+            .collect()
+    }
+
+    #[test]
+    fn long_query_runs_split_into_blocks_match_mlx_sdpa() {
+        use mlx_rs::fast::{scaled_dot_product_attention as sdpa, ScaledDotProductAttentionMask};
+        // 200 queries after 30 cached columns: three query blocks.
+        let (b, hq, hkv, t, s, d) = (2, 4, 2, 200, 230, 16);
+        let (q, k, v) = (
+            normal(11, &[b, hq, t, d]),
+            normal(12, &[b, hkv, s, d]),
+            normal(13, &[b, hkv, s, d]),
+        );
+        let causal = causal_bias(t, s);
         let want = sdpa(
             &q,
             &k,
@@ -274,10 +287,7 @@ mod tests {
                 }
             }
         }
-        let additive: Vec<f32> = visible
-            .iter()
-            .map(|&ok| if ok { 0.0 } else { f32::NEG_INFINITY })
-            .collect();
+        let additive = additive(&visible);
         let want = sdpa(
             &q,
             &k,
@@ -303,25 +313,19 @@ mod tests {
     fn attention_matches_mlx_sdpa_with_gqa_and_mask() {
         use mlx_rs::fast;
         let (b, hq, hkv, t, s, d) = (2, 6, 2, 3, 7, 8);
-        let normal = |seed: u64, shape: &[i32]| {
-            let key = mlx_rs::random::key(seed).unwrap();
-            mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap()
-        };
         let q = normal(0, &[b, hq, t, d]);
         let k = normal(1, &[b, hkv, s, d]);
         let v = normal(2, &[b, hkv, s, d]);
         // Row 0 sees everything up to its query's column, row 1 has 2 padding columns.
         let mut visible = Vec::new();
-        let mut additive = Vec::new();
         for row in 0..b {
             for qi in 0..t {
                 for j in 0..s {
-                    let ok = j <= s - t + qi && (row == 0 || j >= 2);
-                    visible.push(ok);
-                    additive.push(if ok { 0.0f32 } else { f32::NEG_INFINITY });
+                    visible.push(j <= s - t + qi && (row == 0 || j >= 2));
                 }
             }
         }
+        let additive = additive(&visible);
         let bool_mask = Array::from_slice(&visible, &[b, 1, t, s]);
         let add_mask = Array::from_slice(&additive, &[b, 1, 1, t, s]);
         let want = fast::scaled_dot_product_attention(&q, &k, &v, 0.35, &bool_mask, None).unwrap();
@@ -330,17 +334,7 @@ mod tests {
         assert!(diff < 1e-5, "max |sdpa - attention| = {diff}");
 
         // Without padding the mask is one `[T, S]` causal block for all rows.
-        let causal: Vec<f32> = (0..t)
-            .flat_map(|qi| {
-                (0..s).map(move |j| {
-                    if j <= s - t + qi {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-            })
-            .collect();
+        let causal = causal_bias(t, s);
         let causal = Array::from_slice(&causal, &[t, s]);
         let want = fast::scaled_dot_product_attention(
             &q,

@@ -310,18 +310,7 @@ impl BatchRunner {
             self.lanes.count(),
             self.lanes.min_tokens(),
         );
-        self.lanes_used = if plan.parallel {
-            let mut used: Vec<usize> = plan.groups.iter().map(|(_, l)| *l).collect();
-            used.extend(plan.singles.iter().map(|(_, l)| *l));
-            if !decode.is_empty() {
-                used.push(plan.decode_lane);
-            }
-            used.sort_unstable();
-            used.dedup();
-            used.len()
-        } else {
-            1
-        };
+        self.lanes_used = plan.lanes_used(!decode.is_empty());
         // Held until the step is evaluated, at the end of this function.
         let _blas = if plan.parallel {
             self.lanes.single_threaded_blas()
@@ -613,6 +602,21 @@ struct LanePlan<'a> {
     decode_lane: usize,
     /// More than one lane has work: BLAS goes single-threaded for the step.
     parallel: bool,
+}
+
+impl LanePlan<'_> {
+    /// Distinct lanes that build a forward (1 for an unsplit step).
+    fn lanes_used(&self, decoding: bool) -> usize {
+        if !self.parallel {
+            return 1;
+        }
+        let mut used: Vec<usize> = self.groups.iter().map(|(_, l)| *l).collect();
+        used.extend(self.singles.iter().map(|(_, l)| *l));
+        used.extend(decoding.then_some(self.decode_lane));
+        used.sort_unstable();
+        used.dedup();
+        used.len()
+    }
 }
 
 /// A decode forward reads every weight once whatever its batch, which costs
