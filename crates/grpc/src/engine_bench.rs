@@ -36,6 +36,10 @@ pub struct EngineBenchArgs {
     /// --decode-prefill-tokens`).
     #[arg(long)]
     pub decode_prefill_tokens: Option<usize>,
+    /// Draft tokens a stream verifies per step (as `weft serve --speculate`);
+    /// off by default, so the engine alone is compared with the peer.
+    #[arg(long, default_value_t = 0)]
+    pub speculate: usize,
     /// Runs of the whole workload in one process; the last is reported
     /// (a GPU backend compiles and loads kernels per shape on first use).
     #[arg(long, default_value_t = 1)]
@@ -56,6 +60,9 @@ pub struct EngineBenchReport {
     pub steady_decode_tok_per_s: f64,
     pub ttft_p50_ms: f64,
     pub ttft_max_ms: f64,
+    /// Of the reported round: draft tokens verified and accepted.
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
     pub openblas: Option<String>,
 }
 
@@ -70,6 +77,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             .max(args.streams),
         prefill_chunk: args.prefill_chunk,
         decode_prefill_tokens: args.decode_prefill_tokens,
+        speculate: args.speculate,
         kv_total_blocks: (args.streams * (args.prompt_tokens + args.gen_tokens)).div_ceil(16) + 64,
         ..SchedulerConfig::default()
     };
@@ -99,7 +107,9 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         }
     }
     let mut last = None;
+    let mut before = engine.stats();
     for round in 0..args.rounds.max(1) {
+        before = engine.stats();
         // A tenant per round: no prefix reuse from the round before.
         last = Some(one_round(
             &engine,
@@ -118,7 +128,10 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
     else {
         anyhow::bail!("no round ran");
     };
+    let after = engine.stats();
     let report = EngineBenchReport {
+        draft_tokens: after.draft_tokens - before.draft_tokens,
+        accepted_tokens: after.accepted_tokens - before.accepted_tokens,
         streams: args.streams,
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,

@@ -47,6 +47,7 @@ impl Model for MlxModel {
                 tokens: r.tokens.clone(),
                 start_pos: r.start_pos,
                 want_logits: r.want_logits,
+                draft: r.draft,
             })
             .collect();
         let out = self.runner.forward(&steps).map_err(failed)?;
@@ -59,6 +60,14 @@ impl Model for MlxModel {
 
     fn commit(&mut self) -> Result<(), ModelError> {
         self.runner.commit().map_err(failed)
+    }
+
+    fn supports_drafts(&self) -> bool {
+        true
+    }
+
+    fn keep(&mut self, row: RowId, tokens: usize) -> Result<(), ModelError> {
+        self.runner.keep(row, tokens).map_err(failed)
     }
 
     fn rollback(&mut self) {
@@ -187,6 +196,7 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
         tokens: vec![1, 2, 3, 4],
         start_pos: 0,
         want_logits: true,
+        draft: 0,
     }];
     runner.forward(&steps)?;
     runner.commit()?;
@@ -195,6 +205,7 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
         tokens: vec![5],
         start_pos: 4,
         want_logits: true,
+        draft: 0,
     }];
     runner.forward(&steps)?;
     runner.commit()?;

@@ -10,6 +10,11 @@
 //! `[cursor, cursor + T)` but only `commit` advances the cursor, so after a
 //! rollback the written columns are dead data the retry overwrites. The arrays
 //! are replaced in place (one reference) so MLX can donate their buffers.
+//!
+//! A speculative step writes a draft for every row at once, but rows accept
+//! different numbers of its tokens. Rejected columns become holes: masked out
+//! like padding and not counted in the row's length, so the shared cursor
+//! still moves by the whole step and nothing is copied to realign rows.
 
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::{ops, Array, Dtype};
@@ -25,6 +30,9 @@ pub struct KvCache {
     cursor: i32,
     pending: i32,
     left_pad: Vec<i32>,
+    /// Per row, ascending columns (in `[left_pad, cursor)`) holding rejected
+    /// draft tokens.
+    holes: Vec<Vec<i32>>,
 }
 
 /// Attention mask for one step.
@@ -42,6 +50,7 @@ impl KvCache {
             cursor: 0,
             pending: 0,
             left_pad: vec![0; batch],
+            holes: vec![Vec::new(); batch],
         }
     }
 
@@ -50,6 +59,7 @@ impl KvCache {
     /// positions from 0 (padding is masked out and never attended to).
     pub fn with_left_pad(num_layers: usize, pads: Vec<i32>) -> Self {
         Self {
+            holes: vec![Vec::new(); pads.len()],
             left_pad: pads,
             ..Self::new(num_layers, 0)
         }
@@ -61,7 +71,16 @@ impl KvCache {
 
     /// Committed length of each row (its next RoPE position).
     pub fn lengths(&self) -> Vec<i32> {
-        self.left_pad.iter().map(|p| self.cursor - p).collect()
+        self.left_pad
+            .iter()
+            .zip(&self.holes)
+            .map(|(p, h)| self.cursor - p - h.len() as i32)
+            .collect()
+    }
+
+    /// Whether some row has a column to hide (padding or a hole).
+    fn ragged(&self) -> bool {
+        self.left_pad.iter().any(|&p| p > 0) || self.holes.iter().any(|h| !h.is_empty())
     }
 
     pub fn offsets_array(&self) -> Array {
@@ -69,8 +88,7 @@ impl KvCache {
     }
 
     pub fn mask(&self, t: i32) -> StepMask {
-        let padded = self.left_pad.iter().any(|&p| p > 0);
-        if !padded {
+        if !self.ragged() {
             return if t > 1 {
                 StepMask::Causal
             } else {
@@ -79,46 +97,58 @@ impl KvCache {
         }
         let s = self.cursor + t;
         let b = self.batch_size() as i32;
-        StepMask::Array(Array::from_slice(
-            &self.visibility(&self.left_pad, t),
-            &[b, 1, t, s],
-        ))
+        StepMask::Array(Array::from_slice(&self.visibility(true, t), &[b, 1, t, s]))
     }
 
     /// The same mask as `mask`, additive (0 visible, -inf hidden) and shaped
     /// `[B, 1, 1, T, S]` (or `[T, S]` without padding) for attention that
     /// groups query heads; None when nothing is hidden.
     pub fn additive_mask(&self, t: i32) -> Option<Array> {
-        let padded = self.left_pad.iter().any(|&p| p > 0);
-        if !padded && t == 1 {
+        let ragged = self.ragged();
+        if !ragged && t == 1 {
             return None;
         }
         let s = self.cursor + t;
-        let (pads, shape): (&[i32], _) = if padded {
-            (&self.left_pad, vec![self.batch_size() as i32, 1, 1, t, s])
+        let shape = if ragged {
+            vec![self.batch_size() as i32, 1, 1, t, s]
         } else {
-            (&[0], vec![t, s])
+            vec![t, s]
         };
         let bias: Vec<f32> = self
-            .visibility(pads, t)
+            .visibility(ragged, t)
             .into_iter()
             .map(|v| if v { 0.0 } else { f32::NEG_INFINITY })
             .collect();
         Some(Array::from_slice(&bias, &shape))
     }
 
-    /// Row-major `[rows, T, S]`: may query `q` of a row padded by `pad` see column `j`.
-    fn visibility(&self, pads: &[i32], t: i32) -> Vec<bool> {
+    /// Row-major `[rows, T, S]` (one shared row without `per_row`): may
+    /// query `q` of a row see column `j`.
+    fn visibility(&self, per_row: bool, t: i32) -> Vec<bool> {
         let s = self.cursor + t;
-        let mut m = Vec::with_capacity(pads.len() * (t * s) as usize);
-        for &pad in pads {
+        let rows = if per_row { self.batch_size() } else { 1 };
+        let mut m = Vec::with_capacity(rows * (t * s) as usize);
+        let mut keep = vec![true; s as usize];
+        for row in 0..rows {
+            let (pad, holes) = if per_row {
+                (self.left_pad[row], &self.holes[row][..])
+            } else {
+                (0, &[][..])
+            };
+            for (j, k) in keep.iter_mut().enumerate() {
+                *k = j as i32 >= pad;
+            }
+            for &h in holes {
+                keep[h as usize] = false;
+            }
             for q in 0..t {
                 let here = self.cursor + q;
-                for j in 0..s {
+                for (j, &k) in keep.iter().enumerate() {
+                    let j = j as i32;
                     // A padding query still sees itself: a row with no visible
                     // key would softmax to NaN, and NaN K/V at padding columns
                     // would leak into real rows through 0 * NaN.
-                    m.push((j >= pad && j <= here) || j == here);
+                    m.push((k && j <= here) || j == here);
                 }
             }
         }
@@ -177,6 +207,23 @@ impl KvCache {
         self.pending = 0;
     }
 
+    /// Commits the open step keeping only the first `kept[row]` of its
+    /// columns in each row; the rest become holes.
+    pub fn commit_kept(&mut self, kept: &[i32]) -> Result<()> {
+        if kept.len() != self.batch_size() || kept.iter().any(|&k| k < 0 || k > self.pending) {
+            return Err(ModelError::Invalid(format!(
+                "commit_kept: {kept:?} for {} rows of a {}-token step",
+                self.batch_size(),
+                self.pending
+            )));
+        }
+        for (holes, &k) in self.holes.iter_mut().zip(kept) {
+            holes.extend(self.cursor + k..self.cursor + self.pending);
+        }
+        self.commit();
+        Ok(())
+    }
+
     pub fn rollback(&mut self) {
         self.pending = 0;
     }
@@ -190,6 +237,10 @@ impl KvCache {
         let idx = Array::from_slice(&idx, &[idx.len() as i32]);
         self.left_pad = keep.iter().map(|&i| self.left_pad[i]).collect();
         let trim = self.left_pad.iter().copied().min().unwrap_or(0);
+        self.holes = keep
+            .iter()
+            .map(|&i| self.holes[i].iter().map(|h| h - trim).collect())
+            .collect();
         for slot in self.keys.iter_mut().chain(self.values.iter_mut()) {
             if let Some(a) = slot.take() {
                 let a = a.take_axis(&idx, 0)?;
@@ -265,6 +316,15 @@ impl KvCache {
             .iter()
             .flat_map(|c| c.left_pad.iter().map(move |p| p + cursor - c.cursor))
             .collect();
+        let holes = parts
+            .iter()
+            .flat_map(|c| {
+                c.holes
+                    .iter()
+                    .map(move |h| h.iter().map(|x| x + cursor - c.cursor).collect())
+            })
+            .collect();
+        self.holes = holes;
         self.keys = keys;
         self.values = values;
         self.left_pad = left_pad;
@@ -278,7 +338,16 @@ impl KvCache {
         let mut c = self.clone();
         c.pending = 0;
         if c.left_pad.len() == 1 {
-            c.cursor = c.left_pad[0] + len.min(self.cursor - c.left_pad[0]).max(0);
+            let len = len.clamp(0, self.lengths()[0]);
+            // The column after the row's `len`-th kept token.
+            let mut end = c.left_pad[0] + len;
+            for &h in &c.holes[0] {
+                if h < end {
+                    end += 1;
+                }
+            }
+            c.cursor = end;
+            c.holes[0].retain(|&h| h < end);
         }
         c
     }
@@ -308,4 +377,57 @@ fn left_pad_to(
         }
         Some(a) => a,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(c: &mut KvCache, t: i32) {
+        let b = c.batch_size() as i32;
+        let x = ops::zeros::<f32>(&[b, 1, t, 2]).unwrap();
+        c.update(0, &x, &x).unwrap();
+    }
+
+    /// Rejected draft columns leave a row's length, its mask and its cut
+    /// points as if they had never been written.
+    #[test]
+    fn holes_are_not_tokens() {
+        let mut c = KvCache::with_left_pad(1, vec![0, 2]);
+        step(&mut c, 4);
+        c.commit();
+        assert_eq!(c.lengths(), vec![4, 2]);
+        step(&mut c, 3);
+        c.commit_kept(&[1, 3]).unwrap();
+        assert_eq!(c.lengths(), vec![5, 5], "row 0 kept 1 of 3 columns");
+        // Row 0 holds columns 0..=4; 5 and 6 are holes. A one-token step at 7.
+        let vis = c.visibility(true, 1);
+        let row0: Vec<bool> = vis[..8].to_vec();
+        assert_eq!(row0, [true, true, true, true, true, false, false, true]);
+        let row1: Vec<bool> = vis[8..].to_vec();
+        assert_eq!(row1, [false, false, true, true, true, true, true, true]);
+        assert!(c.commit_kept(&[1, 1]).is_err(), "no open step to keep from");
+
+        // Row 0 alone, cut to 5 and 4 tokens: the holes after its last kept
+        // column go, the cursor lands after that column.
+        let one = c.extract(0).unwrap();
+        assert_eq!(one.lengths(), vec![5]);
+        let cut = one.truncated(5);
+        assert_eq!((cut.cursor, cut.lengths()), (5, vec![5]));
+        let mut grown = one.clone();
+        step(&mut grown, 1);
+        grown.commit();
+        assert_eq!(grown.lengths(), vec![6]);
+        assert_eq!(grown.truncated(6).cursor, 8, "the holes at 5, 6 stay inside");
+        assert_eq!(grown.truncated(6).lengths(), vec![6]);
+
+        // Merging shifts the holes with the row they belong to.
+        let mut m = KvCache::with_left_pad(1, vec![0]);
+        step(&mut m, 9);
+        m.commit();
+        m.merge(&one).unwrap();
+        assert_eq!(m.lengths(), vec![9, 5]);
+        m.filter(&[1]).unwrap();
+        assert_eq!(m.lengths(), vec![5]);
+    }
 }

@@ -20,26 +20,41 @@ use crate::prefix::PrefixStore;
 pub type RowId = u64;
 
 /// One row's work in a step.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RowStep {
     pub row: RowId,
-    /// A prefill chunk, or the single token to decode.
+    /// A prefill chunk, or the token to decode followed by a draft.
     pub tokens: Vec<u32>,
     /// Position of `tokens[0]`; must equal the row's committed length.
     pub start_pos: usize,
     pub want_logits: bool,
+    /// How many trailing `tokens` are a speculative draft (0: none). A row
+    /// with a draft decodes `tokens[0]` and verifies the rest in the same
+    /// forward; its logits come back for every position, and
+    /// [`BatchRunner::keep`] says how many of its tokens the commit keeps.
+    pub draft: usize,
 }
 
-/// Last-position logits of the rows that asked for them, in step order.
+impl RowStep {
+    fn decodes(&self) -> bool {
+        self.start_pos > 0 && (self.tokens.len() == 1 || self.draft > 0)
+    }
+}
+
+/// Logits of the rows that asked for them, in step order: the last position
+/// of a row without a draft, every position of a row with one.
 #[derive(Debug, Clone)]
 pub struct StepLogits {
     pub rows: Vec<RowId>,
+    /// Positions each of `rows` has in `data` (1 + its draft).
+    pub counts: Vec<usize>,
     pub vocab: usize,
-    /// `[rows.len(), vocab]`, row-major.
+    /// `[sum(counts), vocab]`, row-major.
     pub data: Vec<f32>,
 }
 
 impl StepLogits {
+    /// The `i`-th logits vector (the `i`-th row's when no row has a draft).
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
@@ -88,6 +103,9 @@ pub struct BatchRunner {
     lanes: Lanes,
     /// Lanes the last `forward` built graphs on.
     lanes_used: usize,
+    /// Per batch position, the columns of the open step to keep at commit
+    /// (the row's own tokens; `keep` lowers it for rejected drafts).
+    batch_kept: Vec<i32>,
 }
 
 /// Prefix reuse granularity (tokens) and default capacity (tokens).
@@ -111,6 +129,7 @@ impl BatchRunner {
             parked: Vec::new(),
             lanes: Lanes::single(),
             lanes_used: 0,
+            batch_kept: Vec::new(),
         }
     }
 
@@ -262,6 +281,16 @@ impl BatchRunner {
             if s.tokens.is_empty() {
                 return Err(ModelError::Invalid(format!("row {} has no tokens", s.row)));
             }
+            if s.draft > 0 && (s.draft + 1 != s.tokens.len() || s.start_pos == 0) {
+                return Err(ModelError::Invalid(format!(
+                    "row {}: a draft of {} must follow exactly one decoded token of a started row \
+                     ({} tokens at {})",
+                    s.row,
+                    s.draft,
+                    s.tokens.len(),
+                    s.start_pos
+                )));
+            }
             let have = self.row_len(s.row).unwrap_or(0);
             if have != s.start_pos {
                 return Err(ModelError::Invalid(format!(
@@ -270,11 +299,8 @@ impl BatchRunner {
                 )));
             }
         }
-        // Decode rows: one new token on top of existing state.
-        let mut decode: Vec<&RowStep> = steps
-            .iter()
-            .filter(|s| s.tokens.len() == 1 && s.start_pos > 0)
-            .collect();
+        // Decode rows: one new token (and maybe a draft) on top of existing state.
+        let mut decode: Vec<&RowStep> = steps.iter().filter(|s| s.decodes()).collect();
         self.compose_batch(&decode.iter().map(|s| s.row).collect::<Vec<_>>())?;
         // The batch keeps its own row order (reordering would copy every
         // layer's cache); outputs are matched to steps by row id.
@@ -287,10 +313,7 @@ impl BatchRunner {
         decode.sort_by_key(|s| pos.get(&s.row).copied().unwrap_or(usize::MAX));
 
         let mut outputs: HashMap<RowId, Array> = HashMap::new();
-        let prefill: Vec<&RowStep> = steps
-            .iter()
-            .filter(|s| !(s.tokens.len() == 1 && s.start_pos > 0))
-            .collect();
+        let prefill: Vec<&RowStep> = steps.iter().filter(|s| !s.decodes()).collect();
         // Fresh rows prefill together, left-padded to the longest prompt of
         // their group: one [G, T] forward is about twice as fast per row on
         // CPU as G forwards of [1, T]. Groups bound the padding they add.
@@ -331,7 +354,7 @@ impl BatchRunner {
             let tokens = Array::from_slice(&ids, &[g.len() as i32, t]);
             let mut cache = KvCache::with_left_pad(self.model.num_layers(), pads);
             let logits = self.lanes.on(lane, || {
-                run(&self.model, &tokens, &mut cache, &mut self.layer_hook)
+                run(&self.model, &tokens, &mut cache, true, &mut self.layer_hook)
             })?;
             for (i, s) in g.iter().enumerate() {
                 if s.want_logits {
@@ -355,7 +378,7 @@ impl BatchRunner {
                 .ok_or_else(|| ModelError::Invalid("solo cache vanished".into()))?;
             self.touched_solo.push(s.row);
             let logits = self.lanes.on(lane, || {
-                run(&self.model, &tokens, cache, &mut self.layer_hook)
+                run(&self.model, &tokens, cache, true, &mut self.layer_hook)
             })?;
             if s.want_logits {
                 outputs.insert(s.row, logits.reshape(&[-1])?);
@@ -363,15 +386,33 @@ impl BatchRunner {
         }
         self.drop_empty_parked();
         if !decode.is_empty() {
-            let ids: Vec<i32> = decode.iter().map(|s| s.tokens[0] as i32).collect();
-            let tokens = Array::from_slice(&ids, &[ids.len() as i32, 1]);
+            // Rows with shorter drafts (or none) are filled on the right; the
+            // filler columns are never kept, so they end up as holes.
+            let t = decode.iter().map(|s| s.tokens.len()).max().unwrap_or(1);
+            let mut ids: Vec<i32> = Vec::with_capacity(decode.len() * t);
+            self.batch_kept = vec![t as i32; self.batch_rows.len()];
+            for s in &decode {
+                ids.extend(s.tokens.iter().map(|&x| x as i32));
+                ids.extend(std::iter::repeat_n(0, t - s.tokens.len()));
+                if let Some(&i) = pos.get(&s.row) {
+                    self.batch_kept[i] = s.tokens.len() as i32;
+                }
+            }
+            let tokens = Array::from_slice(&ids, &[decode.len() as i32, t as i32]);
             self.touched_batch = true;
             let logits = self.lanes.on(plan.decode_lane, || {
-                run(&self.model, &tokens, &mut self.batch, &mut self.layer_hook)
+                run(
+                    &self.model,
+                    &tokens,
+                    &mut self.batch,
+                    t == 1,
+                    &mut self.layer_hook,
+                )
             })?;
             for (i, s) in decode.iter().enumerate() {
                 if s.want_logits {
-                    outputs.insert(s.row, logits.try_index((i as i32, 0, ..))?);
+                    let n = 1 + s.draft as i32;
+                    outputs.insert(s.row, logits.try_index((i as i32, 0..n, ..))?);
                 }
             }
         }
@@ -385,6 +426,7 @@ impl BatchRunner {
             mlx_rs::transforms::eval(self.pending_arrays())?;
             return Ok(StepLogits {
                 rows,
+                counts: vec![],
                 vocab,
                 data: vec![],
             });
@@ -392,15 +434,22 @@ impl BatchRunner {
         let parts: Vec<Array> = rows
             .iter()
             .map(|r| {
-                outputs
+                let a = outputs
                     .remove(r)
-                    .ok_or_else(|| ModelError::Invalid("missing logits".into()))
+                    .ok_or_else(|| ModelError::Invalid("missing logits".into()))?;
+                Ok(a.reshape(&[-1, vocab as i32])?)
             })
             .collect::<Result<_>>()?;
-        let all = ops::stack(&parts, 0)?.as_dtype(Dtype::Float32)?;
+        let counts = parts.iter().map(|a| a.dim(0) as usize).collect();
+        let all = ops::concatenate(&parts, 0)?.as_dtype(Dtype::Float32)?;
         all.eval()?;
         let data = all.as_slice::<f32>().to_vec();
-        Ok(StepLogits { rows, vocab, data })
+        Ok(StepLogits {
+            rows,
+            counts,
+            vocab,
+            data,
+        })
     }
 
     /// Arrays a logits-free step must still evaluate (its cache writes).
@@ -531,9 +580,29 @@ impl BatchRunner {
         self.parked.retain(|p| p.rows.iter().any(Option::is_some));
     }
 
+    /// Keeps only the first `tokens` of the open step's tokens of `row`, a
+    /// row that decoded with a draft (the decoded token plus the accepted
+    /// part of the draft). Staged like the step itself.
+    pub fn keep(&mut self, row: RowId, tokens: usize) -> Result<()> {
+        let Some(Home::Batch(i)) = self.home(row) else {
+            return Err(ModelError::Invalid(format!(
+                "keep: row {row} did not decode"
+            )));
+        };
+        match self.batch_kept.get_mut(i) {
+            Some(k) if self.touched_batch && tokens >= 1 && tokens as i32 <= *k => {
+                *k = tokens as i32;
+                Ok(())
+            }
+            k => Err(ModelError::Invalid(format!(
+                "keep: {tokens} tokens of row {row}, which wrote {k:?} this step"
+            ))),
+        }
+    }
+
     pub fn commit(&mut self) -> Result<()> {
         if self.touched_batch {
-            self.batch.commit();
+            self.batch.commit_kept(&self.batch_kept)?;
         }
         for (rows, mut cache) in std::mem::take(&mut self.groups) {
             cache.commit();
@@ -695,11 +764,12 @@ fn run(
     model: &LlamaModel,
     tokens: &Array,
     cache: &mut KvCache,
+    last_only: bool,
     hook: &mut Option<Box<dyn FnMut(usize) -> Result<()>>>,
 ) -> Result<Array> {
     match hook {
-        Some(h) => model.forward_with_hook(tokens, cache, true, &mut |i| h(i)),
-        None => model.forward(tokens, cache, true),
+        Some(h) => model.forward_with_hook(tokens, cache, last_only, &mut |i| h(i)),
+        None => model.forward(tokens, cache, last_only),
     }
 }
 
@@ -714,6 +784,7 @@ mod tests {
                 tokens: vec![1; tokens],
                 start_pos: 0,
                 want_logits: true,
+                draft: 0,
             })
             .collect()
     }

@@ -75,6 +75,7 @@ fn drive(runner: &mut BatchRunner, rows: &[Row], mut fail: impl FnMut(usize) -> 
                         tokens: ids.clone(),
                         start_pos: 0,
                         want_logits: true,
+                        draft: 0,
                     }
                 } else {
                     RowStep {
@@ -82,6 +83,7 @@ fn drive(runner: &mut BatchRunner, rows: &[Row], mut fail: impl FnMut(usize) -> 
                         tokens: vec![*gen.last().unwrap()],
                         start_pos: ids.len() + gen.len() - 1,
                         want_logits: true,
+                        draft: 0,
                     }
                 }
             })
@@ -303,6 +305,7 @@ fn two_lanes_match_one_lane_at_the_default_threshold() {
                         tokens: p.clone(),
                         start_pos: 0,
                         want_logits: true,
+                        draft: 0,
                     });
                 }
             }
@@ -355,6 +358,7 @@ fn prefix_reuse_matches_a_cold_prefill() {
                 tokens,
                 start_pos: start,
                 want_logits: true,
+                draft: 0,
             }])
             .unwrap();
         runner.commit().unwrap();
@@ -419,6 +423,7 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
                 tokens: prompts[r].clone(),
                 start_pos: 0,
                 want_logits: true,
+                draft: 0,
             })
             .collect();
         for _ in 0..8 {
@@ -459,6 +464,7 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
             tokens: prompts[r].clone(),
             start_pos: 0,
             want_logits: true,
+            draft: 0,
         })
         .collect();
     let mut out: Vec<Vec<(u32, Vec<f32>)>> = vec![vec![]; prompts.len()];
@@ -489,4 +495,113 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
         check(r, &out[r]);
     }
     assert_eq!(out[2].len(), 7);
+}
+
+/// Speculative decoding in the runner: rows verify drafts of 0-3 tokens, some
+/// right, some wrong at a varying position, so rows keep different numbers of
+/// tokens per step (rejected columns become holes in the batch cache) while
+/// others join (merging into a cache with holes) and leave (filtering it).
+/// Every row's tokens and log-probs equal plain one-token decoding's.
+#[test]
+fn drafts_with_partial_acceptance_match_plain_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = fixture(dir.path(), false);
+    let rs = rows();
+    let want = drive(&mut BatchRunner::new(load(&md)), &rs, |_| false);
+
+    let mut runner = BatchRunner::new(load(&md));
+    let mut out: Trace = rs.iter().map(|_| (vec![], vec![])).collect();
+    let mut active: Vec<usize> = vec![];
+    let (mut step, mut drafted, mut accepted, mut partial) = (0, 0, 0, 0);
+    while out.iter().zip(&rs).any(|(o, r)| o.0.len() < r.max_tokens) {
+        for (i, r) in rs.iter().enumerate() {
+            if r.join_step == step && !active.contains(&i) && out[i].0.is_empty() {
+                active.push(i);
+            }
+        }
+        let steps: Vec<RowStep> = active
+            .iter()
+            .map(|&i| {
+                let (gen, ids) = (&out[i].0, &rs[i].ids);
+                if gen.is_empty() {
+                    return RowStep {
+                        row: i as u64,
+                        tokens: ids.clone(),
+                        start_pos: 0,
+                        want_logits: true,
+                        draft: 0,
+                    };
+                }
+                let g = gen.len();
+                let k = ((step + i) % 4).min(rs[i].max_tokens - g - 1);
+                let bad = (i * 3 + step) % 5;
+                let mut tokens = vec![gen[g - 1]];
+                for j in 0..k {
+                    let right = want[i].0[g + j];
+                    tokens.push(if j == bad { (right + 1) % 500 } else { right });
+                }
+                RowStep {
+                    row: i as u64,
+                    tokens,
+                    start_pos: ids.len() + g - 1,
+                    want_logits: true,
+                    draft: k,
+                }
+            })
+            .collect();
+        let logits = runner.forward(&steps).expect("step");
+        assert_eq!(logits.counts.len(), steps.len());
+        let mut at = 0;
+        for (s, &n) in steps.iter().zip(&logits.counts) {
+            assert_eq!(
+                logits.rows[steps.iter().position(|x| x.row == s.row).unwrap()],
+                s.row
+            );
+            assert_eq!(n, 1 + s.draft);
+            let i = s.row as usize;
+            let mut kept = 0;
+            for j in 0..n {
+                let lp = log_softmax(logits.row(at + j));
+                let t = argmax(&lp);
+                out[i].0.push(t);
+                out[i].1.push(lp);
+                kept += 1;
+                if j + 1 == n || s.tokens[j + 1] != t {
+                    break;
+                }
+            }
+            if s.draft > 0 {
+                runner.keep(s.row, kept).unwrap();
+                drafted += s.draft;
+                accepted += kept - 1;
+                partial += usize::from(kept - 1 < s.draft);
+            }
+            at += n;
+        }
+        runner.commit().unwrap();
+        active.retain(|&i| {
+            let done = out[i].0.len() >= rs[i].max_tokens;
+            if done {
+                runner.release(i as u64).unwrap();
+            }
+            !done
+        });
+        step += 1;
+    }
+    assert_eq!(runner.num_rows(), 0);
+    assert!(
+        accepted > 20 && partial > 10,
+        "{drafted} drafted, {accepted} accepted, {partial} partial"
+    );
+    for (i, ((gt, gl), (wt, wl))) in out.iter().zip(&want).enumerate() {
+        assert_eq!(gt, wt, "row {i} tokens");
+        for (k, (a, b)) in gl.iter().zip(wl).enumerate() {
+            let d = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            assert!(d < 1e-4, "row {i} token {k}: logprobs differ by {d}");
+        }
+    }
 }

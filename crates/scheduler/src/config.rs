@@ -58,6 +58,11 @@ pub struct SchedulerConfig {
     /// step, so this bounds their inter-token latency while prompts arrive; a
     /// step with no decoding rows still prefills up to `max_step_tokens`.
     pub decode_prefill_tokens: Option<usize>,
+    /// Speculative decoding: the most draft tokens (from prompt lookup, see
+    /// `draft.rs`) a decoding row verifies per step. Only greedy requests without
+    /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
+    /// 0 turns it off; only models that take drafts use it.
+    pub speculate: usize,
     /// Requests waiting across all tenants.
     pub max_waiting: usize,
     /// Limits of tenants named here; their names are also the only `tenant` label values
@@ -101,6 +106,7 @@ impl Default for SchedulerConfig {
             max_step_tokens: 2048,
             prefill_chunk: 512,
             decode_prefill_tokens: None,
+            speculate: 0,
             max_waiting: 4096,
             tenants: HashMap::new(),
             default_tenant: TenantLimits::default(),

@@ -21,6 +21,9 @@ pub enum FakeLogits {
     Hash,
     /// One-hot at a hashed id; the cheapest forward, for scheduler-overhead benchmarks.
     Trivial,
+    /// Every logit is a hash of (last token, vocab id): greedy output is a walk on a
+    /// fixed graph that soon loops, the kind of text prompt-lookup drafts predict.
+    LastToken,
 }
 
 #[derive(Debug, Clone)]
@@ -66,6 +69,7 @@ pub struct FakeFaults {
 struct RowState {
     len: usize,
     hash: u64,
+    last: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -87,6 +91,8 @@ pub struct FakeModel {
     rows: HashMap<RowId, RowState>,
     /// Some between forward and commit/rollback; may be partial after a failed forward.
     staged: Option<HashMap<RowId, RowState>>,
+    /// States after each token of the rows with a draft in the staged step (for `keep`).
+    staged_drafts: HashMap<RowId, Vec<RowState>>,
     stats: FakeStats,
     violations: Vec<String>,
     /// Offered sequences by tenant, newest last (the fake's prefix cache).
@@ -111,6 +117,7 @@ impl FakeModel {
             rng,
             rows: HashMap::new(),
             staged: None,
+            staged_drafts: HashMap::new(),
             stats: FakeStats::default(),
             violations: Vec::new(),
             prefixes: Vec::new(),
@@ -142,7 +149,12 @@ impl FakeModel {
             .enumerate()
             .fold(HISTORY_SEED, |h, (p, &t)| step_hash(h, t, p));
         let mut out = vec![0.0; self.cfg.vocab_size];
-        self.fill(h, &mut out);
+        let state = RowState {
+            len: history.len(),
+            hash: h,
+            last: history.last().copied().unwrap_or(0),
+        };
+        self.fill(state, &mut out);
         out
     }
 
@@ -158,9 +170,17 @@ impl FakeModel {
         }
     }
 
-    fn fill(&self, h: u64, out: &mut [f32]) {
+    fn fill(&self, state: RowState, out: &mut [f32]) {
         let v = out.len() as u64;
+        let h = state.hash;
         match self.cfg.logits {
+            FakeLogits::LastToken => {
+                let h = mix64(u64::from(state.last) ^ HISTORY_SEED);
+                for (i, o) in out.iter_mut().enumerate() {
+                    let x = mix64(h ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                    *o = (x >> 40) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0;
+                }
+            }
             FakeLogits::Hash => {
                 for (i, o) in out.iter_mut().enumerate() {
                     let x = mix64(h ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
@@ -197,10 +217,12 @@ impl Model for FakeModel {
             return Err(self.violation("forward called while a step is staged".into()));
         }
         let mut staged: HashMap<RowId, RowState> = HashMap::with_capacity(batch.len());
+        self.staged_drafts.clear();
         for r in batch {
             let committed = self.rows.get(&r.row).copied().unwrap_or(RowState {
                 len: 0,
                 hash: HISTORY_SEED,
+                last: 0,
             });
             if staged.contains_key(&r.row) {
                 return Err(self.violation(format!("row {} appears twice in one batch", r.row)));
@@ -224,12 +246,29 @@ impl Model for FakeModel {
             {
                 return Err(self.violation(format!("row {}: token {t} outside vocabulary", r.row)));
             }
+            if r.draft > 0 && (r.draft + 1 != r.tokens.len() || r.start_pos == 0) {
+                return Err(self.violation(format!(
+                    "row {}: draft of {} with {} tokens at {}",
+                    r.row,
+                    r.draft,
+                    r.tokens.len(),
+                    r.start_pos
+                )));
+            }
             let mut s = committed;
+            let mut steps = Vec::new();
             for &t in &r.tokens {
                 s.hash = step_hash(s.hash, t, s.len);
                 s.len += 1;
+                s.last = t;
+                if r.draft > 0 {
+                    steps.push(s);
+                }
             }
             staged.insert(r.row, s);
+            if r.draft > 0 {
+                self.staged_drafts.insert(r.row, steps);
+            }
         }
         let fail_here = self.faults.forward_fail_calls.contains(&call) || self.random_fault();
         let poisoned = self.faults.poison_token.is_some_and(|p| {
@@ -251,11 +290,19 @@ impl Model for FakeModel {
         }
         let wanted: Vec<&RowInput> = batch.iter().filter(|r| r.want_logits).collect();
         let vocab = self.cfg.vocab_size;
-        let mut data = vec![0.0f32; wanted.len() * vocab];
+        let positions: usize = wanted.iter().map(|r| 1 + r.draft).sum();
+        let mut data = vec![0.0f32; positions * vocab];
         let mut rows = Vec::with_capacity(wanted.len());
-        for (i, r) in wanted.iter().enumerate() {
-            let h = staged.get(&r.row).map(|s| s.hash).unwrap_or(HISTORY_SEED);
-            self.fill(h, &mut data[i * vocab..(i + 1) * vocab]);
+        let mut at = 0;
+        for r in &wanted {
+            let states = match self.staged_drafts.get(&r.row) {
+                Some(steps) => steps.clone(),
+                None => staged.get(&r.row).copied().into_iter().collect(),
+            };
+            for st in states {
+                self.fill(st, &mut data[at * vocab..(at + 1) * vocab]);
+                at += 1;
+            }
             rows.push(r.row);
         }
         self.stats.tokens += batch.iter().map(|r| r.tokens.len() as u64).sum::<u64>();
@@ -276,13 +323,36 @@ impl Model for FakeModel {
         if let Some(staged) = self.staged.take() {
             self.rows.extend(staged);
         }
+        self.staged_drafts.clear();
         self.stats.commits += 1;
         Ok(())
+    }
+
+    fn supports_drafts(&self) -> bool {
+        true
+    }
+
+    fn keep(&mut self, row: RowId, tokens: usize) -> Result<(), ModelError> {
+        let state = self
+            .staged_drafts
+            .get(&row)
+            .and_then(|steps| tokens.checked_sub(1).and_then(|i| steps.get(i)))
+            .copied();
+        match (state, self.staged.as_mut()) {
+            (Some(st), Some(staged)) => {
+                staged.insert(row, st);
+                Ok(())
+            }
+            _ => Err(self.violation(format!(
+                "keep({row}, {tokens}) without a staged draft that long"
+            ))),
+        }
     }
 
     fn rollback(&mut self) {
         self.stats.rollbacks += 1;
         self.staged = None;
+        self.staged_drafts.clear();
     }
 
     fn prefix_len(&self, tenant: &str, tokens: &[u32]) -> usize {
@@ -311,7 +381,8 @@ impl Model for FakeModel {
             .iter()
             .enumerate()
             .fold(HISTORY_SEED, |h, (p, &t)| step_hash(h, t, p));
-        self.rows.insert(row, RowState { len: n, hash });
+        let last = tokens[n - 1];
+        self.rows.insert(row, RowState { len: n, hash, last });
         n
     }
 
@@ -380,6 +451,7 @@ mod tests {
             tokens,
             start_pos,
             want_logits: true,
+            draft: 0,
         }
     }
 

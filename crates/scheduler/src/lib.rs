@@ -63,6 +63,7 @@ mod admission;
 mod chan;
 pub mod config;
 mod detok;
+pub mod draft;
 pub mod engine;
 pub mod fake;
 pub mod fault;

@@ -27,6 +27,8 @@ pub const GENERATION_TOKENS: &str = "weft_generation_tokens_total";
 pub const PREFIX_QUERIES: &str = "weft_prefix_cache_queries_total";
 pub const PREFIX_HITS: &str = "weft_prefix_cache_hits_total";
 pub const REQUESTS_FINISHED: &str = "weft_requests_finished_total";
+pub const SPEC_DRAFT_TOKENS: &str = "weft_spec_draft_tokens_total";
+pub const SPEC_ACCEPTED_TOKENS: &str = "weft_spec_accepted_tokens_total";
 
 /// Suggested histogram buckets for the exporter; they include common SLO thresholds
 /// (a 2 s TTFT bucket among them).
@@ -74,6 +76,14 @@ pub fn describe() {
     );
     describe_counter!(PREFIX_HITS, "Prompt tokens served from the prefix cache");
     describe_counter!(REQUESTS_FINISHED, "Finished requests by reason");
+    describe_counter!(
+        SPEC_DRAFT_TOKENS,
+        "Speculative draft tokens verified (committed steps)"
+    );
+    describe_counter!(
+        SPEC_ACCEPTED_TOKENS,
+        "Speculative draft tokens accepted (each one a token without a step of its own)"
+    );
 }
 
 pub(crate) struct EngineMetrics {
@@ -90,6 +100,8 @@ pub(crate) struct EngineMetrics {
     pub e2e: Histogram,
     pub prefix_queries: Counter,
     pub prefix_hits: Counter,
+    pub spec_drafted: Counter,
+    pub spec_accepted: Counter,
 }
 
 impl EngineMetrics {
@@ -109,6 +121,8 @@ impl EngineMetrics {
             e2e: histogram!(E2E),
             prefix_queries: counter!(PREFIX_QUERIES),
             prefix_hits: counter!(PREFIX_HITS),
+            spec_drafted: counter!(SPEC_DRAFT_TOKENS),
+            spec_accepted: counter!(SPEC_ACCEPTED_TOKENS),
         }
     }
 }

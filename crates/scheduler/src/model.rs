@@ -12,13 +12,18 @@ pub type RowId = u64;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowInput {
     pub row: RowId,
-    /// A prefill chunk, or the single token to decode.
+    /// A prefill chunk, or the token to decode followed by a draft.
     pub tokens: Vec<u32>,
     /// Position of `tokens[0]`; always equal to the row's committed length.
     pub start_pos: usize,
     /// Whether the logits of the last position are needed (the last prefill chunk, or a
     /// decode token).
     pub want_logits: bool,
+    /// Trailing `tokens` that are a speculative draft (0: none; only with
+    /// [`Model::supports_drafts`]). The row decodes `tokens[0]`, verifies the draft in the
+    /// same forward, gets logits for all `1 + draft` positions, and [`Model::keep`] says
+    /// how many of its tokens the commit keeps.
+    pub draft: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,7 +36,8 @@ pub struct ModelInfo {
 /// Host logits of one forward call.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Logits {
-    /// Row-major `[rows.len(), vocab]`.
+    /// Row-major `[positions, vocab]`: one position per row in `rows`, `1 + draft` for a
+    /// row with a draft.
     pub data: Vec<f32>,
     /// The rows that asked for logits, in input order.
     pub rows: Vec<RowId>,
@@ -70,6 +76,17 @@ pub trait Model {
     /// row id appears first with `start_pos` 0.
     fn forward(&mut self, batch: &[RowInput]) -> Result<Logits, ModelError>;
     fn commit(&mut self) -> Result<(), ModelError>;
+    /// Whether `forward` takes rows with a draft (speculative decoding).
+    fn supports_drafts(&self) -> bool {
+        false
+    }
+    /// Staged, between `forward` and `commit`: of the tokens a row with a draft fed this
+    /// step, keep only the first `tokens` (the decoded token plus the accepted draft).
+    fn keep(&mut self, row: RowId, tokens: usize) -> Result<(), ModelError> {
+        Err(ModelError::Contract(format!(
+            "keep({row}, {tokens}): this model takes no drafts"
+        )))
+    }
     fn rollback(&mut self);
     /// Forget a row's state (finished, cancelled, preempted). Not staged.
     fn release_row(&mut self, row: RowId);

@@ -16,6 +16,7 @@ use crate::admission::Admission;
 use crate::chan;
 use crate::config::SchedulerConfig;
 use crate::detok::{TextState, TextUpdate};
+use crate::draft::{self, Seq};
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::kv::{BlockBudget, KvBudget};
 use crate::metrics::{EngineMetrics, TenantMetrics};
@@ -60,6 +61,9 @@ pub struct Stats {
     /// With `verify_rollback`: rolled-back attempts whose state differed from the
     /// pre-step state. Must stay 0.
     pub rollback_mismatches: u64,
+    /// Speculative draft tokens verified in committed steps, and those accepted.
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 /// What one call to [`Scheduler::step`] did.
@@ -105,6 +109,8 @@ struct Req {
     preemptions: u32,
     /// Prompt tokens served from the model's prefix cache at first admission.
     cached: usize,
+    /// The draft planned for this step (scratch, rebuilt by every plan).
+    draft: Vec<u32>,
 }
 
 impl Req {
@@ -147,6 +153,31 @@ impl Req {
 
     fn queue_slot(&self) -> (Reverse<i32>, u64) {
         (Reverse(self.r.priority), self.seq)
+    }
+
+    /// Whether drafts can speed this request up without changing its tokens: greedy
+    /// picks are checked position by position, and none of penalties (which would need
+    /// the draft in their counts) or stop strings (matched on staged text) is involved.
+    fn speculates(&self) -> bool {
+        let s = &self.r.sampling;
+        s.is_greedy() && !s.has_penalties() && self.r.stop_strings.is_empty()
+    }
+
+    /// Whether generated token `t` ends the request (`last`: it is the max_tokens-th);
+    /// for tokens whose text the engine does not stage.
+    fn token_finish(
+        &self,
+        t: u32,
+        last: bool,
+        eos: &[u32],
+    ) -> Option<(FinishReason, Option<StopMatch>)> {
+        if !self.r.ignore_eos && eos.contains(&t) {
+            Some((FinishReason::Eos, None))
+        } else if self.r.stop_token_ids.contains(&t) {
+            Some((FinishReason::Stop, Some(StopMatch::TokenId(t))))
+        } else {
+            last.then_some((FinishReason::Length, None))
+        }
     }
 }
 
@@ -247,6 +278,8 @@ struct Planned {
     start: usize,
     n: usize,
     want_logits: bool,
+    /// Draft tokens after the decoded one (`n == 1 + draft` when > 0).
+    draft: usize,
 }
 
 struct Plan {
@@ -258,6 +291,8 @@ struct Plan {
 struct RowCommit {
     /// The sampled token and, for requests the engine detokenizes, their text update.
     sampled: Option<(Sampled, Option<Box<TextUpdate>>)>,
+    /// Tokens after `sampled` from an accepted draft (empty without one).
+    more: Vec<Sampled>,
     finish: Option<(FinishReason, Option<StopMatch>)>,
 }
 
@@ -473,6 +508,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 last_token_at: None,
                 charged: false,
                 preemptions: 0,
+                draft: Vec::new(),
             },
         );
         self.push_waiting(key);
@@ -668,6 +704,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                         start,
                         n: 1,
                         want_logits: true,
+                        draft: 0,
                     });
                 } else if rem > 1 {
                     prefills.push(x);
@@ -679,8 +716,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 // only prefill rows compete (for the token budget), in keep order. This
                 // skips sorting the whole batch in the common case.
                 free -= decode_need;
+                let drafted = self.add_drafts(&mut rows, &mut free);
                 prefills.sort_by_cached_key(|x| self.keep_key(x.slot));
-                let mut budget = self.prefill_budget(decodes);
+                let mut budget = self.prefill_budget(decodes + drafted);
                 self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
                 if rows.is_empty() && !prefills.is_empty() {
                     // Every running row is stalled on memory: free the least-kept one so
@@ -738,6 +776,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                     start,
                     n: 1,
                     want_logits: true,
+                    draft: 0,
                 });
                 i += 1;
             }
@@ -765,6 +804,47 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         self.bufs.order = order;
         self.bufs.prefills = prefills;
         Plan { rows, probation }
+    }
+
+    /// Gives the decoding rows in `rows` whose requests speculate a prompt-lookup draft,
+    /// as far as `free` blocks allow; returns the draft tokens added.
+    fn add_drafts(&mut self, rows: &mut [Planned], free: &mut usize) -> usize {
+        let k = self.cfg.speculate;
+        if k == 0 || !self.model.supports_drafts() {
+            return 0;
+        }
+        let mut added = 0;
+        for p in rows.iter_mut() {
+            let Some(r) = self.reqs.at_mut(p.slot) else {
+                continue;
+            };
+            r.draft.clear();
+            if !r.speculates() {
+                continue;
+            }
+            // This step emits 1 + accepted tokens; never more than max_tokens allows.
+            let max = k.min(r.r.max_tokens.saturating_sub(r.generated.len() + 1));
+            let seq = Seq {
+                head: &r.r.prompt,
+                tail: &r.generated,
+            };
+            draft::propose(seq, max, &mut r.draft);
+            if r.draft.is_empty() {
+                continue;
+            }
+            let n = 1 + r.draft.len();
+            let extra = self.kv.blocks_needed(p.row, p.start + n)
+                - self.kv.blocks_needed(p.row, p.start + 1);
+            if extra > *free {
+                r.draft.clear();
+                continue;
+            }
+            *free -= extra;
+            p.draft = n - 1;
+            p.n = n;
+            added += n - 1;
+        }
+        added
     }
 
     /// Prefill tokens a step with `decodes` decoding rows may add.
@@ -810,6 +890,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 start,
                 n,
                 want_logits: n == rem,
+                draft: 0,
             });
         }
     }
@@ -878,6 +959,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 start: cached,
                 n,
                 want_logits: cached + n == total,
+                draft: 0,
             });
         }
     }
@@ -1036,15 +1118,18 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 tokens: Vec::new(),
                 start_pos: 0,
                 want_logits: false,
+                draft: 0,
             });
         }
         for (p, input) in rows.iter().zip(inputs.iter_mut()) {
             input.row = p.row;
             input.start_pos = p.start;
             input.want_logits = p.want_logits;
+            input.draft = p.draft;
             input.tokens.clear();
             if let Some(r) = self.reqs.at(p.slot) {
-                r.extend_tokens(p.start, p.n, &mut input.tokens);
+                r.extend_tokens(p.start, p.n - p.draft, &mut input.tokens);
+                input.tokens.extend_from_slice(&r.draft[..p.draft]);
             }
         }
         let logits = self
@@ -1054,9 +1139,14 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         let wanted = &mut self.bufs.wanted;
         wanted.clear();
         wanted.extend(rows.iter().filter(|p| p.want_logits).map(|p| p.row));
+        let positions: usize = rows
+            .iter()
+            .filter(|p| p.want_logits)
+            .map(|p| 1 + p.draft)
+            .sum();
         if logits.vocab != self.info.vocab_size
             || logits.rows != *wanted
-            || logits.data.len() != wanted.len() * logits.vocab
+            || logits.data.len() != positions * logits.vocab
         {
             return Err(format!(
                 "model returned logits for rows {:?} (vocab {}, {} values), expected rows {:?} (vocab {})",
@@ -1085,6 +1175,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 }
                 commits.push(RowCommit {
                     sampled: None,
+                    more: Vec::new(),
                     finish: None,
                 });
                 continue;
@@ -1096,7 +1187,6 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 return Err(format!("request {} vanished during the step", p.key.0));
             };
             let lg = logits.row(li).ok_or("logits shorter than the batch")?;
-            li += 1;
             let ctx = SampleCtx {
                 params: &r.r.sampling,
                 penalties: r.penalties.as_ref(),
@@ -1144,9 +1234,37 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             };
             // A stop token or EOS also ends a request at max_tokens; Length only if nothing
             // else matched.
-            let finish = finish.or_else(|| last.then_some((FinishReason::Length, None)));
+            let mut finish = finish.or_else(|| last.then_some((FinishReason::Length, None)));
+            // Verify the draft: each accepted token is the model's own pick at its
+            // position, so the next position's logits saw exactly plain decoding's input.
+            let mut more = Vec::new();
+            let mut prev = t;
+            while finish.is_none() && more.len() < p.draft && r.draft[more.len()] == prev {
+                let j = more.len() + 1;
+                let lg = logits.row(li + j).ok_or("logits shorter than the batch")?;
+                let ctx = SampleCtx {
+                    params: &r.r.sampling,
+                    penalties: None,
+                    seed: r.seed,
+                    index: (r.generated.len() + j) as u64,
+                    logprobs: r.r.logprobs,
+                };
+                let s = sample(lg, &ctx, &mut self.scratch)
+                    .map_err(|e| format!("sampling request {}: {e}", p.key.0))?;
+                let last = r.generated.len() + j + 1 >= r.r.max_tokens;
+                prev = s.token;
+                finish = r.token_finish(s.token, last, &self.info.eos_token_ids);
+                more.push(s);
+            }
+            if p.draft > 0 {
+                self.model
+                    .keep(p.row, 1 + more.len())
+                    .map_err(|e| e.to_string())?;
+            }
+            li += 1 + p.draft;
             commits.push(RowCommit {
                 sampled: Some((s, update.map(Box::new))),
+                more,
                 finish,
             });
         }
@@ -1181,29 +1299,37 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         // Rows that last sampled in the same step share their inter-token latency (in
         // steady decoding, all of them): one histogram update per run of equal values.
         let mut itl: Option<(Instant, usize)> = None;
+        // Tokens after the first of a row's step arrive with it: zero inter-token latency.
+        let mut same_step = 0;
         for (p, c) in rows.iter().zip(commits.drain(..)) {
-            rep.tokens += p.n;
+            // A row with a draft keeps its decoded token and the accepted draft tokens.
+            let kept = if p.draft > 0 { 1 + c.more.len() } else { p.n };
+            rep.tokens += kept;
             let Some(r) = self.reqs.at_mut(p.slot) else {
                 continue;
             };
-            r.computed += p.n;
+            r.computed += kept;
             let Some((s, update)) = c.sampled else {
                 continue;
             };
-            rep.sampled += 1;
-            r.generated.push(s.token);
-            if let Some(pen) = &mut r.penalties {
-                pen.push(s.token);
+            if p.draft > 0 {
+                self.stats.draft_tokens += p.draft as u64;
+                self.stats.accepted_tokens += c.more.len() as u64;
+                self.metrics.spec_drafted.increment(p.draft as u64);
+                self.metrics.spec_accepted.increment(c.more.len() as u64);
             }
-            let text = update.map(|u| {
+            let n = 1 + c.more.len();
+            rep.sampled += n;
+            same_step += n - 1;
+            let mut text = update.map(|u| {
                 let mut u = *u;
                 let emit = std::mem::take(&mut u.emit);
                 r.text.apply(u);
                 emit
             });
             let tenant = &mut self.tenants[r.tenant];
-            tenant.counter += w_out / tenant.weight;
-            per_label[tenant.label] += 1;
+            tenant.counter += n as f64 * w_out / tenant.weight;
+            per_label[tenant.label] += n as u64;
             match r.last_token_at {
                 None => {
                     r.first_token_at = Some(now);
@@ -1223,19 +1349,26 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 },
             }
             r.last_token_at = Some(now);
-            let textual = !matches!(
+            let textual_end = !matches!(
                 c.finish,
                 Some((FinishReason::Eos, _))
                     | Some((FinishReason::Stop, Some(StopMatch::TokenId(_))))
             );
-            // A closed receiver is noticed by the next reap; nothing to do here.
-            let _ = r.tx.send(Msg::Token {
-                id: s.token,
-                text,
-                textual,
-                last: c.finish.is_some(),
-                logprob: s.logprob.map(Box::new),
-            });
+            for (i, s) in std::iter::once(s).chain(c.more).enumerate() {
+                let end = i + 1 == n;
+                r.generated.push(s.token);
+                if let Some(pen) = &mut r.penalties {
+                    pen.push(s.token);
+                }
+                // A closed receiver is noticed by the next reap; nothing to do here.
+                let _ = r.tx.send(Msg::Token {
+                    id: s.token,
+                    text: text.take(),
+                    textual: !end || textual_end,
+                    last: end && c.finish.is_some(),
+                    logprob: s.logprob.map(Box::new),
+                });
+            }
             if let Some((reason, stop)) = c.finish {
                 done.push((p.key, reason, stop));
             }
@@ -1244,6 +1377,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             self.metrics
                 .itl
                 .record_many(now.saturating_duration_since(at).as_secs_f64(), n);
+        }
+        if same_step > 0 {
+            self.metrics.itl.record_many(0.0, same_step);
         }
         for ((_, m), &n) in self.labels.iter().zip(&per_label) {
             if n > 0 {

@@ -140,3 +140,37 @@ fn poisoned_requests_fail_alone_and_others_continue() {
         }
     }
 }
+
+/// Faults while rows verify drafts (a failed `keep`, a fault after sampling part of a
+/// draft) roll back like any other step: streams equal the fault-free run without drafts.
+#[test]
+fn faults_with_speculation_leave_streams_unchanged() {
+    let specs = workload(8, 300);
+    let fake = weft_scheduler::fake::FakeConfig {
+        logits: weft_scheduler::fake::FakeLogits::LastToken,
+        ..fake_config()
+    };
+    let clean = run(
+        sched_config(),
+        fake.clone(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    assert_clean(&clean);
+    let mut cfg = sched_config();
+    cfg.speculate = 2;
+    cfg.faults = FaultPlan::random(17, 0.05);
+    cfg.max_step_retries = 60;
+    let faults = FakeFaults {
+        random: Some((3, 0.03)),
+        fail_after_layer: 1,
+        ..Default::default()
+    };
+    let faulty = run(cfg, fake, faults, &specs, |_, _, _| {});
+    assert_clean(&faulty);
+    let st = faulty.sched.stats();
+    assert!(st.rollbacks > 30, "rollbacks {}", st.rollbacks);
+    assert!(st.accepted_tokens > 100, "{st:?}");
+    assert_same_streams(&clean, &faulty);
+}

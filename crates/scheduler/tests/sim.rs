@@ -686,3 +686,87 @@ fn decode_prefill_tokens_bound_prefill_beside_decoding_rows() {
         }
     }
 }
+
+/// Speculative decoding changes how many steps a stream takes, never its tokens: the same
+/// mixed workload (greedy and sampled, stop strings, logprobs, KV pressure, preemption)
+/// streams identically with and without drafts, on a model whose greedy output loops
+/// (drafts mostly accepted) and on one whose output never repeats (drafts mostly
+/// rejected).
+#[test]
+fn speculation_keeps_every_stream_and_saves_steps_on_repetitive_output() {
+    use weft_scheduler::fake::FakeLogits;
+    let specs = undisturbed(&mixed_workload(3, 400, 100));
+    for logits in [FakeLogits::LastToken, FakeLogits::Hash] {
+        let fake = weft_scheduler::fake::FakeConfig {
+            logits,
+            ..fake_config()
+        };
+        let plain = run(
+            sched_config(),
+            fake.clone(),
+            FakeFaults::default(),
+            &specs,
+            |_, _, _| {},
+        );
+        assert_clean(&plain);
+        let mut cfg = sched_config();
+        cfg.speculate = 3;
+        let spec = run(cfg, fake, FakeFaults::default(), &specs, |_, _, _| {});
+        assert_clean(&spec);
+        let st = spec.sched.stats();
+        assert!(st.preemptions > 0, "workload should preempt");
+        assert_eq!(plain.sched.stats().draft_tokens, 0);
+        for (i, (a, b)) in plain.outcomes.iter().zip(&spec.outcomes).enumerate() {
+            assert_eq!(a.tokens, b.tokens, "{logits:?}: request {i} tokens");
+            assert_eq!(a.text, b.text, "{logits:?}: request {i} text");
+            assert_eq!(a.logprobs, b.logprobs, "{logits:?}: request {i} logprobs");
+            let (fa, fb) = (a.finished.as_ref().unwrap(), b.finished.as_ref().unwrap());
+            assert_eq!((fa.reason, &fa.stop), (fb.reason, &fb.stop), "request {i}");
+            assert_eq!(fa.usage.generated_tokens, fb.usage.generated_tokens);
+        }
+        let rate = st.accepted_tokens as f64 / st.draft_tokens.max(1) as f64;
+        eprintln!(
+            "{logits:?}: {} drafted, {} accepted ({rate:.2}), steps {} -> {}",
+            st.draft_tokens, st.accepted_tokens, plain.steps, spec.steps
+        );
+        assert!(st.draft_tokens > 1000, "{logits:?}: {st:?}");
+        if logits == FakeLogits::LastToken {
+            assert!(rate > 0.5, "looping output should accept most drafts");
+        }
+    }
+    // Steps saved: a burst of greedy requests on looping output.
+    let mut g = rng(5);
+    let burst: Vec<Spec> = (0..40)
+        .map(|i| {
+            let mut req = Request::new("a", prompt(&mut g, 20), 48);
+            req.ignore_eos = true;
+            req.request_id = Some(format!("b{i}"));
+            Spec::at(0, req)
+        })
+        .collect();
+    let fake = weft_scheduler::fake::FakeConfig {
+        logits: FakeLogits::LastToken,
+        ..fake_config()
+    };
+    let mut cfg = sched_config();
+    cfg.kv_total_blocks = 10_000;
+    let plain = run(
+        cfg.clone(),
+        fake.clone(),
+        FakeFaults::default(),
+        &burst,
+        |_, _, _| {},
+    );
+    cfg.speculate = 3;
+    let spec = run(cfg, fake, FakeFaults::default(), &burst, |_, _, _| {});
+    assert_clean(&spec);
+    for (a, b) in plain.outcomes.iter().zip(&spec.outcomes) {
+        assert_eq!(a.tokens, b.tokens);
+    }
+    assert!(
+        spec.steps * 2 < plain.steps,
+        "steps {} with drafts vs {} without",
+        spec.steps,
+        plain.steps
+    );
+}

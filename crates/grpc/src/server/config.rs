@@ -22,6 +22,8 @@ pub const DEFAULT_COALESCE: Duration = Duration::from_millis(10);
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// `--decode-prefill-tokens` on the CPU (see there).
 pub const DEFAULT_CPU_DECODE_PREFILL_TOKENS: usize = 512;
+/// `--speculate` (see there and benches/RESULTS.md for what it buys).
+pub const DEFAULT_SPECULATE: usize = 2;
 
 /// Serve the weft.v1 gRPC API, health, reflection and Prometheus metrics
 ///
@@ -93,6 +95,12 @@ pub struct ServeArgs {
     /// the CPU, no bound on a GPU; --max-step-tokens' value turns it off].
     #[arg(long, env = "WEFT_DECODE_PREFILL_TOKENS")]
     pub decode_prefill_tokens: Option<usize>,
+    /// Speculative decoding by prompt lookup: the most draft tokens a greedy
+    /// request verifies per step (drafts are what followed the latest earlier
+    /// occurrence of its last tokens; output is unchanged). 0 turns it off
+    /// [default: 2].
+    #[arg(long, env = "WEFT_SPECULATE", value_name = "TOKENS")]
+    pub speculate: Option<usize>,
     /// KV cache size in blocks [default: from --kv-memory, else 4096].
     #[arg(long, env = "WEFT_KV_BLOCKS", conflicts_with = "kv_memory")]
     pub kv_blocks: Option<usize>,
@@ -131,6 +139,7 @@ struct FileConfig {
     max_waiting: Option<usize>,
     prefill_chunk: Option<usize>,
     decode_prefill_tokens: Option<usize>,
+    speculate: Option<usize>,
     kv_blocks: Option<usize>,
     kv_block_size: Option<usize>,
     kv_memory: Option<String>,
@@ -160,6 +169,7 @@ pub struct Settings {
     pub max_waiting: usize,
     pub prefill_chunk: usize,
     pub decode_prefill_tokens: Option<usize>,
+    pub speculate: usize,
     pub kv_size: KvSize,
     pub kv_block_size: usize,
     pub default_max_tokens: usize,
@@ -252,6 +262,10 @@ impl Settings {
             max_waiting: args.max_waiting.or(file.max_waiting).unwrap_or(1024),
             prefill_chunk: args.prefill_chunk.or(file.prefill_chunk).unwrap_or(512),
             decode_prefill_tokens,
+            speculate: args
+                .speculate
+                .or(file.speculate)
+                .unwrap_or(DEFAULT_SPECULATE),
             kv_size,
             kv_block_size: args.kv_block_size.or(file.kv_block_size).unwrap_or(16),
             default_max_tokens: args
@@ -334,6 +348,7 @@ impl Settings {
             max_step_tokens: self.max_step_tokens,
             prefill_chunk: self.prefill_chunk,
             decode_prefill_tokens: self.decode_prefill_tokens,
+            speculate: self.speculate,
             max_waiting: self.max_waiting,
             kv_block_size: self.kv_block_size,
             kv_total_blocks: kv_blocks,
