@@ -40,6 +40,9 @@ pub struct EngineBenchArgs {
     /// off by default, so the engine alone is compared with the peer.
     #[arg(long, default_value_t = 0)]
     pub speculate: usize,
+    /// As `weft serve --speculate-step-tokens`.
+    #[arg(long, default_value_t = 8)]
+    pub speculate_step_tokens: usize,
     /// Runs of the whole workload in one process; the last is reported
     /// (a GPU backend compiles and loads kernels per shape on first use).
     #[arg(long, default_value_t = 1)]
@@ -78,6 +81,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         prefill_chunk: args.prefill_chunk,
         decode_prefill_tokens: args.decode_prefill_tokens,
         speculate: args.speculate,
+        speculate_step_tokens: args.speculate_step_tokens,
         kv_total_blocks: (args.streams * (args.prompt_tokens + args.gen_tokens)).div_ceil(16) + 64,
         ..SchedulerConfig::default()
     };

@@ -418,7 +418,11 @@ mod tests {
         step(&mut grown, 1);
         grown.commit();
         assert_eq!(grown.lengths(), vec![6]);
-        assert_eq!(grown.truncated(6).cursor, 8, "the holes at 5, 6 stay inside");
+        assert_eq!(
+            grown.truncated(6).cursor,
+            8,
+            "the holes at 5, 6 stay inside"
+        );
         assert_eq!(grown.truncated(6).lengths(), vec![6]);
 
         // Merging shifts the holes with the row they belong to.

@@ -63,6 +63,11 @@ pub struct SchedulerConfig {
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
     /// 0 turns it off; only models that take drafts use it.
     pub speculate: usize,
+    /// Drafts are added only while a step's decoding rows feed fewer tokens than this
+    /// (each row 1, plus its draft): verifying costs a forward over every draft token,
+    /// which is cheap while a step is small and dominated by reading the weights, and
+    /// not once the batch alone makes it compute-bound.
+    pub speculate_step_tokens: usize,
     /// Requests waiting across all tenants.
     pub max_waiting: usize,
     /// Limits of tenants named here; their names are also the only `tenant` label values
@@ -107,6 +112,7 @@ impl Default for SchedulerConfig {
             prefill_chunk: 512,
             decode_prefill_tokens: None,
             speculate: 0,
+            speculate_step_tokens: 8,
             max_waiting: 4096,
             tenants: HashMap::new(),
             default_tenant: TenantLimits::default(),

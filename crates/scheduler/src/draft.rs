@@ -9,6 +9,12 @@
 
 /// Longest suffix matched, tried first (longer matches predict better).
 pub const MAX_NGRAM: usize = 3;
+/// Shortest suffix matched. Single-token matches are mostly common tokens in
+/// ordinary text: measured on the default model's greedy output, 1-token
+/// matches drafted 34 tokens of one non-repeating stream with 6 accepted, 2-token
+/// matches 6 with 4 accepted, and looping streams lost almost nothing (1146 -> 1116
+/// accepted of 32 streams' drafts).
+pub const MIN_NGRAM: usize = 2;
 /// How far back a match is searched, bounding the per-row cost on long sequences.
 const WINDOW: usize = 4096;
 
@@ -33,15 +39,15 @@ impl Seq<'_> {
 }
 
 /// Appends to `out` up to `max` tokens that followed the most recent earlier
-/// occurrence of the longest (up to [`MAX_NGRAM`]) suffix of `seq` that occurred
-/// before; appends nothing when no suffix recurs.
+/// occurrence of the longest suffix of `seq` (of [`MIN_NGRAM`]..=[`MAX_NGRAM`]
+/// tokens) that occurred before; appends nothing when no such suffix recurs.
 pub fn propose(seq: Seq<'_>, max: usize, out: &mut Vec<u32>) {
     let len = seq.len();
-    if max == 0 || len < 2 {
+    if max == 0 || len <= MIN_NGRAM {
         return;
     }
     let lowest = len.saturating_sub(WINDOW);
-    for n in (1..=MAX_NGRAM.min(len - 1)).rev() {
+    for n in (MIN_NGRAM..=MAX_NGRAM.min(len - 1)).rev() {
         // The match may not be the suffix itself: it ends at `end` < len.
         let mut end = len - 1;
         while end >= n && end - n >= lowest {
@@ -80,18 +86,21 @@ mod tests {
         assert_eq!(draft(&[3, 4, 5, 6], &[9, 3, 4], 2), vec![5, 6]);
         // The match itself may straddle the boundary.
         assert_eq!(draft(&[1, 2], &[3, 1, 2], 1), vec![3]);
+        assert_eq!(draft(&[4, 1], &[2, 9, 1, 2], 2), vec![9, 1]);
     }
 
     #[test]
     fn drafts_are_cut_at_the_end_of_the_sequence() {
         // In a loop of period 1 the only continuation is one token long.
-        assert_eq!(draft(&[5, 5], &[], 4), vec![5]);
+        assert_eq!(draft(&[5, 5, 5], &[], 4), vec![5]);
         assert_eq!(draft(&[1, 2, 1, 2], &[], 4), vec![1, 2]);
     }
 
     #[test]
     fn no_recurrence_no_draft() {
         assert!(draft(&[1, 2, 3, 4], &[], 3).is_empty());
+        // A single recurring token is not enough.
+        assert!(draft(&[7, 1, 2, 7], &[], 3).is_empty());
         assert!(draft(&[1], &[], 3).is_empty());
         assert!(draft(&[1, 2, 1], &[], 0).is_empty());
     }

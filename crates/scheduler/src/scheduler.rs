@@ -810,11 +810,15 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     /// as far as `free` blocks allow; returns the draft tokens added.
     fn add_drafts(&mut self, rows: &mut [Planned], free: &mut usize) -> usize {
         let k = self.cfg.speculate;
-        if k == 0 || !self.model.supports_drafts() {
+        let mut budget = self.cfg.speculate_step_tokens.saturating_sub(rows.len());
+        if k == 0 || budget == 0 || !self.model.supports_drafts() {
             return 0;
         }
         let mut added = 0;
         for p in rows.iter_mut() {
+            if budget == 0 {
+                break;
+            }
             let Some(r) = self.reqs.at_mut(p.slot) else {
                 continue;
             };
@@ -823,7 +827,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 continue;
             }
             // This step emits 1 + accepted tokens; never more than max_tokens allows.
-            let max = k.min(r.r.max_tokens.saturating_sub(r.generated.len() + 1));
+            let max = k
+                .min(budget)
+                .min(r.r.max_tokens.saturating_sub(r.generated.len() + 1));
             let seq = Seq {
                 head: &r.r.prompt,
                 tail: &r.generated,
@@ -843,6 +849,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             p.draft = n - 1;
             p.n = n;
             added += n - 1;
+            budget -= n - 1;
         }
         added
     }

@@ -160,6 +160,7 @@ fn faults_with_speculation_leave_streams_unchanged() {
     assert_clean(&clean);
     let mut cfg = sched_config();
     cfg.speculate = 2;
+    cfg.speculate_step_tokens = usize::MAX;
     cfg.faults = FaultPlan::random(17, 0.05);
     cfg.max_step_retries = 60;
     let faults = FakeFaults {

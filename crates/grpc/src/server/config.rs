@@ -22,8 +22,11 @@ pub const DEFAULT_COALESCE: Duration = Duration::from_millis(10);
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// `--decode-prefill-tokens` on the CPU (see there).
 pub const DEFAULT_CPU_DECODE_PREFILL_TOKENS: usize = 512;
-/// `--speculate` (see there and benches/RESULTS.md for what it buys).
-pub const DEFAULT_SPECULATE: usize = 2;
+/// `--speculate` and `--speculate-step-tokens` (see there; benches/RESULTS.md
+/// has what they buy: on the CPU one stream gets ~1.9x on repetitive output,
+/// while an 8-row step verifying drafts costs ~1.6x a plain one).
+pub const DEFAULT_SPECULATE: usize = 4;
+pub const DEFAULT_SPECULATE_STEP_TOKENS: usize = 8;
 
 /// Serve the weft.v1 gRPC API, health, reflection and Prometheus metrics
 ///
@@ -98,9 +101,14 @@ pub struct ServeArgs {
     /// Speculative decoding by prompt lookup: the most draft tokens a greedy
     /// request verifies per step (drafts are what followed the latest earlier
     /// occurrence of its last tokens; output is unchanged). 0 turns it off
-    /// [default: 2].
+    /// [default: 4].
     #[arg(long, env = "WEFT_SPECULATE", value_name = "TOKENS")]
     pub speculate: Option<usize>,
+    /// Drafts are added only while a step's decoding rows feed fewer tokens
+    /// than this, each row 1 plus its draft (verifying drafts costs compute
+    /// that only small steps have to spare) [default: 8].
+    #[arg(long, env = "WEFT_SPECULATE_STEP_TOKENS", value_name = "TOKENS")]
+    pub speculate_step_tokens: Option<usize>,
     /// KV cache size in blocks [default: from --kv-memory, else 4096].
     #[arg(long, env = "WEFT_KV_BLOCKS", conflicts_with = "kv_memory")]
     pub kv_blocks: Option<usize>,
@@ -140,6 +148,7 @@ struct FileConfig {
     prefill_chunk: Option<usize>,
     decode_prefill_tokens: Option<usize>,
     speculate: Option<usize>,
+    speculate_step_tokens: Option<usize>,
     kv_blocks: Option<usize>,
     kv_block_size: Option<usize>,
     kv_memory: Option<String>,
@@ -170,6 +179,7 @@ pub struct Settings {
     pub prefill_chunk: usize,
     pub decode_prefill_tokens: Option<usize>,
     pub speculate: usize,
+    pub speculate_step_tokens: usize,
     pub kv_size: KvSize,
     pub kv_block_size: usize,
     pub default_max_tokens: usize,
@@ -266,6 +276,10 @@ impl Settings {
                 .speculate
                 .or(file.speculate)
                 .unwrap_or(DEFAULT_SPECULATE),
+            speculate_step_tokens: args
+                .speculate_step_tokens
+                .or(file.speculate_step_tokens)
+                .unwrap_or(DEFAULT_SPECULATE_STEP_TOKENS),
             kv_size,
             kv_block_size: args.kv_block_size.or(file.kv_block_size).unwrap_or(16),
             default_max_tokens: args
@@ -349,6 +363,7 @@ impl Settings {
             prefill_chunk: self.prefill_chunk,
             decode_prefill_tokens: self.decode_prefill_tokens,
             speculate: self.speculate,
+            speculate_step_tokens: self.speculate_step_tokens,
             max_waiting: self.max_waiting,
             kv_block_size: self.kv_block_size,
             kv_total_blocks: kv_blocks,
