@@ -24,20 +24,6 @@ fn workload(seed: u64, n: usize) -> Vec<Spec> {
         .collect()
 }
 
-fn assert_same_streams(a: &Run, b: &Run) {
-    for (i, (x, y)) in a.outcomes.iter().zip(&b.outcomes).enumerate() {
-        assert_eq!(x.tokens, y.tokens, "request {i} tokens");
-        assert_eq!(x.text, y.text, "request {i} text");
-        assert_eq!(x.logprobs, y.logprobs, "request {i} logprobs");
-        let (fx, fy) = (x.finished.as_ref().unwrap(), y.finished.as_ref().unwrap());
-        assert_eq!(
-            (fx.reason, &fx.stop),
-            (fy.reason, &fy.stop),
-            "request {i} finish"
-        );
-    }
-}
-
 #[test]
 fn random_faults_everywhere_leave_streams_unchanged() {
     let specs = workload(21, 500);
@@ -146,10 +132,7 @@ fn poisoned_requests_fail_alone_and_others_continue() {
 #[test]
 fn faults_with_speculation_leave_streams_unchanged() {
     let specs = workload(8, 300);
-    let fake = weft_scheduler::fake::FakeConfig {
-        logits: weft_scheduler::fake::FakeLogits::LastToken,
-        ..fake_config()
-    };
+    let fake = looping_fake();
     let clean = run(
         sched_config(),
         fake.clone(),

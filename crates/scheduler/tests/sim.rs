@@ -696,11 +696,8 @@ fn decode_prefill_tokens_bound_prefill_beside_decoding_rows() {
 fn speculation_keeps_every_stream_and_saves_steps_on_repetitive_output() {
     use weft_scheduler::fake::FakeLogits;
     let specs = undisturbed(&mixed_workload(3, 400, 100));
-    for logits in [FakeLogits::LastToken, FakeLogits::Hash] {
-        let fake = weft_scheduler::fake::FakeConfig {
-            logits,
-            ..fake_config()
-        };
+    for fake in [looping_fake(), fake_config()] {
+        let logits = fake.logits;
         let plain = run(
             sched_config(),
             fake.clone(),
@@ -717,14 +714,7 @@ fn speculation_keeps_every_stream_and_saves_steps_on_repetitive_output() {
         let st = spec.sched.stats();
         assert!(st.preemptions > 0, "workload should preempt");
         assert_eq!(plain.sched.stats().draft_tokens, 0);
-        for (i, (a, b)) in plain.outcomes.iter().zip(&spec.outcomes).enumerate() {
-            assert_eq!(a.tokens, b.tokens, "{logits:?}: request {i} tokens");
-            assert_eq!(a.text, b.text, "{logits:?}: request {i} text");
-            assert_eq!(a.logprobs, b.logprobs, "{logits:?}: request {i} logprobs");
-            let (fa, fb) = (a.finished.as_ref().unwrap(), b.finished.as_ref().unwrap());
-            assert_eq!((fa.reason, &fa.stop), (fb.reason, &fb.stop), "request {i}");
-            assert_eq!(fa.usage.generated_tokens, fb.usage.generated_tokens);
-        }
+        assert_same_streams(&plain, &spec);
         let rate = st.accepted_tokens as f64 / st.draft_tokens.max(1) as f64;
         eprintln!(
             "{logits:?}: {} drafted, {} accepted ({rate:.2}), steps {} -> {}",
@@ -748,10 +738,7 @@ fn speculation_keeps_every_stream_and_saves_steps_on_repetitive_output() {
             Spec::at(0, req)
         })
         .collect();
-    let fake = weft_scheduler::fake::FakeConfig {
-        logits: FakeLogits::LastToken,
-        ..fake_config()
-    };
+    let fake = looping_fake();
     let mut cfg = sched_config();
     cfg.kv_total_blocks = 10_000;
     let plain = run(
@@ -781,7 +768,6 @@ fn speculation_keeps_every_stream_and_saves_steps_on_repetitive_output() {
 /// within what is left of it.
 #[test]
 fn drafts_stay_within_the_step_token_budget() {
-    use weft_scheduler::fake::FakeLogits;
     let mut g = rng(11);
     let specs: Vec<Spec> = (0..10)
         .map(|i| {
@@ -790,10 +776,7 @@ fn drafts_stay_within_the_step_token_budget() {
             Spec::at(0, req)
         })
         .collect();
-    let fake = weft_scheduler::fake::FakeConfig {
-        logits: FakeLogits::LastToken,
-        ..fake_config()
-    };
+    let fake = looping_fake();
     let mut cfg = sched_config();
     cfg.kv_total_blocks = 10_000;
     cfg.speculate = 4;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
-use weft_scheduler::fake::{FakeConfig, FakeDetokenizer, FakeFaults, FakeModel};
+use weft_scheduler::fake::{FakeConfig, FakeDetokenizer, FakeFaults, FakeLogits, FakeModel};
 use weft_scheduler::{
     Detokenizer, Event, EventStream, FinishReason, Finished, Request, SamplingParams, Scheduler,
     SchedulerConfig, StopMatch, SubmitError, TenantLimits, TokenLogprob,
@@ -70,6 +70,15 @@ pub fn fake_config() -> FakeConfig {
         eos_token_ids: vec![0],
         layers: 4,
         ..FakeConfig::default()
+    }
+}
+
+/// A fake whose greedy output loops (logits depend on the last token only): the text
+/// prompt-lookup drafts predict.
+pub fn looping_fake() -> FakeConfig {
+    FakeConfig {
+        logits: FakeLogits::LastToken,
+        ..fake_config()
     }
 }
 
@@ -345,4 +354,19 @@ pub fn is_natural(f: &Finished) -> bool {
         f.reason,
         FinishReason::Length | FinishReason::Stop | FinishReason::Eos
     )
+}
+
+/// Two runs of the same specs streamed the same tokens, text, logprobs and finish.
+pub fn assert_same_streams(a: &Run, b: &Run) {
+    for (i, (x, y)) in a.outcomes.iter().zip(&b.outcomes).enumerate() {
+        assert_eq!(x.tokens, y.tokens, "request {i} tokens");
+        assert_eq!(x.text, y.text, "request {i} text");
+        assert_eq!(x.logprobs, y.logprobs, "request {i} logprobs");
+        let (fx, fy) = (x.finished.as_ref().unwrap(), y.finished.as_ref().unwrap());
+        assert_eq!(
+            (fx.reason, &fx.stop),
+            (fy.reason, &fy.stop),
+            "request {i} finish"
+        );
+    }
 }
