@@ -1,0 +1,41 @@
+//! End-to-end speculative decoding: a real `weft serve` (default model) whose
+//! greedy requests verify prompt-lookup drafts streams exactly the tokens of the
+//! same request decoded one token per step.
+
+mod common;
+
+use common::*;
+
+async fn accepted(s: &Server) -> f64 {
+    metric(&s.metrics().await, "weft_spec_accepted_tokens_total", &[]).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculated_streams_equal_plain_decoding() {
+    let s = Server::start(&["--speculate", "4"]).await;
+    let mut c = s.client().await;
+    let mut total = 0.0;
+    for prompt in [
+        "one two three four, one two three four, one two three four,",
+        "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3",
+        "def f(x):\n    return x\n\ndef g(x):\n    return x\n\ndef h(x):\n",
+        "The capital of France is",
+    ] {
+        let mut req = text_req(prompt, 48);
+        req.ignore_eos = true;
+        // A stop string that never matches: requests with stop strings do not
+        // speculate, so this one decodes a token per step.
+        let mut plain = req.clone();
+        plain.stop = vec!["\u{1}never\u{1}".into()];
+        let before = accepted(&s).await;
+        let want = c.generate(plain).await.unwrap().into_inner();
+        assert_eq!(accepted(&s).await, before, "a stop-string request speculated");
+        let got = c.generate(req).await.unwrap().into_inner();
+        let gained = accepted(&s).await - before;
+        assert_eq!(got.ids, want.ids, "{prompt:?}: speculation changed the tokens");
+        assert_eq!(got.text, want.text);
+        eprintln!("{prompt:?}: {gained} draft tokens accepted of 48 generated: {:?}", got.text);
+        total += gained;
+    }
+    assert!(total > 16.0, "repetitive prompts should accept drafts: {total}");
+}
