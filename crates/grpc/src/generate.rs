@@ -101,6 +101,10 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-sequence.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Draft tokens verified per step when greedy (as `weft serve
+    /// --speculate`; output unchanged). 0 turns speculation off.
+    #[arg(long, env = "WEFT_SPECULATE", default_value_t = crate::server::config::DEFAULT_SPECULATE)]
+    pub speculate: usize,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -114,8 +118,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let dir = runtime::resolve_model(&args.model, true)?;
     let opts = args.compute.load_options()?;
-    let (engine, tokenizer, _served) =
-        runtime::start_engine(&dir, opts, SchedulerConfig::default())?;
+    let config = SchedulerConfig {
+        speculate: args.speculate,
+        speculate_step_tokens: crate::server::config::DEFAULT_SPECULATE_STEP_TOKENS,
+        ..SchedulerConfig::default()
+    };
+    let (engine, tokenizer, _served) = runtime::start_engine(&dir, opts, config)?;
     let text = if args.chat {
         tokenizer.apply_chat_template(
             &[ChatMessage {
