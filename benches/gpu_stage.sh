@@ -9,6 +9,7 @@
 #   call 1: carry .gpu/a .gpustash/1   bash .gpu/a/stash.sh && mkdir -p /root/ws && cp .gpustash/1/* /root/ws/
 #   call 2: carry .gpustash/2          cp .gpustash/2/* .gpustash/2/.weft-complete /root/ws/
 #   call 3: carry .gpu/b .gpustash/3   bash .gpu/b/env.sh bash .gpustash/3/run.sh
+#           (RUNS=$'\n--speculate 4' for a default run, then one with those flags)
 # (each call within the machine's idle window of the one before).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,13 @@ cp $W/*.json $M/ && { cp $W/.weft-complete $M/ 2>/dev/null || true; }
 xz -d -c .gpustash/3/weft.xz > /root/weft && chmod +x /root/weft
 nvidia-smi -L
 export WEFT_OPENBLAS=0
-python3 benches/batch_throughput.py --native --rounds 3 --weft /root/weft --model $M --streams ${STREAMS:-1,8,32} 2>&1 | tail -12
+# RUNS: one --weft-args string per line ("" = the defaults); each run's table
+# also goes under $OUT as it finishes, so a call cut short keeps what ran.
+while IFS= read -r args; do
+  echo "== weft args: ${args:-(none)}" | tee -a ${OUT:-/tmp}/gpu-runs.txt
+  python3 benches/batch_throughput.py --native --rounds 3 --weft /root/weft --model $M \
+    --streams ${STREAMS:-1,8,32} --weft-args "$args" 2>&1 | tail -12 | tee -a ${OUT:-/tmp}/gpu-runs.txt
+done <<< "${RUNS:-}"
 EOS
 chmod +x .gpustash/3/run.sh
 du -sb .gpustash/*
