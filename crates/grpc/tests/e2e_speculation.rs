@@ -29,13 +29,26 @@ async fn speculated_streams_equal_plain_decoding() {
         plain.stop = vec!["\u{1}never\u{1}".into()];
         let before = accepted(&s).await;
         let want = c.generate(plain).await.unwrap().into_inner();
-        assert_eq!(accepted(&s).await, before, "a stop-string request speculated");
+        assert_eq!(
+            accepted(&s).await,
+            before,
+            "a stop-string request speculated"
+        );
         let got = c.generate(req).await.unwrap().into_inner();
         let gained = accepted(&s).await - before;
-        assert_eq!(got.ids, want.ids, "{prompt:?}: speculation changed the tokens");
+        assert_eq!(
+            got.ids, want.ids,
+            "{prompt:?}: speculation changed the tokens"
+        );
         assert_eq!(got.text, want.text);
-        eprintln!("{prompt:?}: {gained} draft tokens accepted of 48 generated: {:?}", got.text);
+        eprintln!(
+            "{prompt:?}: {gained} draft tokens accepted of 48 generated: {:?}",
+            got.text
+        );
         total += gained;
     }
-    assert!(total > 16.0, "repetitive prompts should accept drafts: {total}");
+    assert!(
+        total > 16.0,
+        "repetitive prompts should accept drafts: {total}"
+    );
 }
