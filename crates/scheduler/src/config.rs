@@ -63,8 +63,9 @@ pub struct SchedulerConfig {
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
     /// 0 turns it off; only models that take drafts use it.
     pub speculate: usize,
-    /// Drafts are added only while a step's decoding rows feed fewer tokens than this
-    /// (each row 1, plus its draft): verifying costs a forward over every draft token,
+    /// Most tokens a step's decoding rows feed, drafts included: drafts fill what the
+    /// rows (1 token each) leave, so from this many rows on none are drafted. Verifying
+    /// costs a forward over every draft token,
     /// which is cheap while a step is small and dominated by reading the weights, and
     /// not once the batch alone makes it compute-bound.
     pub speculate_step_tokens: usize,

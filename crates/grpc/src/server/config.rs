@@ -104,9 +104,10 @@ pub struct ServeArgs {
     /// [default: 4].
     #[arg(long, env = "WEFT_SPECULATE", value_name = "TOKENS")]
     pub speculate: Option<usize>,
-    /// Drafts are added only while a step's decoding rows feed fewer tokens
-    /// than this, each row 1 plus its draft (verifying drafts costs compute
-    /// that only small steps have to spare) [default: 8].
+    /// Most tokens a step's decoding rows feed, drafts included: drafts fill
+    /// what the rows (1 token each) leave, so from this many rows on none are
+    /// drafted (verifying costs compute only small steps have to spare)
+    /// [default: 8].
     #[arg(long, env = "WEFT_SPECULATE_STEP_TOKENS", value_name = "TOKENS")]
     pub speculate_step_tokens: Option<usize>,
     /// KV cache size in blocks [default: from --kv-memory, else 4096].
