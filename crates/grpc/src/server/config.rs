@@ -448,6 +448,29 @@ mod tests {
     }
 
     #[test]
+    fn speculation_defaults_flags_and_file() {
+        let c = Settings::resolve(args("")).unwrap().scheduler_config(64);
+        assert_eq!(
+            (c.speculate, c.speculate_step_tokens),
+            (DEFAULT_SPECULATE, DEFAULT_SPECULATE_STEP_TOKENS)
+        );
+        let c = Settings::resolve(args("--speculate 0 --speculate-step-tokens 32"))
+            .unwrap()
+            .scheduler_config(64);
+        assert_eq!((c.speculate, c.speculate_step_tokens), (0, 32));
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("weft.toml");
+        std::fs::write(&p, "speculate = 2\nspeculate_step_tokens = 4\n").unwrap();
+        let s =
+            Settings::resolve(args(&format!("--config {} --speculate 3", p.display()))).unwrap();
+        assert_eq!(
+            (s.speculate, s.speculate_step_tokens),
+            (3, 4),
+            "flag beats file"
+        );
+    }
+
+    #[test]
     fn file_then_flags() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("weft.toml");
