@@ -31,10 +31,10 @@ def prompt_text(n_words):
     return " ".join(words[i % len(words)] for i in range(n_words))
 
 
-def run_weft(weft, model, text, gen, config):
+def run_weft(weft, model, text, gen, config, extra):
     env = dict(os.environ)
     args = [weft, "generate", "--model", str(model), "--prompt", text,
-            "--max-tokens", str(gen), "--ignore-eos"]
+            "--max-tokens", str(gen), "--ignore-eos"] + extra.split()
     if config == "q4":
         env["WEFT_OPENBLAS"] = "0"
         args += ["--weights", "keep", "--compute-dtype", "f32"]
@@ -98,6 +98,9 @@ def main():
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default="f32+openblas,q4")
+    # `weft generate` speculates by default (greedy, prompt lookup); "--speculate 0"
+    # measures one token per step.
+    ap.add_argument("--weft-args", default="", help="extra `weft generate` flags")
     a = ap.parse_args()
     text = prompt_text(a.prompt_tokens)
     rows = []
@@ -105,7 +108,7 @@ def main():
         res = {"weft": [], "mlx-lm": []}
         for _ in range(a.repeats):
             # Interleave so drifts in machine load hit both sides alike.
-            res["weft"].append(run_weft(a.weft, a.model, text, a.gen_tokens, config))
+            res["weft"].append(run_weft(a.weft, a.model, text, a.gen_tokens, config, a.weft_args))
             res["mlx-lm"].append(run_mlx(a.model, text, a.gen_tokens, config))
         med = {k: (v[0][0], statistics.median(x[1] for x in v), statistics.median(x[2] for x in v))
                for k, v in res.items()}
