@@ -111,7 +111,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         }
     }
     let mut last = None;
-    let mut before = engine.stats();
+    let mut before = weft_scheduler::Stats::default();
     for round in 0..args.rounds.max(1) {
         before = engine.stats();
         // A tenant per round: no prefix reuse from the round before.

@@ -552,11 +552,8 @@ fn drafts_with_partial_acceptance_match_plain_decoding() {
         let logits = runner.forward(&steps).expect("step");
         assert_eq!(logits.counts.len(), steps.len());
         let mut at = 0;
-        for (s, &n) in steps.iter().zip(&logits.counts) {
-            assert_eq!(
-                logits.rows[steps.iter().position(|x| x.row == s.row).unwrap()],
-                s.row
-            );
+        for ((s, &n), &row) in steps.iter().zip(&logits.counts).zip(&logits.rows) {
+            assert_eq!(row, s.row);
             assert_eq!(n, 1 + s.draft);
             let i = s.row as usize;
             let mut kept = 0;

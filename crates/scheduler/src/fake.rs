@@ -295,11 +295,12 @@ impl Model for FakeModel {
         let mut rows = Vec::with_capacity(wanted.len());
         let mut at = 0;
         for r in &wanted {
+            // A row with a draft has logits after each of its tokens.
             let states = match self.staged_drafts.get(&r.row) {
-                Some(steps) => steps.clone(),
-                None => staged.get(&r.row).copied().into_iter().collect(),
+                Some(steps) => &steps[..],
+                None => staged.get(&r.row).map(std::slice::from_ref).unwrap_or(&[]),
             };
-            for st in states {
+            for &st in states {
                 self.fill(st, &mut data[at * vocab..(at + 1) * vocab]);
                 at += 1;
             }

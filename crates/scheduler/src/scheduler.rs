@@ -163,8 +163,19 @@ impl Req {
         s.is_greedy() && !s.has_penalties() && self.r.stop_strings.is_empty()
     }
 
-    /// Whether generated token `t` ends the request (`last`: it is the max_tokens-th);
-    /// for tokens whose text the engine does not stage.
+    /// How to sample the generated token `offset` places after those already committed.
+    fn sample_ctx(&self, offset: usize) -> SampleCtx<'_> {
+        SampleCtx {
+            params: &self.r.sampling,
+            penalties: self.penalties.as_ref(),
+            seed: self.seed,
+            index: (self.generated.len() + offset) as u64,
+            logprobs: self.r.logprobs,
+        }
+    }
+
+    /// Whether generated token `t` ends the request by EOS, a stop token id or length
+    /// (`last`: it is the max_tokens-th); stop strings are matched on staged text.
     fn token_finish(
         &self,
         t: u32,
@@ -1194,14 +1205,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 return Err(format!("request {} vanished during the step", p.key.0));
             };
             let lg = logits.row(li).ok_or("logits shorter than the batch")?;
-            let ctx = SampleCtx {
-                params: &r.r.sampling,
-                penalties: r.penalties.as_ref(),
-                seed: r.seed,
-                index: r.generated.len() as u64,
-                logprobs: r.r.logprobs,
-            };
-            let s = sample(lg, &ctx, &mut self.scratch)
+            let s = sample(lg, &r.sample_ctx(0), &mut self.scratch)
                 .map_err(|e| format!("sampling request {}: {e}", p.key.0))?;
 
             if i == book_fault_at && self.faults.hit(FaultPoint::CommitBookkeeping) {
@@ -1214,34 +1218,24 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             // otherwise the request's stream detokenizes on the front end's side.
             let engine_text = !stops.is_empty();
             let last = r.generated.len() + 1 >= r.r.max_tokens;
-            let (update, finish) = if !r.r.ignore_eos && self.info.eos_token_ids.contains(&t) {
-                let u = if engine_text {
-                    Some(r.text.stage(None, true, detok, stops)?)
-                } else {
-                    None
-                };
-                (u, Some((FinishReason::Eos, None)))
-            } else if r.r.stop_token_ids.contains(&t) {
-                let u = if engine_text {
-                    Some(r.text.stage(None, true, detok, stops)?)
-                } else {
-                    None
-                };
-                (u, Some((FinishReason::Stop, Some(StopMatch::TokenId(t)))))
-            } else if engine_text {
-                let u = r.text.stage(Some(t), last, detok, stops)?;
-                let f = match &u.stop {
-                    Some(s) => Some((FinishReason::Stop, Some(StopMatch::String(s.clone())))),
-                    None if last => Some((FinishReason::Length, None)),
-                    None => None,
-                };
-                (Some(u), f)
+            // EOS or a stop token ends a request even at max_tokens; Length only if
+            // nothing else matched.
+            let mut finish = r.token_finish(t, last, &self.info.eos_token_ids);
+            let update = if !engine_text {
+                None
+            } else if matches!(
+                finish,
+                Some((FinishReason::Eos, _)) | Some((FinishReason::Stop, _))
+            ) {
+                // The ending token's text is never emitted; flush what was held back.
+                Some(r.text.stage(None, true, detok, stops)?)
             } else {
-                (None, last.then_some((FinishReason::Length, None)))
+                let u = r.text.stage(Some(t), last, detok, stops)?;
+                if let Some(s) = &u.stop {
+                    finish = Some((FinishReason::Stop, Some(StopMatch::String(s.clone()))));
+                }
+                Some(u)
             };
-            // A stop token or EOS also ends a request at max_tokens; Length only if nothing
-            // else matched.
-            let mut finish = finish.or_else(|| last.then_some((FinishReason::Length, None)));
             // Verify the draft: each accepted token is the model's own pick at its
             // position, so the next position's logits saw exactly plain decoding's input.
             let mut more = Vec::new();
@@ -1249,14 +1243,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             while finish.is_none() && more.len() < p.draft && r.draft[more.len()] == prev {
                 let j = more.len() + 1;
                 let lg = logits.row(li + j).ok_or("logits shorter than the batch")?;
-                let ctx = SampleCtx {
-                    params: &r.r.sampling,
-                    penalties: None,
-                    seed: r.seed,
-                    index: (r.generated.len() + j) as u64,
-                    logprobs: r.r.logprobs,
-                };
-                let s = sample(lg, &ctx, &mut self.scratch)
+                let s = sample(lg, &r.sample_ctx(j), &mut self.scratch)
                     .map_err(|e| format!("sampling request {}: {e}", p.key.0))?;
                 let last = r.generated.len() + j + 1 >= r.r.max_tokens;
                 prev = s.token;
