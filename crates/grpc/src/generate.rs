@@ -27,6 +27,11 @@ pub struct ComputeArgs {
     /// the CPU, one per core; 1 on the GPU) or a count. 1 turns lanes off.
     #[arg(long, default_value = "auto", env = "WEFT_CPU_LANES")]
     pub cpu_lanes: String,
+    /// Matmuls of dense f32 layers on the CPU: auto (packed where the CPU has
+    /// AVX2 or AVX-512 and the kernels are cpu-tuned), packed (Weft's GEMM over
+    /// weights packed once at load) or mlx (MLX's matmul through BLAS).
+    #[arg(long, default_value = "auto", env = "WEFT_CPU_GEMM")]
+    pub cpu_gemm: String,
 }
 
 impl ComputeArgs {
@@ -57,11 +62,18 @@ impl ComputeArgs {
                 _ => anyhow::bail!("--cpu-lanes {n:?}: expected auto or a count from 1 to 64"),
             },
         };
+        let host_gemm = match self.cpu_gemm.as_str() {
+            "auto" => None,
+            "packed" => Some(true),
+            "mlx" => Some(false),
+            other => anyhow::bail!("--cpu-gemm {other:?}: expected auto, packed or mlx"),
+        };
         let opts = LoadOptions {
             dtype,
             dequantize,
             kernels,
             cpu_lanes,
+            host_gemm,
             ..LoadOptions::default()
         };
         let policy = opts.policy();
@@ -69,6 +81,14 @@ impl ComputeArgs {
             anyhow::bail!(
                 "--kernels cpu-tuned needs f32 activations on the CPU (this run computes in {:?} on the {:?}); use --compute-dtype f32 or --kernels auto",
                 policy.dtype,
+                opts.device
+            );
+        }
+        if host_gemm == Some(true) && !policy.host_gemm {
+            anyhow::bail!(
+                "--cpu-gemm packed needs f32 activations, cpu-tuned kernels and the CPU (this run: {:?}, {:?} kernels, {:?})",
+                policy.dtype,
+                policy.kernels,
                 opts.device
             );
         }

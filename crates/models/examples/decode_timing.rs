@@ -1,5 +1,6 @@
 //! Times batched decode steps of a model directory: `cargo run --release -p
-//! weft-models --example decode_timing -- <model dir> [batch] [prompt] [steps]`.
+//! weft-models --example decode_timing -- <model dir> [batch] [prompt] [steps]`
+//! (`HOST_GEMM=0|1` picks MLX matmuls or the packed CPU GEMM).
 use std::time::Instant;
 
 use mlx_rs::Array;
@@ -11,7 +12,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let b: i32 = args.get(2).map_or(Ok(32), |s| s.parse())?;
     let p: i32 = args.get(3).map_or(Ok(64), |s| s.parse())?;
     let steps: usize = args.get(4).map_or(Ok(10), |s| s.parse())?;
-    let m = load(&dir, LoadOptions::default())?.model;
+    let m = load(
+        &dir,
+        LoadOptions {
+            host_gemm: std::env::var("HOST_GEMM").ok().map(|v| v != "0"),
+            ..LoadOptions::default()
+        },
+    )?
+    .model;
     let ragged = std::env::var_os("RAGGED").is_some();
     let mut cache = KvCache::new(m.num_layers(), b as usize);
     let t0 = Instant::now();

@@ -4,6 +4,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod cpu_gemm;
 pub mod cpu_kernels;
 pub mod error;
 pub mod lanes;

@@ -1,7 +1,10 @@
 //! Linear layers and embeddings, dense or MLX-affine quantized.
 
+use std::sync::Arc;
+
 use mlx_rs::{ops, Array, Dtype};
 
+use crate::cpu_gemm::PackedWeight;
 use crate::error::{ModelError, Result};
 use crate::weights::Weights;
 
@@ -15,6 +18,9 @@ pub struct WeightPolicy {
     pub dtype: Dtype,
     /// Formulation of SiLU and attention (`Kernels::CpuTuned` needs f32).
     pub kernels: crate::cpu_kernels::Kernels,
+    /// Dense f32 linears run on [`crate::cpu_gemm`] (CPU only) instead of
+    /// MLX's matmul.
+    pub host_gemm: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -30,6 +36,12 @@ pub enum Linear {
         bias: Option<Array>,
         group_size: i32,
         bits: i32,
+    },
+    /// Packed for the CPU GEMM: computed outside MLX's graph, so calling
+    /// `forward` evaluates its input.
+    Host {
+        weight: Arc<PackedWeight>,
+        bias: Option<Array>,
     },
 }
 
@@ -82,7 +94,29 @@ impl Linear {
     pub fn out_features(&self) -> i32 {
         match self {
             Linear::Dense { weight, .. } | Linear::Quantized { weight, .. } => weight.dim(0),
+            Linear::Host { weight, .. } => weight.out_features() as i32,
         }
+    }
+
+    /// This layer packed for [`crate::cpu_gemm`], or None when it is not a
+    /// dense f32 layer.
+    pub fn to_host(&self) -> Result<Option<Linear>> {
+        let Linear::Dense { weight, bias } = self else {
+            return Ok(None);
+        };
+        if weight.dtype() != Dtype::Float32 || weight.ndim() != 2 {
+            return Ok(None);
+        }
+        let (n, k) = (weight.dim(0) as usize, weight.dim(1) as usize);
+        let w = weight.contiguous()?;
+        let data = w.try_as_slice::<f32>().map_err(|e| ModelError::Tensor {
+            name: format!("[{n}, {k}] weight"),
+            message: format!("cannot read for packing: {e}"),
+        })?;
+        Ok(Some(Linear::Host {
+            weight: Arc::new(PackedWeight::pack(data, n, k)),
+            bias: bias.clone(),
+        }))
     }
 
     /// One layer computing all of `parts` (stacked outputs), or None when their
@@ -92,7 +126,9 @@ impl Linear {
         let biases: Vec<Option<&Array>> = parts
             .iter()
             .map(|p| match p {
-                Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
+                Linear::Dense { bias, .. }
+                | Linear::Quantized { bias, .. }
+                | Linear::Host { bias, .. } => bias.as_ref(),
             })
             .collect();
         let bias = if biases.iter().all(|b| b.is_none()) {
@@ -150,7 +186,8 @@ impl Linear {
                     bits: *b0,
                 }))
             }
-            None => Ok(None),
+            // Fusing happens before packing.
+            Some(Linear::Host { .. }) | None => Ok(None),
         }
     }
 
@@ -168,6 +205,7 @@ impl Linear {
                 ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?,
                 bias,
             ),
+            Linear::Host { weight, bias } => (host_matmul(weight, x)?, bias),
         };
         Ok(match bias {
             Some(b) => ops::add(&y, b)?,
@@ -192,8 +230,40 @@ impl Linear {
                 let b = biases.take_axis(ids, 0)?;
                 Ok(ops::dequantize(&w, &s, &b, *group_size, *bits)?.as_dtype(dtype)?)
             }
+            Linear::Host { .. } => Err(ModelError::Invalid(
+                "a packed layer cannot serve embedding lookups".into(),
+            )),
         }
     }
+}
+
+/// `x · wᵀ` on the CPU GEMM: evaluates `x` (`[..., k]`, f32) and wraps the
+/// product in a new array.
+fn host_matmul(w: &PackedWeight, x: &Array) -> Result<Array> {
+    let shape = x.shape();
+    let k = shape.last().copied().unwrap_or(0) as usize;
+    if k != w.in_features() || x.dtype() != Dtype::Float32 {
+        return Err(ModelError::Invalid(format!(
+            "packed linear takes f32 [..., {}], got {:?} {shape:?}",
+            w.in_features(),
+            x.dtype()
+        )));
+    }
+    let m = x.size() / k.max(1);
+    let mut out = shape.to_vec();
+    if let Some(last) = out.last_mut() {
+        *last = w.out_features() as i32;
+    }
+    if m == 0 {
+        return Ok(Array::zeros::<f32>(&out)?);
+    }
+    let x = x.contiguous()?;
+    let xs = x
+        .try_as_slice::<f32>()
+        .map_err(|e| ModelError::Invalid(format!("packed linear input: {e}")))?;
+    let mut y = vec![0f32; m * w.out_features()];
+    w.matmul(xs, m, &mut y);
+    Ok(array_from_vec(y, &out))
 }
 
 fn check_quant_shapes(
@@ -215,4 +285,32 @@ fn check_quant_shapes(
         });
     }
     Ok(())
+}
+
+/// An f32 array over `data` without copying it: MLX frees it through the
+/// destructor when the array's last reference goes.
+fn array_from_vec(data: Vec<f32>, shape: &[i32]) -> Array {
+    unsafe extern "C" fn free_vec(payload: *mut std::ffi::c_void) {
+        // SAFETY: payload is the Box<Vec<f32>> leaked below, freed once.
+        drop(unsafe { Box::from_raw(payload as *mut Vec<f32>) });
+    }
+    debug_assert_eq!(
+        data.len(),
+        shape.iter().map(|&d| d as usize).product::<usize>()
+    );
+    let boxed = Box::new(data);
+    let ptr = boxed.as_ptr() as *mut std::ffi::c_void;
+    let payload = Box::into_raw(boxed) as *mut std::ffi::c_void;
+    // SAFETY: ptr addresses len f32s matching shape, valid until free_vec
+    // runs; MLX takes ownership of payload.
+    unsafe {
+        Array::from_ptr(mlx_sys::mlx_array_new_data_managed_payload(
+            ptr,
+            shape.as_ptr(),
+            shape.len() as i32,
+            mlx_sys::mlx_dtype__MLX_FLOAT32,
+            payload,
+            Some(free_vec),
+        ))
+    }
 }

@@ -41,6 +41,18 @@ impl Proj {
         }
     }
 
+    /// Packs every part for the CPU GEMM (those that are dense f32).
+    fn pack(&mut self) -> Result<()> {
+        let parts: Vec<&mut Linear> = match self {
+            Proj::Fused { lin, .. } => vec![lin],
+            Proj::Separate(parts) => parts.iter_mut().collect(),
+        };
+        for p in parts {
+            pack_in_place(p)?;
+        }
+        Ok(())
+    }
+
     fn linears(&self) -> Vec<&Linear> {
         match self {
             Proj::Fused { lin, .. } => vec![lin],
@@ -162,7 +174,7 @@ impl LlamaModel {
         if !leftover.is_empty() {
             tracing::warn!(count = leftover.len(), first = %leftover[0], "unused tensors in model directory");
         }
-        let model = Self {
+        let mut model = Self {
             config,
             policy,
             embed,
@@ -172,7 +184,26 @@ impl LlamaModel {
             rope,
         };
         model.materialize()?;
+        if model.policy.host_gemm {
+            model.pack_linears()?;
+        }
         Ok(model)
+    }
+
+    /// Moves the dense f32 linears onto the CPU GEMM. A tied embedding stays
+    /// an MLX array for lookups and gets a packed copy as the output head.
+    fn pack_linears(&mut self) -> Result<()> {
+        for l in &mut self.layers {
+            l.attn.qkv.pack()?;
+            l.mlp.gate_up.pack()?;
+            pack_in_place(&mut l.attn.o)?;
+            pack_in_place(&mut l.mlp.down)?;
+        }
+        match &mut self.lm_head {
+            Some(head) => pack_in_place(head)?,
+            None => self.lm_head = self.embed.to_host()?,
+        }
+        Ok(())
     }
 
     /// Evaluates every weight so load-time conversions (dtype, dequantize)
@@ -188,6 +219,7 @@ impl LlamaModel {
                     bias,
                     ..
                 } => [weight, scales, biases].into_iter().chain(bias).collect(),
+                Linear::Host { bias, .. } => bias.iter().collect(),
             }
         }
         let mut all: Vec<&Array> = vec![&self.norm];
@@ -393,6 +425,13 @@ impl Rope {
             self.freqs.as_ref(),
         )?)
     }
+}
+
+fn pack_in_place(l: &mut Linear) -> Result<()> {
+    if let Some(packed) = l.to_host()? {
+        *l = packed;
+    }
+    Ok(())
 }
 
 fn bad_scaling(msg: &str) -> ModelError {

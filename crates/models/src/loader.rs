@@ -53,6 +53,9 @@ pub struct LoadOptions {
     /// Parallel CPU lanes for batched steps ([`crate::Lanes`]); None picks
     /// per device (up to 2 on the CPU, 1 on the GPU).
     pub cpu_lanes: Option<usize>,
+    /// Dense f32 linears on [`crate::cpu_gemm`]; None picks it on the CPU
+    /// with the tuned kernels where the CPU has AVX2 or AVX-512.
+    pub host_gemm: Option<bool>,
 }
 
 impl Default for LoadOptions {
@@ -63,6 +66,7 @@ impl Default for LoadOptions {
             device: Device::detect(),
             kernels: None,
             cpu_lanes: None,
+            host_gemm: None,
         }
     }
 }
@@ -83,15 +87,23 @@ impl LoadOptions {
             .dtype
             .unwrap_or(if cpu { Dtype::Float32 } else { Dtype::Bfloat16 });
         let tuned_fits = cpu && dtype == Dtype::Float32;
+        let kernels = match self.kernels {
+            Some(Kernels::CpuTuned) if !tuned_fits => Kernels::Stock,
+            Some(k) => k,
+            None if tuned_fits => Kernels::CpuTuned,
+            None => Kernels::Stock,
+        };
         WeightPolicy {
             dtype,
             dequantize: self.dequantize.unwrap_or(cpu),
-            kernels: match self.kernels {
-                Some(Kernels::CpuTuned) if !tuned_fits => Kernels::Stock,
-                Some(k) => k,
-                None if tuned_fits => Kernels::CpuTuned,
-                None => Kernels::Stock,
-            },
+            kernels,
+            // Stock kernels promise mlx-lm's exact numbers, so their matmuls
+            // stay MLX's.
+            host_gemm: tuned_fits
+                && kernels == Kernels::CpuTuned
+                && self
+                    .host_gemm
+                    .unwrap_or_else(|| crate::cpu_gemm::Isa::detect().is_vectorized()),
         }
     }
 }

@@ -142,6 +142,7 @@ fn load(md: &std::path::Path) -> LlamaModel {
             dtype: Dtype::Float32,
             // What `weft serve` runs on CPU.
             kernels: Kernels::CpuTuned,
+            host_gemm: true,
         },
     )
     .unwrap()

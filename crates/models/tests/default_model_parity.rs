@@ -57,8 +57,12 @@ fn default_model_matches_mlx_lm() {
             args.push("--dequantize");
         }
         let want = oracle(&args);
-        for kernels in [Kernels::Stock, Kernels::CpuTuned] {
-            check(&dir, &want, dequantize, kernels, TOL);
+        for (kernels, host_gemm) in [
+            (Kernels::Stock, false),
+            (Kernels::CpuTuned, false),
+            (Kernels::CpuTuned, true),
+        ] {
+            check(&dir, &want, dequantize, kernels, host_gemm, TOL);
         }
     }
 }
@@ -68,6 +72,7 @@ fn check(
     want: &serde_json::Value,
     dequantize: bool,
     kernels: Kernels,
+    host_gemm: bool,
     tol: f32,
 ) {
     let opts = LoadOptions {
@@ -76,6 +81,7 @@ fn check(
         device: Device::Cpu,
         kernels: Some(kernels),
         cpu_lanes: None,
+        host_gemm: Some(host_gemm),
     };
     let loaded = weft_models::load(dir, opts).unwrap();
     for (i, p) in PROMPTS.iter().enumerate() {
@@ -94,12 +100,12 @@ fn check(
             .position(|&m| m < NEAR_TIE)
             .map_or(N, |p| p + 1);
         eprintln!(
-            "dequantize={dequantize} {kernels:?} prompt {i}: max |dlogit| {diff:.2e}; greedy compared over {upto} tokens; min margin {:.3}",
+            "dequantize={dequantize} {kernels:?} host_gemm={host_gemm} prompt {i}: max |dlogit| {diff:.2e}; greedy compared over {upto} tokens; min margin {:.3}",
             margins.iter().copied().fold(f64::INFINITY, f64::min)
         );
         assert!(
             diff < tol,
-            "dequantize={dequantize} {kernels:?} prompt {i}: logits differ by {diff} (tolerance {tol})"
+            "dequantize={dequantize} {kernels:?} host_gemm={host_gemm} prompt {i}: logits differ by {diff} (tolerance {tol})"
         );
         assert!(
             upto >= 32,

@@ -67,15 +67,19 @@ const DENSE_F32: WeightPolicy = WeightPolicy {
     dequantize: true,
     dtype: Dtype::Float32,
     kernels: Kernels::Stock,
+    host_gemm: false,
 };
 const QUANT_F32: WeightPolicy = WeightPolicy {
     dequantize: false,
     dtype: Dtype::Float32,
     kernels: Kernels::Stock,
+    host_gemm: false,
 };
-/// Weft's CPU default: this crate's exp, SiLU and attention.
+/// Weft's CPU default: this crate's exp, SiLU and attention, and the packed
+/// GEMM for every linear.
 const DENSE_F32_TUNED: WeightPolicy = WeightPolicy {
     kernels: Kernels::CpuTuned,
+    host_gemm: true,
     ..DENSE_F32
 };
 
@@ -90,8 +94,26 @@ fn llama_gqa_with_cpu_tuned_kernels_matches_mlx_lm() {
 }
 
 #[test]
+fn llama_gqa_with_cpu_tuned_kernels_and_mlx_matmuls_matches_mlx_lm() {
+    check(
+        "llama",
+        false,
+        WeightPolicy {
+            host_gemm: false,
+            ..DENSE_F32_TUNED
+        },
+    );
+}
+
+#[test]
 fn qwen2_with_qkv_bias_matches_mlx_lm() {
     check("qwen2", false, DENSE_F32);
+}
+
+/// Biases on packed linears.
+#[test]
+fn qwen2_with_qkv_bias_on_the_packed_gemm_matches_mlx_lm() {
+    check("qwen2", false, DENSE_F32_TUNED);
 }
 
 #[test]
