@@ -1,6 +1,7 @@
 //! Times batched decode steps of a model directory: `cargo run --release -p
 //! weft-models --example decode_timing -- <model dir> [batch] [prompt] [steps]`
-//! (`HOST_GEMM=0|1` picks MLX matmuls or the packed CPU GEMM).
+//! (`HOST_GEMM=0|1` picks MLX matmuls or the packed CPU GEMM; `TWO_LANES=1`
+//! runs the prefill as two interleaved halves on two lanes, as the runner does).
 use std::time::Instant;
 
 use mlx_rs::Array;
@@ -51,9 +52,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             cache = KvCache::new(m.num_layers(), b as usize);
             let ids: Vec<i32> = (0..b * p).map(|i| 100 + (i * 7919 + r) % 40000).collect();
             let t = Instant::now();
-            let l = m.forward(&Array::from_slice(&ids, &[b, p]), &mut cache, true)?;
-            l.eval()?;
-            cache.commit();
+            if std::env::var_os("TWO_LANES").is_some() {
+                // The prefill as two halves on two lanes, interleaved.
+                let lanes = weft_models::Lanes::cpu(2);
+                let _blas = lanes.single_threaded_blas();
+                let h = (b / 2 * p) as usize;
+                let (ta, tb) = (
+                    Array::from_slice(&ids[..h], &[b / 2, p]),
+                    Array::from_slice(&ids[h..], &[b - b / 2, p]),
+                );
+                let mut ca = KvCache::new(m.num_layers(), (b / 2) as usize);
+                let mut cb = KvCache::new(m.num_layers(), (b - b / 2) as usize);
+                let out = m.forward_interleaved(
+                    vec![(0, &ta, &mut ca, true), (1, &tb, &mut cb, true)],
+                    &lanes,
+                    &mut |_| Ok(()),
+                )?;
+                mlx_rs::transforms::eval(&out)?;
+            } else {
+                let l = m.forward(&Array::from_slice(&ids, &[b, p]), &mut cache, true)?;
+                l.eval()?;
+                cache.commit();
+            }
             println!(
                 "prefill round {r}: {:.1} ms",
                 t.elapsed().as_secs_f64() * 1e3

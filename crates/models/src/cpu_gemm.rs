@@ -130,19 +130,21 @@ impl PackedWeight {
                 unsafe { self.block(isa, b, x, m, out.get()) }
             }
         };
-        let threads = pool().current_num_threads().min(blocks);
+        let threads = pool().current_num_threads();
         // Below ~100k multiply-adds the pool's wake-up costs more than it saves.
-        if threads <= 1 || m * self.n * self.k < 100_000 {
+        if threads <= 1 || blocks == 1 || m * self.n * self.k < 100_000 {
             run(0..blocks);
             return;
         }
-        let per = blocks.div_ceil(threads);
+        // A few tasks per thread, taken as threads come free: another lane's
+        // MLX work may hold one core for part of the call.
+        let tasks = (threads * 4).min(blocks);
+        let per = blocks.div_ceil(tasks);
         pool().scope(|s| {
-            for t in 1..threads {
-                let range = t * per..((t + 1) * per).min(blocks);
+            for start in (0..blocks).step_by(per) {
+                let range = start..(start + per).min(blocks);
                 s.spawn(move |_| run(range));
             }
-            run(0..per.min(blocks));
         });
     }
 

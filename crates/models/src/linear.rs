@@ -213,6 +213,24 @@ impl Linear {
         })
     }
 
+    /// As `forward`, but a packed layer first queues its input's evaluation
+    /// and yields, so an interleaved executor ([`crate::llama::LlamaModel::
+    /// forward_interleaved`]) can run another forward's GEMM while MLX
+    /// computes this input.
+    pub async fn forward_async(&self, x: &Array) -> Result<Array> {
+        let Linear::Host { weight, bias } = self else {
+            return self.forward(x);
+        };
+        let x = x.contiguous()?;
+        mlx_rs::transforms::async_eval([&x])?;
+        YieldOnce(false).await;
+        let y = host_matmul(weight, &x)?;
+        Ok(match bias {
+            Some(b) => ops::add(&y, b)?,
+            None => y,
+        })
+    }
+
     /// Rows of the weight matrix as dense vectors: the embedding lookup.
     pub fn embed(&self, ids: &Array, dtype: Dtype) -> Result<Array> {
         match self {
@@ -285,6 +303,25 @@ fn check_quant_shapes(
         });
     }
     Ok(())
+}
+
+/// Returns `Pending` once: the point where an interleaved executor moves to
+/// the next forward.
+pub(crate) struct YieldOnce(pub bool);
+
+impl std::future::Future for YieldOnce {
+    type Output = ();
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.0 {
+            std::task::Poll::Ready(())
+        } else {
+            self.0 = true;
+            std::task::Poll::Pending
+        }
+    }
 }
 
 /// An f32 array over `data` without copying it: MLX frees it through the

@@ -1,5 +1,7 @@
 //! Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over mlx-rs.
 
+use std::future::Future;
+
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
@@ -34,10 +36,18 @@ impl Proj {
         })
     }
 
-    fn forward(&self, x: &Array) -> Result<Vec<Array>> {
+    async fn forward(&self, x: &Array) -> Result<Vec<Array>> {
         match self {
-            Proj::Fused { lin, splits } => Ok(lin.forward(x)?.split_at_indices(splits, -1)?),
-            Proj::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            Proj::Fused { lin, splits } => {
+                Ok(lin.forward_async(x).await?.split_at_indices(splits, -1)?)
+            }
+            Proj::Separate(parts) => {
+                let mut out = Vec::with_capacity(parts.len());
+                for p in parts {
+                    out.push(p.forward_async(x).await?);
+                }
+                Ok(out)
+            }
         }
     }
 
@@ -261,6 +271,64 @@ impl LlamaModel {
         last_only: bool,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
+        let mut fut = std::pin::pin!(self.forward_async(tokens, cache, last_only, after_layer));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        loop {
+            if let std::task::Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+                return out;
+            }
+        }
+    }
+
+    /// Runs independent forwards (`(lane, tokens, cache, last_only)`) in
+    /// lockstep, each built on its lane's stream. With packed linears a
+    /// forward stops at each GEMM; while one forward's GEMM runs on the CPU
+    /// pool, MLX evaluates the others' norms, RoPE and attention on their
+    /// streams, so both kinds of work overlap instead of taking turns.
+    pub fn forward_interleaved(
+        &self,
+        jobs: Vec<(usize, &Array, &mut KvCache, bool)>,
+        lanes: &crate::Lanes,
+        after_layer: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Vec<Array>> {
+        let hook = std::cell::RefCell::new(after_layer);
+        let mut hooks: Vec<_> = jobs
+            .iter()
+            .map(|_| |i: usize| (hook.borrow_mut())(i))
+            .collect();
+        let mut lane_of = Vec::with_capacity(jobs.len());
+        let mut futs = Vec::with_capacity(jobs.len());
+        for ((lane, tokens, cache, last_only), h) in jobs.into_iter().zip(hooks.iter_mut()) {
+            lane_of.push(lane);
+            futs.push(Box::pin(self.forward_async(tokens, cache, last_only, h)));
+        }
+        let mut out: Vec<Option<Array>> = futs.iter().map(|_| None).collect();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        loop {
+            let mut pending = false;
+            for (i, fut) in futs.iter_mut().enumerate() {
+                if out[i].is_some() {
+                    continue;
+                }
+                match lanes.on(lane_of[i], || fut.as_mut().poll(&mut cx)) {
+                    std::task::Poll::Ready(r) => out[i] = Some(r?),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+            if !pending {
+                break;
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+
+    async fn forward_async(
+        &self,
+        tokens: &Array,
+        cache: &mut KvCache,
+        last_only: bool,
+        after_layer: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Array> {
         let shape = tokens.shape();
         if shape.len() != 2 || shape[0] as usize != cache.batch_size() {
             return Err(ModelError::Invalid(format!(
@@ -277,17 +345,19 @@ impl LlamaModel {
         };
         for (i, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, Some(&layer.input_norm), self.config.rms_norm_eps)?;
-            let a = self.attention(i, &layer.attn, &x, cache, &offsets, &mask)?;
+            let a = self
+                .attention(i, &layer.attn, &x, cache, &offsets, &mask)
+                .await?;
             h = ops::add(&h, &a)?;
             let x = fast::rms_norm(&h, Some(&layer.post_norm), self.config.rms_norm_eps)?;
             let m = &layer.mlp;
-            let gu = m.gate_up.forward(&x)?;
+            let gu = m.gate_up.forward(&x).await?;
             let (g, u) = (&gu[0], &gu[1]);
             let act = match self.policy.kernels {
                 Kernels::Stock => ops::multiply(&ops::multiply(g, &ops::sigmoid(g)?)?, u)?,
                 Kernels::CpuTuned => cpu_kernels::silu_mul(g, u)?,
             };
-            h = ops::add(&h, &m.down.forward(&act)?)?;
+            h = ops::add(&h, &m.down.forward_async(&act).await?)?;
             after_layer(i)?;
         }
         if last_only && t > 1 {
@@ -295,12 +365,12 @@ impl LlamaModel {
         }
         let h = fast::rms_norm(&h, Some(&self.norm), self.config.rms_norm_eps)?;
         match &self.lm_head {
-            Some(head) => head.forward(&h),
+            Some(head) => head.forward_async(&h).await,
             None => self.embed.forward(&h),
         }
     }
 
-    fn attention(
+    async fn attention(
         &self,
         layer: usize,
         attn: &Attention,
@@ -319,7 +389,7 @@ impl LlamaModel {
             };
             Ok(y.transpose_axes(&[0, 2, 1, 3])?)
         };
-        let mut qkv = attn.qkv.forward(x)?.into_iter();
+        let mut qkv = attn.qkv.forward(x).await?.into_iter();
         let mut next = || {
             qkv.next()
                 .ok_or_else(|| ModelError::Invalid("qkv split".into()))
@@ -351,7 +421,7 @@ impl LlamaModel {
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[b, t, c.num_heads * c.head_dim])?;
-        attn.o.forward(&out)
+        attn.o.forward_async(&out).await
     }
 
     /// Dtype activations run in.

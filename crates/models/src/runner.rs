@@ -340,6 +340,9 @@ impl BatchRunner {
         } else {
             None
         };
+        // Every forward of the step is built first and then run in lockstep
+        // (`LlamaModel::forward_interleaved`), each on its lane.
+        let mut groups = Vec::with_capacity(plan.groups.len());
         for (g, lane) in plan.groups {
             let t = g.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i32;
             let mut ids: Vec<i32> = Vec::with_capacity(g.len() * t as usize);
@@ -352,40 +355,31 @@ impl BatchRunner {
                 ids.extend(s.tokens.iter().map(|&x| x as i32));
             }
             let tokens = Array::from_slice(&ids, &[g.len() as i32, t]);
-            let mut cache = KvCache::with_left_pad(self.model.num_layers(), pads);
-            let logits = self.lanes.on(lane, || {
-                run(&self.model, &tokens, &mut cache, true, &mut self.layer_hook)
-            })?;
-            for (i, s) in g.iter().enumerate() {
-                if s.want_logits {
-                    outputs.insert(s.row, logits.try_index((i as i32, 0, ..))?);
-                }
-            }
-            self.groups.push((g.iter().map(|s| s.row).collect(), cache));
+            let cache = KvCache::with_left_pad(self.model.num_layers(), pads);
+            groups.push((g, lane, tokens, cache));
         }
+        let mut singles = Vec::with_capacity(plan.singles.len());
         for (s, lane) in plan.singles {
             self.unpark(s.row)?;
-            if !self.solo.contains_key(&s.row) {
-                self.solo
-                    .insert(s.row, KvCache::new(self.model.num_layers(), 1));
-                self.created.push(s.row);
-            }
+            // Out of the map while the forward borrows it; put back below,
+            // whatever the outcome, so a rollback finds it.
+            let cache = match self.solo.remove(&s.row) {
+                Some(c) => c,
+                None => {
+                    self.created.push(s.row);
+                    KvCache::new(self.model.num_layers(), 1)
+                }
+            };
+            self.touched_solo.push(s.row);
             let ids: Vec<i32> = s.tokens.iter().map(|&t| t as i32).collect();
             let tokens = Array::from_slice(&ids, &[1, ids.len() as i32]);
-            let cache = self
-                .solo
-                .get_mut(&s.row)
-                .ok_or_else(|| ModelError::Invalid("solo cache vanished".into()))?;
-            self.touched_solo.push(s.row);
-            let logits = self.lanes.on(lane, || {
-                run(&self.model, &tokens, cache, true, &mut self.layer_hook)
-            })?;
-            if s.want_logits {
-                outputs.insert(s.row, logits.reshape(&[-1])?);
-            }
+            singles.push((s, lane, tokens, cache));
         }
         self.drop_empty_parked();
-        if !decode.is_empty() {
+        let mut decode_t = 0;
+        let decode_tokens = if decode.is_empty() {
+            None
+        } else {
             // Rows with shorter drafts (or none) are filled on the right; the
             // filler columns are never kept, so they end up as holes.
             let t = decode.iter().map(|s| s.tokens.len()).max().unwrap_or(1);
@@ -398,21 +392,68 @@ impl BatchRunner {
                     self.batch_kept[i] = s.tokens.len() as i32;
                 }
             }
-            let tokens = Array::from_slice(&ids, &[decode.len() as i32, t as i32]);
             self.touched_batch = true;
-            let logits = self.lanes.on(plan.decode_lane, || {
-                run(
-                    &self.model,
-                    &tokens,
-                    &mut self.batch,
-                    t == 1,
-                    &mut self.layer_hook,
-                )
-            })?;
+            decode_t = t;
+            Some(Array::from_slice(&ids, &[decode.len() as i32, t as i32]))
+        };
+        let mut jobs: Vec<(usize, &Array, &mut KvCache, bool)> = Vec::new();
+        for (_, lane, tokens, cache) in groups.iter_mut() {
+            jobs.push((*lane, tokens, cache, true));
+        }
+        for (_, lane, tokens, cache) in singles.iter_mut() {
+            jobs.push((*lane, tokens, cache, true));
+        }
+        if let Some(tokens) = &decode_tokens {
+            jobs.push((plan.decode_lane, tokens, &mut self.batch, decode_t == 1));
+        }
+        let mut no_hook = |_: usize| Ok(());
+        let hook: &mut dyn FnMut(usize) -> Result<()> = match &mut self.layer_hook {
+            Some(h) => h.as_mut(),
+            None => &mut no_hook,
+        };
+        let ran = self.model.forward_interleaved(jobs, &self.lanes, hook);
+        let mut logits = match ran {
+            Ok(l) => l.into_iter(),
+            Err(e) => {
+                for (s, _, _, cache) in singles {
+                    self.solo.insert(s.row, cache);
+                }
+                return Err(e);
+            }
+        };
+        let mut next = || {
+            logits
+                .next()
+                .ok_or_else(|| ModelError::Invalid("a forward returned no logits".into()))
+        };
+        for (g, _, _, cache) in groups {
+            let l = next()?;
+            for (i, s) in g.iter().enumerate() {
+                if s.want_logits {
+                    outputs.insert(s.row, l.try_index((i as i32, 0, ..))?);
+                }
+            }
+            self.groups.push((g.iter().map(|s| s.row).collect(), cache));
+        }
+        let mut single_logits = Vec::with_capacity(singles.len());
+        for (s, _, _, cache) in singles {
+            single_logits.push(next());
+            self.solo.insert(s.row, cache);
+            if let Some(Ok(l)) = single_logits.last() {
+                if s.want_logits {
+                    outputs.insert(s.row, l.reshape(&[-1])?);
+                }
+            }
+        }
+        if let Some(e) = single_logits.into_iter().find_map(|r| r.err()) {
+            return Err(e);
+        }
+        if decode_tokens.is_some() {
+            let l = next()?;
             for (i, s) in decode.iter().enumerate() {
                 if s.want_logits {
                     let n = 1 + s.draft as i32;
-                    outputs.insert(s.row, logits.try_index((i as i32, 0..n, ..))?);
+                    outputs.insert(s.row, l.try_index((i as i32, 0..n, ..))?);
                 }
             }
         }
@@ -758,19 +799,6 @@ fn plan_lanes<'a>(
     }
     plan.singles.sort_by_key(|(s, _)| s.row);
     plan
-}
-
-fn run(
-    model: &LlamaModel,
-    tokens: &Array,
-    cache: &mut KvCache,
-    last_only: bool,
-    hook: &mut Option<Box<dyn FnMut(usize) -> Result<()>>>,
-) -> Result<Array> {
-    match hook {
-        Some(h) => model.forward_with_hook(tokens, cache, last_only, &mut |i| h(i)),
-        None => model.forward(tokens, cache, last_only),
-    }
 }
 
 #[cfg(test)]
