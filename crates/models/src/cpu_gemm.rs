@@ -130,7 +130,11 @@ impl PackedWeight {
                 unsafe { self.block(isa, b, x, m, out.get()) }
             }
         };
-        let threads = pool().current_num_threads();
+        let Some(pool) = pool() else {
+            run(0..blocks);
+            return;
+        };
+        let threads = pool.current_num_threads();
         // Below ~100k multiply-adds the pool's wake-up costs more than it saves.
         if threads <= 1 || blocks == 1 || m * self.n * self.k < 100_000 {
             run(0..blocks);
@@ -140,7 +144,7 @@ impl PackedWeight {
         // MLX work may hold one core for part of the call.
         let tasks = (threads * 4).min(blocks);
         let per = blocks.div_ceil(tasks);
-        pool().scope(|s| {
+        pool.scope(|s| {
             for start in (0..blocks).step_by(per) {
                 let range = start..(start + per).min(blocks);
                 s.spawn(move |_| run(range));
@@ -154,18 +158,67 @@ impl PackedWeight {
     /// `y` points at a row-major `[m, n]` buffer no other thread writes
     /// block `b` of; `x` is `[m, k]`.
     unsafe fn block(&self, isa: Isa, b: usize, x: &[f32], m: usize, y: *mut f32) {
-        let w = &self.data[b * self.k * COLS..][..self.k * COLS];
-        let cols = COLS.min(self.n - b * COLS);
-        let y = y.add(b * COLS);
+        let tile = Tile {
+            w: &self.data[b * self.k * COLS..][..self.k * COLS],
+            x: x.as_ptr(),
+            k: self.k,
+            y: y.add(b * COLS),
+            ldy: self.n,
+            cols: COLS.min(self.n - b * COLS),
+        };
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => x86::block_avx512(w, x, self.k, m, y, self.n, cols),
+            Isa::Avx512 => x86::block_avx512(&tile, m),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => x86::block_avx2(w, x, self.k, m, y, self.n, cols),
-            _ => block_portable(w, x, self.k, m, y, self.n, cols),
+            Isa::Avx2 => x86::block_avx2(&tile, m),
+            _ => block_portable(&tile, m),
         }
     }
 }
+
+/// One packed block against some rows of `x`.
+struct Tile<'a> {
+    /// The block's weights, `[k][COLS]`.
+    w: &'a [f32],
+    /// The first row of `x` (row-major, `k` floats per row).
+    x: *const f32,
+    k: usize,
+    /// The block's first column in the first row of `y`.
+    y: *mut f32,
+    /// Floats per row of `y`.
+    ldy: usize,
+    /// Columns of the block that exist (the last block may be partial).
+    cols: usize,
+}
+
+impl Tile<'_> {
+    /// The same block for rows `r..` of `x` and `y`.
+    ///
+    /// # Safety
+    /// Row `r` exists in both.
+    unsafe fn at_row(&self, r: usize) -> Tile<'_> {
+        Tile {
+            x: self.x.add(r * self.k),
+            y: self.y.add(r * self.ldy),
+            ..*self
+        }
+    }
+
+    /// Writes one row of finished accumulators (`COLS` lanes) to row `r`.
+    ///
+    /// # Safety
+    /// Row `r` of `y` exists.
+    unsafe fn store(&self, r: usize, row: &[f32; COLS]) {
+        std::ptr::copy_nonoverlapping(row.as_ptr(), self.y.add(r * self.ldy), self.cols);
+    }
+}
+
+impl Clone for Tile<'_> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl Copy for Tile<'_> {}
 
 /// The output pointer, shared by threads that write disjoint blocks of it.
 #[derive(Clone, Copy)]
@@ -179,50 +232,42 @@ impl SharedOut {
     }
 }
 
-/// One pool for every GEMM of the process, a thread per core: the engine
-/// thread only waits on it, and MLX's own stream thread is idle meanwhile.
-fn pool() -> &'static rayon::ThreadPool {
-    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+/// One pool for every GEMM of the process, a thread per core (the engine
+/// thread waits on it; MLX's stream threads run other lanes' ops meanwhile).
+/// None if no thread could be started: GEMMs then run on the caller.
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     POOL.get_or_init(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         rayon::ThreadPoolBuilder::new()
             .num_threads(cores)
             .thread_name(|i| format!("weft-gemm-{i}"))
             .build()
-            .or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build())
-            .unwrap_or_else(|e| panic!("cannot start a single GEMM thread: {e}"))
+            .map_err(|e| tracing::warn!("GEMM threads unavailable, running on the caller: {e}"))
+            .ok()
     })
+    .as_ref()
 }
 
 /// # Safety
-/// As [`PackedWeight::block`]; `y` already points at the block's first column.
-unsafe fn block_portable(
-    w: &[f32],
-    x: &[f32],
-    k: usize,
-    m: usize,
-    y: *mut f32,
-    ldy: usize,
-    cols: usize,
-) {
+/// As [`PackedWeight::block`]: `t` covers `m` rows of `x` and `y`.
+unsafe fn block_portable(t: &Tile, m: usize) {
     for r in 0..m {
-        let xr = &x[r * k..][..k];
+        let xr = std::slice::from_raw_parts(t.x.add(r * t.k), t.k);
         let mut acc = [0f32; COLS];
         for (kk, &xv) in xr.iter().enumerate() {
-            let wk = &w[kk * COLS..][..COLS];
+            let wk = &t.w[kk * COLS..][..COLS];
             for (a, &wv) in acc.iter_mut().zip(wk) {
                 *a = wv.mul_add(xv, *a);
             }
         }
-        for (j, &a) in acc.iter().enumerate().take(cols) {
-            *y.add(r * ldy + j) = a;
-        }
+        t.store(r, &acc);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::COLS;
+    use super::{Tile, COLS};
     use std::arch::x86_64::*;
 
     /// Rows of `x` one AVX-512 pass keeps in registers: 8 rows x 3 vectors
@@ -232,118 +277,74 @@ mod x86 {
     const ROWS_256: usize = 2;
 
     /// # Safety
-    /// AVX-512F available; see `block_portable`.
+    /// AVX-512F available; `t` covers `m` rows.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn block_avx512(
-        w: &[f32],
-        x: &[f32],
-        k: usize,
-        m: usize,
-        y: *mut f32,
-        ldy: usize,
-        cols: usize,
-    ) {
-        let mut r = 0;
-        while r < m {
-            let xr = x.as_ptr().add(r * k);
-            let yr = y.add(r * ldy);
+    pub unsafe fn block_avx512(t: &Tile, m: usize) {
+        for r in (0..m).step_by(ROWS_512) {
+            let t = t.at_row(r);
             match m - r {
-                1 => rows_avx512::<1>(w, xr, k, yr, ldy, cols),
-                2 => rows_avx512::<2>(w, xr, k, yr, ldy, cols),
-                3 => rows_avx512::<3>(w, xr, k, yr, ldy, cols),
-                4 => rows_avx512::<4>(w, xr, k, yr, ldy, cols),
-                5 => rows_avx512::<5>(w, xr, k, yr, ldy, cols),
-                6 => rows_avx512::<6>(w, xr, k, yr, ldy, cols),
-                7 => rows_avx512::<7>(w, xr, k, yr, ldy, cols),
-                _ => rows_avx512::<ROWS_512>(w, xr, k, yr, ldy, cols),
+                1 => rows_avx512::<1>(&t),
+                2 => rows_avx512::<2>(&t),
+                3 => rows_avx512::<3>(&t),
+                4 => rows_avx512::<4>(&t),
+                5 => rows_avx512::<5>(&t),
+                6 => rows_avx512::<6>(&t),
+                7 => rows_avx512::<7>(&t),
+                _ => rows_avx512::<ROWS_512>(&t),
             }
-            r += ROWS_512;
         }
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn rows_avx512<const M: usize>(
-        w: &[f32],
-        x: *const f32,
-        k: usize,
-        y: *mut f32,
-        ldy: usize,
-        cols: usize,
-    ) {
+    unsafe fn rows_avx512<const M: usize>(t: &Tile) {
         let mut acc = [[_mm512_setzero_ps(); 3]; M];
-        let wp = w.as_ptr();
-        for kk in 0..k {
-            let wk = wp.add(kk * COLS);
+        for kk in 0..t.k {
+            let wk = t.w.as_ptr().add(kk * COLS);
             let w0 = _mm512_loadu_ps(wk);
             let w1 = _mm512_loadu_ps(wk.add(16));
             let w2 = _mm512_loadu_ps(wk.add(32));
             for (r, a) in acc.iter_mut().enumerate() {
-                let xv = _mm512_set1_ps(*x.add(r * k + kk));
+                let xv = _mm512_set1_ps(*t.x.add(r * t.k + kk));
                 a[0] = _mm512_fmadd_ps(w0, xv, a[0]);
                 a[1] = _mm512_fmadd_ps(w1, xv, a[1]);
                 a[2] = _mm512_fmadd_ps(w2, xv, a[2]);
             }
         }
         for (r, a) in acc.iter().enumerate() {
-            let mut out = [0f32; COLS];
-            for (v, chunk) in a.iter().zip(out.chunks_exact_mut(16)) {
-                _mm512_storeu_ps(chunk.as_mut_ptr(), *v);
-            }
-            std::ptr::copy_nonoverlapping(out.as_ptr(), y.add(r * ldy), cols);
+            // SAFETY: 3 vectors of 16 f32 lanes are exactly COLS floats.
+            t.store(r, &std::mem::transmute::<[__m512; 3], [f32; COLS]>(*a));
         }
     }
 
     /// # Safety
-    /// AVX2 and FMA available; see `block_portable`.
+    /// AVX2 and FMA available; `t` covers `m` rows.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn block_avx2(
-        w: &[f32],
-        x: &[f32],
-        k: usize,
-        m: usize,
-        y: *mut f32,
-        ldy: usize,
-        cols: usize,
-    ) {
-        let mut r = 0;
-        while r < m {
-            let xr = x.as_ptr().add(r * k);
-            let yr = y.add(r * ldy);
+    pub unsafe fn block_avx2(t: &Tile, m: usize) {
+        for r in (0..m).step_by(ROWS_256) {
+            let t = t.at_row(r);
             if m - r == 1 {
-                rows_avx2::<1>(w, xr, k, yr, ldy, cols);
+                rows_avx2::<1>(&t);
             } else {
-                rows_avx2::<ROWS_256>(w, xr, k, yr, ldy, cols);
+                rows_avx2::<ROWS_256>(&t);
             }
-            r += ROWS_256;
         }
     }
 
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_avx2<const M: usize>(
-        w: &[f32],
-        x: *const f32,
-        k: usize,
-        y: *mut f32,
-        ldy: usize,
-        cols: usize,
-    ) {
+    unsafe fn rows_avx2<const M: usize>(t: &Tile) {
         let mut acc = [[_mm256_setzero_ps(); 6]; M];
-        let wp = w.as_ptr();
-        for kk in 0..k {
-            let wk = wp.add(kk * COLS);
+        for kk in 0..t.k {
+            let wk = t.w.as_ptr().add(kk * COLS);
             for (r, a) in acc.iter_mut().enumerate() {
-                let xv = _mm256_set1_ps(*x.add(r * k + kk));
+                let xv = _mm256_set1_ps(*t.x.add(r * t.k + kk));
                 for (j, v) in a.iter_mut().enumerate() {
                     *v = _mm256_fmadd_ps(_mm256_loadu_ps(wk.add(8 * j)), xv, *v);
                 }
             }
         }
         for (r, a) in acc.iter().enumerate() {
-            let mut out = [0f32; COLS];
-            for (v, chunk) in a.iter().zip(out.chunks_exact_mut(8)) {
-                _mm256_storeu_ps(chunk.as_mut_ptr(), *v);
-            }
-            std::ptr::copy_nonoverlapping(out.as_ptr(), y.add(r * ldy), cols);
+            // SAFETY: 6 vectors of 8 f32 lanes are exactly COLS floats.
+            t.store(r, &std::mem::transmute::<[__m256; 6], [f32; COLS]>(*a));
         }
     }
 }
