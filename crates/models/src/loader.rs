@@ -124,5 +124,8 @@ pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
     let tokenizer = Tokenizer::load(dir)?;
     let weights = Weights::load_dir(dir)?;
     let model = LlamaModel::from_weights(config, weights, opts.policy())?;
+    if model.policy.host_gemm {
+        crate::lanes::single_threaded_blas_for_good();
+    }
     Ok(LoadedModel { model, tokenizer })
 }
