@@ -412,15 +412,14 @@ impl BatchRunner {
             None => &mut no_hook,
         };
         let ran = self.model.forward_interleaved(jobs, &self.lanes, hook);
-        let mut logits = match ran {
-            Ok(l) => l.into_iter(),
-            Err(e) => {
-                for (s, _, _, cache) in singles {
-                    self.solo.insert(s.row, cache);
-                }
-                return Err(e);
-            }
-        };
+        // Solo caches go back to their map whatever happened, so a rollback
+        // finds them.
+        let mut single_rows = Vec::with_capacity(singles.len());
+        for (s, _, _, cache) in singles {
+            self.solo.insert(s.row, cache);
+            single_rows.push(s);
+        }
+        let mut logits = ran?.into_iter();
         let mut next = || {
             logits
                 .next()
@@ -435,18 +434,11 @@ impl BatchRunner {
             }
             self.groups.push((g.iter().map(|s| s.row).collect(), cache));
         }
-        let mut single_logits = Vec::with_capacity(singles.len());
-        for (s, _, _, cache) in singles {
-            single_logits.push(next());
-            self.solo.insert(s.row, cache);
-            if let Some(Ok(l)) = single_logits.last() {
-                if s.want_logits {
-                    outputs.insert(s.row, l.reshape(&[-1])?);
-                }
+        for s in single_rows {
+            let l = next()?;
+            if s.want_logits {
+                outputs.insert(s.row, l.reshape(&[-1])?);
             }
-        }
-        if let Some(e) = single_logits.into_iter().find_map(|r| r.err()) {
-            return Err(e);
         }
         if decode_tokens.is_some() {
             let l = next()?;
