@@ -1,7 +1,8 @@
 //! Times batched decode steps of a model directory: `cargo run --release -p
 //! weft-models --example decode_timing -- <model dir> [batch] [prompt] [steps]`
 //! (`HOST_GEMM=0|1` picks MLX matmuls or the packed CPU GEMM; `TWO_LANES=1`
-//! runs the prefill as two interleaved halves on two lanes, as the runner does).
+//! runs the prefill as two interleaved halves on two lanes, as the runner does;
+//! `DEQUANTIZE=0` keeps quantized weights quantized).
 use std::time::Instant;
 
 use mlx_rs::Array;
@@ -17,6 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &dir,
         LoadOptions {
             host_gemm: std::env::var("HOST_GEMM").ok().map(|v| v != "0"),
+            dequantize: std::env::var("DEQUANTIZE").ok().map(|v| v != "0"),
             ..LoadOptions::default()
         },
     )?

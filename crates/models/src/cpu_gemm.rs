@@ -25,8 +25,21 @@ pub const COLS: usize = 48;
 pub struct PackedWeight {
     n: usize,
     k: usize,
+    store: Store,
+}
+
+enum Store {
     /// `blocks * k * COLS` floats; the last block's missing columns are 0.
-    data: Vec<f32>,
+    F32(Vec<f32>),
+    /// MLX affine quantization kept quantized: `w = q * scale + bias` per
+    /// group of `group` inputs. One byte per weight (`blocks * k * COLS`, the
+    /// f32 layout's order); scales and biases `blocks * (k / group) * COLS`.
+    Affine {
+        q: Vec<u8>,
+        scales: Vec<f32>,
+        biases: Vec<f32>,
+        group: usize,
+    },
 }
 
 impl std::fmt::Debug for PackedWeight {
@@ -87,7 +100,68 @@ impl PackedWeight {
                 }
             }
         }
-        PackedWeight { n, k, data }
+        PackedWeight {
+            n,
+            k,
+            store: Store::F32(data),
+        }
+    }
+
+    /// Packs an MLX affine-quantized matrix as it is stored: `wq` `[n, k *
+    /// bits / 32]` words (low bits first), `scales`/`biases` `[n, k / group]`.
+    /// 2, 4 and 8 bits; `group` must divide `k`.
+    pub fn pack_affine(
+        wq: &[u32],
+        scales: &[f32],
+        biases: &[f32],
+        n: usize,
+        k: usize,
+        group: usize,
+        bits: usize,
+    ) -> Result<PackedWeight, String> {
+        if !matches!(bits, 2 | 4 | 8) || group == 0 || !k.is_multiple_of(group) {
+            return Err(format!(
+                "{bits}-bit groups of {group} over {k} inputs cannot be packed (2, 4 or 8 bits; groups dividing the input)"
+            ));
+        }
+        let (per_word, words) = (32 / bits, k * bits / 32);
+        let groups = k / group;
+        if wq.len() != n * words || scales.len() != n * groups || biases.len() != n * groups {
+            return Err(format!(
+                "quantized [{n}, {k}] weight has {} words and {} / {} scales / biases",
+                wq.len(),
+                scales.len(),
+                biases.len()
+            ));
+        }
+        let blocks = n.div_ceil(COLS);
+        let mask = (1u32 << bits) - 1;
+        let mut q = vec![0u8; blocks * k * COLS];
+        let mut sc = vec![0f32; blocks * groups * COLS];
+        let mut bi = vec![0f32; blocks * groups * COLS];
+        for col in 0..n {
+            let (b, j) = (col / COLS, col % COLS);
+            let row = &wq[col * words..][..words];
+            for kk in 0..k {
+                let word = row[kk / per_word];
+                let v = (word >> ((kk % per_word) * bits)) & mask;
+                q[(b * k + kk) * COLS + j] = v as u8;
+            }
+            for g in 0..groups {
+                sc[(b * groups + g) * COLS + j] = scales[col * groups + g];
+                bi[(b * groups + g) * COLS + j] = biases[col * groups + g];
+            }
+        }
+        Ok(PackedWeight {
+            n,
+            k,
+            store: Store::Affine {
+                q,
+                scales: sc,
+                biases: bi,
+                group,
+            },
+        })
     }
 
     pub fn out_features(&self) -> usize {
@@ -158,14 +232,76 @@ impl PackedWeight {
     /// `y` points at a row-major `[m, n]` buffer no other thread writes
     /// block `b` of; `x` is `[m, k]`.
     unsafe fn block(&self, isa: Isa, b: usize, x: &[f32], m: usize, y: *mut f32) {
+        let data = match &self.store {
+            Store::F32(data) => data,
+            Store::Affine {
+                q,
+                scales,
+                biases,
+                group,
+            } => {
+                let groups = self.k / group;
+                let tile = AffineTile {
+                    q: &q[b * self.k * COLS..][..self.k * COLS],
+                    scales: &scales[b * groups * COLS..][..groups * COLS],
+                    biases: &biases[b * groups * COLS..][..groups * COLS],
+                    group: *group,
+                    x: x.as_ptr(),
+                    k: self.k,
+                    y: y.add(b * COLS),
+                    ldy: self.n,
+                    cols: COLS.min(self.n - b * COLS),
+                };
+                if m <= AFFINE_FUSED_ROWS {
+                    match isa {
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 => x86::affine_avx512(&tile, m),
+                        _ => affine_portable(&tile, m),
+                    }
+                    return;
+                }
+                // More rows than one fused pass: dequantize the block once and
+                // run the f32 kernel over all of them (a prefill would
+                // otherwise dequantize it again for every group of rows).
+                SCRATCH.with_borrow_mut(|w| {
+                    w.clear();
+                    match isa {
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 => {
+                            w.resize(self.k * COLS, 0.0);
+                            x86::dequantize_avx512(&tile, w);
+                        }
+                        _ => w.extend((0..self.k).flat_map(|kk| tile.weights(kk))),
+                    }
+                    let f32_tile = Tile {
+                        w,
+                        x: tile.x,
+                        k: tile.k,
+                        y: tile.y,
+                        ldy: tile.ldy,
+                        cols: tile.cols,
+                    };
+                    // SAFETY: as for the f32 store, over the dequantized block.
+                    unsafe { self.f32_block(isa, &f32_tile, m) }
+                });
+                return;
+            }
+        };
         let tile = Tile {
-            w: &self.data[b * self.k * COLS..][..self.k * COLS],
+            w: &data[b * self.k * COLS..][..self.k * COLS],
             x: x.as_ptr(),
             k: self.k,
             y: y.add(b * COLS),
             ldy: self.n,
             cols: COLS.min(self.n - b * COLS),
         };
+        self.f32_block(isa, &tile, m)
+    }
+
+    /// # Safety
+    /// As [`Self::block`], for one f32 tile.
+    unsafe fn f32_block(&self, isa: Isa, tile: &Tile, m: usize) {
+        let tile = *tile;
         match isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => x86::block_avx512(&tile, m),
@@ -213,12 +349,75 @@ impl Tile<'_> {
     }
 }
 
+impl Clone for AffineTile<'_> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl Copy for AffineTile<'_> {}
+
 impl Clone for Tile<'_> {
     fn clone(&self) -> Self {
         *self
     }
 }
 impl Copy for Tile<'_> {}
+
+/// Rows up to which a quantized block is dequantized inside the kernel; above
+/// it, once into [`SCRATCH`].
+const AFFINE_FUSED_ROWS: usize = 8;
+
+thread_local! {
+    /// A dequantized block (`k * COLS` floats), reused by each GEMM thread.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One quantized block against some rows of `x` (see [`Tile`]).
+struct AffineTile<'a> {
+    q: &'a [u8],
+    scales: &'a [f32],
+    biases: &'a [f32],
+    group: usize,
+    x: *const f32,
+    k: usize,
+    y: *mut f32,
+    ldy: usize,
+    cols: usize,
+}
+
+impl AffineTile<'_> {
+    /// The weights of input `kk` for the block's columns, dequantized.
+    fn weights(&self, kk: usize) -> [f32; COLS] {
+        let g = kk / self.group;
+        let q = &self.q[kk * COLS..][..COLS];
+        let (s, b) = (
+            &self.scales[g * COLS..][..COLS],
+            &self.biases[g * COLS..][..COLS],
+        );
+        std::array::from_fn(|j| (q[j] as f32).mul_add(s[j], b[j]))
+    }
+
+    /// # Safety
+    /// As [`Tile::store`].
+    unsafe fn store(&self, r: usize, row: &[f32; COLS]) {
+        std::ptr::copy_nonoverlapping(row.as_ptr(), self.y.add(r * self.ldy), self.cols);
+    }
+}
+
+/// # Safety
+/// As [`block_portable`].
+unsafe fn affine_portable(t: &AffineTile, m: usize) {
+    for r in 0..m {
+        let xr = std::slice::from_raw_parts(t.x.add(r * t.k), t.k);
+        let mut acc = [0f32; COLS];
+        for (kk, &xv) in xr.iter().enumerate() {
+            for (a, wv) in acc.iter_mut().zip(t.weights(kk)) {
+                *a = wv.mul_add(xv, *a);
+            }
+        }
+        t.store(r, &acc);
+    }
+}
 
 /// The output pointer, shared by threads that write disjoint blocks of it.
 #[derive(Clone, Copy)]
@@ -267,7 +466,7 @@ unsafe fn block_portable(t: &Tile, m: usize) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Tile, COLS};
+    use super::{AffineTile, Tile, COLS};
     use std::arch::x86_64::*;
 
     /// Rows of `x` one AVX-512 pass keeps in registers: 8 rows x 3 vectors
@@ -308,6 +507,87 @@ mod x86 {
                 a[0] = _mm512_fmadd_ps(w0, xv, a[0]);
                 a[1] = _mm512_fmadd_ps(w1, xv, a[1]);
                 a[2] = _mm512_fmadd_ps(w2, xv, a[2]);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            // SAFETY: 3 vectors of 16 f32 lanes are exactly COLS floats.
+            t.store(r, &std::mem::transmute::<[__m512; 3], [f32; COLS]>(*a));
+        }
+    }
+
+    /// Rows per pass of the quantized kernel: 6 x 3 accumulators beside the
+    /// 6 scale/bias vectors and the 3 dequantized weights.
+    const ROWS_AFFINE: usize = 6;
+
+    /// # Safety
+    /// AVX-512F available; `t` covers `m` rows.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn affine_avx512(t: &AffineTile, m: usize) {
+        for r in (0..m).step_by(ROWS_AFFINE) {
+            let t = AffineTile {
+                x: t.x.add(r * t.k),
+                y: t.y.add(r * t.ldy),
+                ..*t
+            };
+            match m - r {
+                1 => affine_rows::<1>(&t),
+                2 => affine_rows::<2>(&t),
+                3 => affine_rows::<3>(&t),
+                4 => affine_rows::<4>(&t),
+                5 => affine_rows::<5>(&t),
+                _ => affine_rows::<ROWS_AFFINE>(&t),
+            }
+        }
+    }
+
+    /// The whole block dequantized into `out` (`k * COLS` floats, k-major).
+    ///
+    /// # Safety
+    /// AVX-512F available; `out.len() == t.k * COLS`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dequantize_avx512(t: &AffineTile, out: &mut [f32]) {
+        for g in 0..t.k / t.group {
+            for j in 0..3 {
+                let s = _mm512_loadu_ps(t.scales.as_ptr().add(g * COLS + 16 * j));
+                let b = _mm512_loadu_ps(t.biases.as_ptr().add(g * COLS + 16 * j));
+                for kk in g * t.group..(g + 1) * t.group {
+                    let at = kk * COLS + 16 * j;
+                    let bytes = _mm_loadu_si128(t.q.as_ptr().add(at) as *const __m128i);
+                    let q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+                    _mm512_storeu_ps(out.as_mut_ptr().add(at), _mm512_fmadd_ps(q, s, b));
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn affine_rows<const M: usize>(t: &AffineTile) {
+        let mut acc = [[_mm512_setzero_ps(); 3]; M];
+        for g in 0..t.k / t.group {
+            let (sp, bp) = (
+                t.scales.as_ptr().add(g * COLS),
+                t.biases.as_ptr().add(g * COLS),
+            );
+            let mut s = [_mm512_setzero_ps(); 3];
+            let mut b = [_mm512_setzero_ps(); 3];
+            for j in 0..3 {
+                s[j] = _mm512_loadu_ps(sp.add(16 * j));
+                b[j] = _mm512_loadu_ps(bp.add(16 * j));
+            }
+            for kk in g * t.group..(g + 1) * t.group {
+                let qp = t.q.as_ptr().add(kk * COLS);
+                let mut w = [_mm512_setzero_ps(); 3];
+                for j in 0..3 {
+                    let bytes = _mm_loadu_si128(qp.add(16 * j) as *const __m128i);
+                    let q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+                    w[j] = _mm512_fmadd_ps(q, s[j], b[j]);
+                }
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xv = _mm512_set1_ps(*t.x.add(r * t.k + kk));
+                    for j in 0..3 {
+                        a[j] = _mm512_fmadd_ps(w[j], xv, a[j]);
+                    }
+                }
             }
         }
         for (r, a) in acc.iter().enumerate() {
@@ -410,6 +690,83 @@ mod tests {
                 check(isa, n, k, m, seed)?;
             }
         }
+    }
+
+    /// MLX's affine layout, packed: words hold `32 / bits` values, low bits
+    /// first; each group of inputs has its own scale and bias per output.
+    fn check_affine(
+        isa: Isa,
+        n: usize,
+        k: usize,
+        m: usize,
+        group: usize,
+        bits: usize,
+        seed: u64,
+    ) -> Result<(), TestCaseError> {
+        let levels = 1u64 << bits;
+        let raw = values(n * k, seed);
+        let q: Vec<u32> = raw
+            .iter()
+            .map(|v| (((v + 1.0) / 2.0 * levels as f32) as u64).min(levels - 1) as u32)
+            .collect();
+        let per_word = 32 / bits;
+        let mut words = vec![0u32; n * k / per_word];
+        for (i, &v) in q.iter().enumerate() {
+            words[i / per_word] |= v << ((i % per_word) * bits);
+        }
+        let scales: Vec<f32> = values(n * k / group, seed + 2)
+            .iter()
+            .map(|v| v / levels as f32)
+            .collect();
+        let biases = values(n * k / group, seed + 3);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let (col, kk) = (i / k, i % k);
+                let g = col * (k / group) + kk / group;
+                (q[i] as f32).mul_add(scales[g], biases[g])
+            })
+            .collect();
+        let p = PackedWeight::pack_affine(&words, &scales, &biases, n, k, group, bits)
+            .map_err(TestCaseError::fail)?;
+        let x = values(m * k, seed + 1);
+        let mut y = vec![f32::NAN; m * n];
+        p.matmul_with(isa, &x, m, &mut y);
+        let want = reference(&w, &x, n, k, m);
+        for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+            // Weights up to ~2 in magnitude here.
+            let tol = 4e-6 * k as f64 + 1e-5;
+            prop_assert!(
+                (got as f64 - want).abs() <= tol,
+                "{isa:?} {bits}-bit n={n} k={k} m={m}: y[{}, {}] = {got}, want {want}",
+                i / n,
+                i % n
+            );
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn packed_affine_matmul_matches_reference(
+            n in 1usize..110,
+            groups in 1usize..4,
+            group in prop::sample::select(vec![32usize, 64]),
+            bits in prop::sample::select(vec![2usize, 4, 8]),
+            m in 1usize..15,
+            seed in 0u64..1000,
+        ) {
+            for isa in [Isa::detect(), Isa::Portable] {
+                check_affine(isa, n, groups * group, m, group, bits, seed)?;
+            }
+        }
+    }
+
+    #[test]
+    fn affine_packing_refuses_what_it_cannot_hold() {
+        assert!(PackedWeight::pack_affine(&[0; 6], &[0.0; 2], &[0.0; 2], 2, 32, 32, 3).is_err());
+        assert!(PackedWeight::pack_affine(&[0; 8], &[0.0; 2], &[0.0; 2], 2, 32, 24, 4).is_err());
+        assert!(PackedWeight::pack_affine(&[0; 7], &[0.0; 2], &[0.0; 2], 2, 32, 32, 4).is_err());
     }
 
     /// Large enough to run on the pool: threads split the blocks.

@@ -101,6 +101,17 @@ impl Linear {
     /// This layer packed for [`crate::cpu_gemm`], or None when it is not a
     /// dense f32 layer.
     pub fn to_host(&self) -> Result<Option<Linear>> {
+        if let Linear::Quantized {
+            weight,
+            scales,
+            biases,
+            bias,
+            group_size,
+            bits,
+        } = self
+        {
+            return Self::affine_to_host(weight, scales, biases, bias, *group_size, *bits);
+        }
         let Linear::Dense { weight, bias } = self else {
             return Ok(None);
         };
@@ -115,6 +126,47 @@ impl Linear {
         })?;
         Ok(Some(Linear::Host {
             weight: Arc::new(PackedWeight::pack(data, n, k)),
+            bias: bias.clone(),
+        }))
+    }
+
+    /// A quantized layer packed for the CPU GEMM as it is (2, 4, 8 bits),
+    /// or None for widths the packed kernels do not read.
+    fn affine_to_host(
+        weight: &Array,
+        scales: &Array,
+        biases: &Array,
+        bias: &Option<Array>,
+        group_size: i32,
+        bits: i32,
+    ) -> Result<Option<Linear>> {
+        if !matches!(bits, 2 | 4 | 8) || weight.ndim() != 2 {
+            return Ok(None);
+        }
+        let n = weight.dim(0) as usize;
+        let k = weight.dim(1) as usize * 32 / bits as usize;
+        let read = |what: &str, e: mlx_rs::error::AsSliceError| ModelError::Tensor {
+            name: format!("quantized [{n}, {k}] weight"),
+            message: format!("cannot read its {what} for packing: {e}"),
+        };
+        let wq = weight.contiguous()?;
+        let sc = scales.as_dtype(Dtype::Float32)?.contiguous()?;
+        let bi = biases.as_dtype(Dtype::Float32)?.contiguous()?;
+        let packed = PackedWeight::pack_affine(
+            wq.try_as_slice::<u32>().map_err(|e| read("words", e))?,
+            sc.try_as_slice::<f32>().map_err(|e| read("scales", e))?,
+            bi.try_as_slice::<f32>().map_err(|e| read("biases", e))?,
+            n,
+            k,
+            group_size as usize,
+            bits as usize,
+        )
+        .map_err(|message| ModelError::Tensor {
+            name: format!("quantized [{n}, {k}] weight"),
+            message,
+        })?;
+        Ok(Some(Linear::Host {
+            weight: Arc::new(packed),
             bias: bias.clone(),
         }))
     }
