@@ -15,7 +15,9 @@ pub struct ComputeArgs {
     /// Activation dtype: auto (f32 on CPU, bf16 on GPU), f32, f16 or bf16.
     #[arg(long, default_value = "auto", env = "WEFT_COMPUTE_DTYPE")]
     pub compute_dtype: String,
-    /// Quantized weights: auto (dequantize on CPU, keep on GPU), keep or dequantize.
+    /// Quantized weights: auto (keep on GPU and on CPUs where the packed GEMM
+    /// multiplies them as they are, i.e. AVX-512; dequantize to f32 otherwise),
+    /// keep or dequantize.
     #[arg(long, default_value = "auto", env = "WEFT_WEIGHTS")]
     pub weights: String,
     /// SiLU/attention kernels: auto (cpu-tuned for f32 on CPU, stock otherwise),

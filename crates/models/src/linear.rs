@@ -140,7 +140,10 @@ impl Linear {
         group_size: i32,
         bits: i32,
     ) -> Result<Option<Linear>> {
-        if !matches!(bits, 2 | 4 | 8) || weight.ndim() != 2 {
+        // Without AVX-512 only the portable loop reads quantized blocks,
+        // slower than MLX's own quantized matmul.
+        let fast = crate::cpu_gemm::Isa::detect() == crate::cpu_gemm::Isa::Avx512;
+        if !fast || !matches!(bits, 2 | 4 | 8) || weight.ndim() != 2 {
             return Ok(None);
         }
         let n = weight.dim(0) as usize;

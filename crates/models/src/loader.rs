@@ -44,7 +44,8 @@ impl Device {
 pub struct LoadOptions {
     /// Activation/weight dtype; None picks per device (f32 on CPU, bf16 on GPU).
     pub dtype: Option<Dtype>,
-    /// Dequantize at load; None picks per device (yes on CPU, no on GPU).
+    /// Dequantize at load; None picks per device (no on GPU; on the CPU no
+    /// where the packed GEMM runs quantized weights (AVX-512), else yes).
     pub dequantize: Option<bool>,
     pub device: Device,
     /// SiLU/attention formulation; None picks per device and dtype
@@ -93,17 +94,24 @@ impl LoadOptions {
             None if tuned_fits => Kernels::CpuTuned,
             None => Kernels::Stock,
         };
+        // Stock kernels promise mlx-lm's exact numbers, so their matmuls
+        // stay MLX's.
+        let host_gemm = tuned_fits
+            && kernels == Kernels::CpuTuned
+            && self
+                .host_gemm
+                .unwrap_or_else(|| crate::cpu_gemm::Isa::detect().is_vectorized());
+        // On the CPU, MLX's quantized matmul is slow, so quantized weights are
+        // dequantized once at load, unless the packed GEMM can multiply them
+        // as they are (AVX-512: a fused dequantizing kernel, 3x less memory
+        // than f32 and a faster single-stream decode).
+        let keep_quantized =
+            host_gemm && crate::cpu_gemm::Isa::detect() == crate::cpu_gemm::Isa::Avx512;
         WeightPolicy {
             dtype,
-            dequantize: self.dequantize.unwrap_or(cpu),
+            dequantize: self.dequantize.unwrap_or(cpu && !keep_quantized),
             kernels,
-            // Stock kernels promise mlx-lm's exact numbers, so their matmuls
-            // stay MLX's.
-            host_gemm: tuned_fits
-                && kernels == Kernels::CpuTuned
-                && self
-                    .host_gemm
-                    .unwrap_or_else(|| crate::cpu_gemm::Isa::detect().is_vectorized()),
+            host_gemm,
         }
     }
 }

@@ -130,3 +130,18 @@ fn quantized_llama_dequantized_matches_mlx_lm() {
 fn quantized_llama_quantized_matmul_matches_mlx_lm() {
     check("llama", true, QUANT_F32);
 }
+
+/// Quantized weights kept quantized on the packed GEMM (the CPU default with
+/// AVX-512).
+#[test]
+fn quantized_llama_on_the_packed_gemm_matches_mlx_lm() {
+    check(
+        "llama",
+        true,
+        WeightPolicy {
+            kernels: Kernels::CpuTuned,
+            host_gemm: true,
+            ..QUANT_F32
+        },
+    );
+}
