@@ -98,8 +98,9 @@ impl Linear {
         }
     }
 
-    /// This layer packed for [`crate::cpu_gemm`], or None when it is not a
-    /// dense f32 layer.
+    /// This layer packed for [`crate::cpu_gemm`] (dense f32, or 2/4/8-bit
+    /// affine where AVX-512 runs the quantized kernel), or None when the
+    /// packed kernels cannot take it.
     pub fn to_host(&self) -> Result<Option<Linear>> {
         if let Linear::Quantized {
             weight,
