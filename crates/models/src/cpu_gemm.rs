@@ -232,8 +232,18 @@ impl PackedWeight {
     /// `y` points at a row-major `[m, n]` buffer no other thread writes
     /// block `b` of; `x` is `[m, k]`.
     unsafe fn block(&self, isa: Isa, b: usize, x: &[f32], m: usize, y: *mut f32) {
-        let data = match &self.store {
-            Store::F32(data) => data,
+        let rows = Rows {
+            x: x.as_ptr(),
+            k: self.k,
+            y: y.add(b * COLS),
+            ldy: self.n,
+            cols: COLS.min(self.n - b * COLS),
+        };
+        match &self.store {
+            Store::F32(data) => {
+                let w = &data[b * self.k * COLS..][..self.k * COLS];
+                f32_block(isa, &Tile { w, rows }, m)
+            }
             Store::Affine {
                 q,
                 scales,
@@ -246,76 +256,58 @@ impl PackedWeight {
                     scales: &scales[b * groups * COLS..][..groups * COLS],
                     biases: &biases[b * groups * COLS..][..groups * COLS],
                     group: *group,
-                    x: x.as_ptr(),
-                    k: self.k,
-                    y: y.add(b * COLS),
-                    ldy: self.n,
-                    cols: COLS.min(self.n - b * COLS),
+                    rows,
                 };
-                if m <= AFFINE_FUSED_ROWS {
-                    match isa {
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => x86::affine_avx512(&tile, m),
-                        _ => affine_portable(&tile, m),
-                    }
-                    return;
-                }
-                // More rows than one fused pass: dequantize the block once and
-                // run the f32 kernel over all of them (a prefill would
-                // otherwise dequantize it again for every group of rows).
-                SCRATCH.with_borrow_mut(|w| {
-                    w.clear();
-                    match isa {
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => {
-                            w.resize(self.k * COLS, 0.0);
-                            x86::dequantize_avx512(&tile, w);
-                        }
-                        _ => w.extend((0..self.k).flat_map(|kk| tile.weights(kk))),
-                    }
-                    let f32_tile = Tile {
-                        w,
-                        x: tile.x,
-                        k: tile.k,
-                        y: tile.y,
-                        ldy: tile.ldy,
-                        cols: tile.cols,
-                    };
-                    // SAFETY: as for the f32 store, over the dequantized block.
-                    unsafe { self.f32_block(isa, &f32_tile, m) }
-                });
-                return;
+                affine_block(isa, &tile, m)
             }
-        };
-        let tile = Tile {
-            w: &data[b * self.k * COLS..][..self.k * COLS],
-            x: x.as_ptr(),
-            k: self.k,
-            y: y.add(b * COLS),
-            ldy: self.n,
-            cols: COLS.min(self.n - b * COLS),
-        };
-        self.f32_block(isa, &tile, m)
-    }
-
-    /// # Safety
-    /// As [`Self::block`], for one f32 tile.
-    unsafe fn f32_block(&self, isa: Isa, tile: &Tile, m: usize) {
-        let tile = *tile;
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => x86::block_avx512(&tile, m),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => x86::block_avx2(&tile, m),
-            _ => block_portable(&tile, m),
         }
     }
 }
 
-/// One packed block against some rows of `x`.
-struct Tile<'a> {
-    /// The block's weights, `[k][COLS]`.
-    w: &'a [f32],
+/// # Safety
+/// `tile` covers `m` rows of `x` and `y` (see [`PackedWeight::block`]).
+unsafe fn f32_block(isa: Isa, tile: &Tile, m: usize) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::block_avx512(tile, m),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::block_avx2(tile, m),
+        _ => block_portable(tile, m),
+    }
+}
+
+/// # Safety
+/// As [`f32_block`].
+unsafe fn affine_block(isa: Isa, tile: &AffineTile, m: usize) {
+    if m <= AFFINE_FUSED_ROWS {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86::affine_avx512(tile, m),
+            _ => affine_portable(tile, m),
+        }
+        return;
+    }
+    // More rows than one fused pass: dequantize the block once and run the
+    // f32 kernel over all of them (a prefill would otherwise dequantize it
+    // again for every group of rows).
+    SCRATCH.with_borrow_mut(|w| {
+        w.clear();
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                w.resize(tile.rows.k * COLS, 0.0);
+                x86::dequantize_avx512(tile, w);
+            }
+            _ => w.extend((0..tile.rows.k).flat_map(|kk| tile.weights(kk))),
+        }
+        // SAFETY: the same rows, over the dequantized block.
+        unsafe { f32_block(isa, &Tile { w, rows: tile.rows }, m) }
+    });
+}
+
+/// Rows of `x` and the output block they fill.
+#[derive(Clone, Copy)]
+struct Rows {
     /// The first row of `x` (row-major, `k` floats per row).
     x: *const f32,
     k: usize,
@@ -327,41 +319,43 @@ struct Tile<'a> {
     cols: usize,
 }
 
-impl Tile<'_> {
+impl Rows {
     /// The same block for rows `r..` of `x` and `y`.
     ///
     /// # Safety
     /// Row `r` exists in both.
-    unsafe fn at_row(&self, r: usize) -> Tile<'_> {
-        Tile {
+    unsafe fn at_row(self, r: usize) -> Rows {
+        Rows {
             x: self.x.add(r * self.k),
             y: self.y.add(r * self.ldy),
-            ..*self
+            ..self
         }
+    }
+
+    /// Input `kk` of row `r`.
+    ///
+    /// # Safety
+    /// Row `r` exists; `kk < k`.
+    unsafe fn x(self, r: usize, kk: usize) -> f32 {
+        *self.x.add(r * self.k + kk)
     }
 
     /// Writes one row of finished accumulators (`COLS` lanes) to row `r`.
     ///
     /// # Safety
     /// Row `r` of `y` exists.
-    unsafe fn store(&self, r: usize, row: &[f32; COLS]) {
+    unsafe fn store(self, r: usize, row: &[f32; COLS]) {
         std::ptr::copy_nonoverlapping(row.as_ptr(), self.y.add(r * self.ldy), self.cols);
     }
 }
 
-impl Clone for AffineTile<'_> {
-    fn clone(&self) -> Self {
-        *self
-    }
+/// One packed f32 block against some rows of `x`.
+#[derive(Clone, Copy)]
+struct Tile<'a> {
+    /// The block's weights, `[k][COLS]`.
+    w: &'a [f32],
+    rows: Rows,
 }
-impl Copy for AffineTile<'_> {}
-
-impl Clone for Tile<'_> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl Copy for Tile<'_> {}
 
 /// Rows up to which a quantized block is dequantized inside the kernel; above
 /// it, once into [`SCRATCH`].
@@ -372,17 +366,16 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// One quantized block against some rows of `x` (see [`Tile`]).
+/// One quantized block against some rows of `x`.
+#[derive(Clone, Copy)]
 struct AffineTile<'a> {
+    /// `[k][COLS]` quantized values.
     q: &'a [u8],
+    /// `[k / group][COLS]` each.
     scales: &'a [f32],
     biases: &'a [f32],
     group: usize,
-    x: *const f32,
-    k: usize,
-    y: *mut f32,
-    ldy: usize,
-    cols: usize,
+    rows: Rows,
 }
 
 impl AffineTile<'_> {
@@ -396,26 +389,20 @@ impl AffineTile<'_> {
         );
         std::array::from_fn(|j| (q[j] as f32).mul_add(s[j], b[j]))
     }
-
-    /// # Safety
-    /// As [`Tile::store`].
-    unsafe fn store(&self, r: usize, row: &[f32; COLS]) {
-        std::ptr::copy_nonoverlapping(row.as_ptr(), self.y.add(r * self.ldy), self.cols);
-    }
 }
 
 /// # Safety
-/// As [`block_portable`].
+/// As [`f32_block`].
 unsafe fn affine_portable(t: &AffineTile, m: usize) {
     for r in 0..m {
-        let xr = std::slice::from_raw_parts(t.x.add(r * t.k), t.k);
         let mut acc = [0f32; COLS];
-        for (kk, &xv) in xr.iter().enumerate() {
+        for kk in 0..t.rows.k {
+            let xv = t.rows.x(r, kk);
             for (a, wv) in acc.iter_mut().zip(t.weights(kk)) {
                 *a = wv.mul_add(xv, *a);
             }
         }
-        t.store(r, &acc);
+        t.rows.store(r, &acc);
     }
 }
 
@@ -449,18 +436,17 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
 }
 
 /// # Safety
-/// As [`PackedWeight::block`]: `t` covers `m` rows of `x` and `y`.
+/// As [`f32_block`].
 unsafe fn block_portable(t: &Tile, m: usize) {
     for r in 0..m {
-        let xr = std::slice::from_raw_parts(t.x.add(r * t.k), t.k);
         let mut acc = [0f32; COLS];
-        for (kk, &xv) in xr.iter().enumerate() {
-            let wk = &t.w[kk * COLS..][..COLS];
+        for kk in 0..t.rows.k {
+            let (xv, wk) = (t.rows.x(r, kk), &t.w[kk * COLS..][..COLS]);
             for (a, &wv) in acc.iter_mut().zip(wk) {
                 *a = wv.mul_add(xv, *a);
             }
         }
-        t.store(r, &acc);
+        t.rows.store(r, &acc);
     }
 }
 
@@ -480,7 +466,10 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     pub unsafe fn block_avx512(t: &Tile, m: usize) {
         for r in (0..m).step_by(ROWS_512) {
-            let t = t.at_row(r);
+            let t = Tile {
+                rows: t.rows.at_row(r),
+                ..*t
+            };
             match m - r {
                 1 => rows_avx512::<1>(&t),
                 2 => rows_avx512::<2>(&t),
@@ -497,13 +486,13 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     unsafe fn rows_avx512<const M: usize>(t: &Tile) {
         let mut acc = [[_mm512_setzero_ps(); 3]; M];
-        for kk in 0..t.k {
+        for kk in 0..t.rows.k {
             let wk = t.w.as_ptr().add(kk * COLS);
             let w0 = _mm512_loadu_ps(wk);
             let w1 = _mm512_loadu_ps(wk.add(16));
             let w2 = _mm512_loadu_ps(wk.add(32));
             for (r, a) in acc.iter_mut().enumerate() {
-                let xv = _mm512_set1_ps(*t.x.add(r * t.k + kk));
+                let xv = _mm512_set1_ps(t.rows.x(r, kk));
                 a[0] = _mm512_fmadd_ps(w0, xv, a[0]);
                 a[1] = _mm512_fmadd_ps(w1, xv, a[1]);
                 a[2] = _mm512_fmadd_ps(w2, xv, a[2]);
@@ -511,7 +500,8 @@ mod x86 {
         }
         for (r, a) in acc.iter().enumerate() {
             // SAFETY: 3 vectors of 16 f32 lanes are exactly COLS floats.
-            t.store(r, &std::mem::transmute::<[__m512; 3], [f32; COLS]>(*a));
+            t.rows
+                .store(r, &std::mem::transmute::<[__m512; 3], [f32; COLS]>(*a));
         }
     }
 
@@ -525,8 +515,7 @@ mod x86 {
     pub unsafe fn affine_avx512(t: &AffineTile, m: usize) {
         for r in (0..m).step_by(ROWS_AFFINE) {
             let t = AffineTile {
-                x: t.x.add(r * t.k),
-                y: t.y.add(r * t.ldy),
+                rows: t.rows.at_row(r),
                 ..*t
             };
             match m - r {
@@ -543,10 +532,10 @@ mod x86 {
     /// The whole block dequantized into `out` (`k * COLS` floats, k-major).
     ///
     /// # Safety
-    /// AVX-512F available; `out.len() == t.k * COLS`.
+    /// AVX-512F available; `out.len() == t.rows.k * COLS`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dequantize_avx512(t: &AffineTile, out: &mut [f32]) {
-        for g in 0..t.k / t.group {
+        for g in 0..t.rows.k / t.group {
             for j in 0..3 {
                 let s = _mm512_loadu_ps(t.scales.as_ptr().add(g * COLS + 16 * j));
                 let b = _mm512_loadu_ps(t.biases.as_ptr().add(g * COLS + 16 * j));
@@ -563,7 +552,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     unsafe fn affine_rows<const M: usize>(t: &AffineTile) {
         let mut acc = [[_mm512_setzero_ps(); 3]; M];
-        for g in 0..t.k / t.group {
+        for g in 0..t.rows.k / t.group {
             let (sp, bp) = (
                 t.scales.as_ptr().add(g * COLS),
                 t.biases.as_ptr().add(g * COLS),
@@ -583,7 +572,7 @@ mod x86 {
                     w[j] = _mm512_fmadd_ps(q, s[j], b[j]);
                 }
                 for (r, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm512_set1_ps(*t.x.add(r * t.k + kk));
+                    let xv = _mm512_set1_ps(t.rows.x(r, kk));
                     for j in 0..3 {
                         a[j] = _mm512_fmadd_ps(w[j], xv, a[j]);
                     }
@@ -592,7 +581,8 @@ mod x86 {
         }
         for (r, a) in acc.iter().enumerate() {
             // SAFETY: 3 vectors of 16 f32 lanes are exactly COLS floats.
-            t.store(r, &std::mem::transmute::<[__m512; 3], [f32; COLS]>(*a));
+            t.rows
+                .store(r, &std::mem::transmute::<[__m512; 3], [f32; COLS]>(*a));
         }
     }
 
@@ -601,7 +591,10 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn block_avx2(t: &Tile, m: usize) {
         for r in (0..m).step_by(ROWS_256) {
-            let t = t.at_row(r);
+            let t = Tile {
+                rows: t.rows.at_row(r),
+                ..*t
+            };
             if m - r == 1 {
                 rows_avx2::<1>(&t);
             } else {
@@ -613,10 +606,10 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn rows_avx2<const M: usize>(t: &Tile) {
         let mut acc = [[_mm256_setzero_ps(); 6]; M];
-        for kk in 0..t.k {
+        for kk in 0..t.rows.k {
             let wk = t.w.as_ptr().add(kk * COLS);
             for (r, a) in acc.iter_mut().enumerate() {
-                let xv = _mm256_set1_ps(*t.x.add(r * t.k + kk));
+                let xv = _mm256_set1_ps(t.rows.x(r, kk));
                 for (j, v) in a.iter_mut().enumerate() {
                     *v = _mm256_fmadd_ps(_mm256_loadu_ps(wk.add(8 * j)), xv, *v);
                 }
@@ -624,7 +617,8 @@ mod x86 {
         }
         for (r, a) in acc.iter().enumerate() {
             // SAFETY: 6 vectors of 8 f32 lanes are exactly COLS floats.
-            t.store(r, &std::mem::transmute::<[__m256; 6], [f32; COLS]>(*a));
+            t.rows
+                .store(r, &std::mem::transmute::<[__m256; 6], [f32; COLS]>(*a));
         }
     }
 }
