@@ -261,12 +261,9 @@ impl Linear {
                 ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?,
                 bias,
             ),
-            Linear::Host { weight, bias } => (host_matmul(weight, x)?, bias),
+            Linear::Host { weight, bias } => (host_matmul(weight, &x.contiguous()?)?, bias),
         };
-        Ok(match bias {
-            Some(b) => ops::add(&y, b)?,
-            None => y,
-        })
+        with_bias(y, bias)
     }
 
     /// As `forward`, but a packed layer first queues its input's evaluation
@@ -280,11 +277,7 @@ impl Linear {
         let x = x.contiguous()?;
         mlx_rs::transforms::async_eval([&x])?;
         YieldOnce(false).await;
-        let y = host_matmul(weight, &x)?;
-        Ok(match bias {
-            Some(b) => ops::add(&y, b)?,
-            None => y,
-        })
+        with_bias(host_matmul(weight, &x)?, bias)
     }
 
     /// Rows of the weight matrix as dense vectors: the embedding lookup.
@@ -311,8 +304,15 @@ impl Linear {
     }
 }
 
-/// `x · wᵀ` on the CPU GEMM: evaluates `x` (`[..., k]`, f32) and wraps the
-/// product in a new array.
+fn with_bias(y: Array, bias: &Option<Array>) -> Result<Array> {
+    Ok(match bias {
+        Some(b) => ops::add(&y, b)?,
+        None => y,
+    })
+}
+
+/// `x · wᵀ` on the CPU GEMM: evaluates `x` (`[..., k]`, f32, row-contiguous:
+/// callers pass `contiguous()`) and wraps the product in a new array.
 fn host_matmul(w: &PackedWeight, x: &Array) -> Result<Array> {
     let shape = x.shape();
     let k = shape.last().copied().unwrap_or(0) as usize;
@@ -331,7 +331,6 @@ fn host_matmul(w: &PackedWeight, x: &Array) -> Result<Array> {
     if m == 0 {
         return Ok(Array::zeros::<f32>(&out)?);
     }
-    let x = x.contiguous()?;
     let xs = x
         .try_as_slice::<f32>()
         .map_err(|e| ModelError::Invalid(format!("packed linear input: {e}")))?;

@@ -376,7 +376,6 @@ impl BatchRunner {
             singles.push((s, lane, tokens, cache));
         }
         self.drop_empty_parked();
-        let mut decode_t = 0;
         let decode_tokens = if decode.is_empty() {
             None
         } else {
@@ -393,7 +392,6 @@ impl BatchRunner {
                 }
             }
             self.touched_batch = true;
-            decode_t = t;
             Some(Array::from_slice(&ids, &[decode.len() as i32, t as i32]))
         };
         let mut jobs: Vec<(usize, &Array, &mut KvCache, bool)> = Vec::new();
@@ -404,7 +402,8 @@ impl BatchRunner {
             jobs.push((*lane, tokens, cache, true));
         }
         if let Some(tokens) = &decode_tokens {
-            jobs.push((plan.decode_lane, tokens, &mut self.batch, decode_t == 1));
+            let last_only = tokens.dim(1) == 1;
+            jobs.push((plan.decode_lane, tokens, &mut self.batch, last_only));
         }
         let mut no_hook = |_: usize| Ok(());
         let hook: &mut dyn FnMut(usize) -> Result<()> = match &mut self.layer_hook {
