@@ -135,6 +135,10 @@ pub struct BlockPool {
     cache: HashMap<BlockHash, CacheEntry, IdBuild>,
     journal: Vec<Undo>,
     journaling: bool,
+    /// Cached blocks handed out (evicted) since the journal was last cleared:
+    /// if the step that took them rolls back after its forward pass wrote
+    /// them, their cache entries must not come back ([`Self::forget_evicted`]).
+    evicted: Vec<BlockId>,
 }
 
 impl BlockPool {
@@ -184,6 +188,7 @@ impl BlockPool {
             cache: HashMap::default(),
             journal: Vec::new(),
             journaling: false,
+            evicted: Vec::new(),
         })
     }
 
@@ -227,6 +232,9 @@ impl BlockPool {
             self.free.head
         } else if self.cached.head != NIL {
             let b = self.cached.head;
+            if self.journaling {
+                self.evicted.push(b);
+            }
             let hash = self.meta[b as usize]
                 .hash
                 .expect("cached blocks are indexed");
@@ -412,6 +420,28 @@ impl BlockPool {
 
     pub(crate) fn clear_journal(&mut self) {
         self.journal.clear();
+        self.evicted.clear();
+    }
+
+    /// After a rollback: blocks the undone work had evicted from the prefix
+    /// cache are back on the cached list with their entries, but a forward
+    /// pass may have overwritten their contents since. They become free
+    /// blocks instead (their entries dropped), so no later hit can read them.
+    pub(crate) fn forget_evicted(&mut self) {
+        let journaling = std::mem::replace(&mut self.journaling, false);
+        for b in std::mem::take(&mut self.evicted) {
+            let m = self.meta[b as usize];
+            if m.place != Place::Cached {
+                continue;
+            }
+            if let Some(h) = m.hash {
+                self.cache.remove(&h);
+            }
+            self.unlink(b);
+            self.meta[b as usize].hash = None;
+            self.push_front_free(b);
+        }
+        self.journaling = journaling;
     }
 
     pub(crate) fn rollback_to(&mut self, mark: usize) {

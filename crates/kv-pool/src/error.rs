@@ -93,4 +93,18 @@ pub enum KvError {
     /// A group index outside the configured groups.
     #[error("unknown group {0}")]
     UnknownGroup(GroupId),
+    /// [`KvPool::truncate`](crate::KvPool::truncate) past what the open step
+    /// appended, or outside a step: only tokens whose KV this step wrote (and
+    /// that no prefix-cache entry covers) can be taken back.
+    #[error("cannot truncate sequence {seq:?} of {len} tokens to {to}: only this step's appends (down to {floor}) can be dropped")]
+    BadTruncate {
+        /// The sequence.
+        seq: SeqId,
+        /// Its length.
+        len: usize,
+        /// Requested length.
+        to: usize,
+        /// Shortest length it may be cut to.
+        floor: usize,
+    },
 }

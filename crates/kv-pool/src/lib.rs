@@ -39,6 +39,6 @@ pub use hash::{BlockHash, Salt};
 pub use layout::{AttentionKind, GroupSpec, KvGroups, KvLayout, MAX_BLOCKS, MAX_BLOCK_SIZE};
 pub use pool::{
     Appended, BlockTable, GroupHit, GroupId, KvPool, OwnerId, OwnerUsage, PoolSnapshot, PoolStats,
-    PrefixHit, PrefixStats, SeqId, SeqInfo, SeqSpec, SequenceSnapshot, StorageOp,
+    PrefixHit, PrefixStats, RowBlocks, SeqId, SeqInfo, SeqSpec, SequenceSnapshot, StorageOp,
 };
 pub use slots::{SlotBatch, SlotId, SlotPool, SlotPoolSnapshot, SlotStats};

@@ -202,6 +202,34 @@ impl BlockTable<'_> {
     }
 }
 
+/// One sequence's block table in one group, owned: what rides with a row's
+/// step input to the storage half (which indexes its tensors with it).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RowBlocks {
+    /// Logical index of `blocks[0]` (see [`BlockTable::offset`]).
+    pub offset: usize,
+    /// Blocks, in logical order.
+    pub blocks: Vec<BlockId>,
+}
+
+impl RowBlocks {
+    /// Refills `self` from a borrowed table, reusing its allocation.
+    pub fn copy_from(&mut self, t: &BlockTable<'_>) {
+        self.offset = t.offset;
+        self.blocks.clear();
+        self.blocks.extend_from_slice(t.blocks);
+    }
+
+    /// As a borrowed table of `block_size`-token blocks.
+    pub fn as_table(&self, block_size: usize) -> BlockTable<'_> {
+        BlockTable {
+            offset: self.offset,
+            blocks: &self.blocks,
+            block_size,
+        }
+    }
+}
+
 /// One sequence as recorded in a [`PoolSnapshot`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SequenceSnapshot {
@@ -317,6 +345,15 @@ enum SeqUndo {
     TokensAppended {
         index: u32,
         old_len: usize,
+    },
+    TablePop {
+        index: u32,
+        group: u32,
+        old: BlockId,
+    },
+    TokensTruncated {
+        index: u32,
+        removed: Vec<u32>,
     },
 }
 
@@ -632,6 +669,76 @@ impl KvPool {
         })
     }
 
+    /// Takes back the tail of what the open step appended to `seq`, keeping
+    /// its first `len` tokens: a speculative step's rejected draft tokens.
+    /// Blocks left without a token go back to the pool; the position moves
+    /// back by as much. Staged like the appends (a rollback restores them), so
+    /// the sequence never holds KV slots it does not use (no holes). Only
+    /// tokens appended in this step can be dropped, and never below a block
+    /// the prefix cache already holds.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<(), KvError> {
+        if !self.in_txn {
+            let s = self.seq(seq)?;
+            return Err(KvError::BadTruncate {
+                seq,
+                len: s.hdr.len,
+                to: len,
+                floor: s.hdr.len,
+            });
+        }
+        self.atomically(|p| {
+            let idx = p.resolve(seq)?;
+            let bs = p.block_size;
+            let epoch = p.epoch;
+            let KvPool {
+                slab,
+                groups,
+                journal,
+                ..
+            } = &mut *p;
+            let s = slab[idx].seq.as_mut().expect("resolved");
+            let floor = if s.hdr.dirty_epoch == epoch {
+                s.hdr.base_len.max(s.hdr.registered * bs)
+            } else {
+                s.hdr.len
+            };
+            if len < floor || len > s.hdr.len {
+                return Err(KvError::BadTruncate {
+                    seq,
+                    len: s.hdr.len,
+                    to: len,
+                    floor,
+                });
+            }
+            let cut = s.hdr.len - len;
+            if cut == 0 {
+                return Ok(());
+            }
+            let index = idx as u32;
+            journal.push(SeqUndo::Header { index, old: s.hdr });
+            s.hdr.len = len;
+            s.hdr.position -= cut.min(s.hdr.position);
+            let want = len.div_ceil(bs);
+            for (g, t) in s.tables.iter_mut().enumerate() {
+                while t.offset + t.blocks.len() > want && !t.blocks.is_empty() {
+                    let old = t.blocks.pop().expect("non-empty");
+                    journal.push(SeqUndo::TablePop {
+                        index,
+                        group: g as u32,
+                        old,
+                    });
+                    groups[g].release(old)?;
+                }
+            }
+            if s.salt.is_some() {
+                let keep = s.tokens.len() - cut;
+                let removed = s.tokens.split_off(keep);
+                journal.push(SeqUndo::TokensTruncated { index, removed });
+            }
+            Ok(())
+        })
+    }
+
     /// Facts about a live sequence.
     pub fn sequence(&self, seq: SeqId) -> Result<SeqInfo, KvError> {
         let s = self.seq(seq)?;
@@ -813,8 +920,27 @@ impl KvPool {
     }
 
     /// Undoes the step: the state is exactly what it was at
-    /// [`begin`](Self::begin) (see [`snapshot`](Self::snapshot)).
+    /// [`begin`](Self::begin) (see [`snapshot`](Self::snapshot)). Only for a
+    /// step whose forward pass wrote nothing yet; after writes, use
+    /// [`rollback_after_writes`](Self::rollback_after_writes).
     pub fn rollback(&mut self) -> Result<(), KvError> {
+        self.rollback_inner(false)
+    }
+
+    /// Undoes a step whose forward pass may already have written storage
+    /// (the engine's order: appends, storage operations, forward, sampling,
+    /// commit). Tables, refcounts, positions, tokens and slots are exactly as
+    /// at [`begin`](Self::begin); the one difference from
+    /// [`rollback`](Self::rollback) is that cached blocks the step evicted come
+    /// back *free*, their prefix-cache entries dropped, because the forward
+    /// may have overwritten them. Writes anywhere else are harmless: they went
+    /// to slots past a sequence's committed length or to blocks the step
+    /// allocated, which return to the pool as dead data.
+    pub fn rollback_after_writes(&mut self) -> Result<(), KvError> {
+        self.rollback_inner(true)
+    }
+
+    fn rollback_inner(&mut self, written: bool) -> Result<(), KvError> {
         if !self.in_txn {
             return Err(KvError::NoTransaction);
         }
@@ -822,6 +948,11 @@ impl KvPool {
         self.slots.rollback_to(0);
         for g in &mut self.groups {
             g.rollback_to(0);
+            if written {
+                g.forget_evicted();
+            } else {
+                g.clear_journal();
+            }
         }
         self.ops.truncate(self.txn_ops_len);
         self.dirty.clear();
@@ -841,6 +972,18 @@ impl KvPool {
             std::mem::replace(&mut self.ops, rest)
         } else {
             std::mem::take(&mut self.ops)
+        }
+    }
+
+    /// Storage operations of the open step only (empty outside a step). They
+    /// write only blocks this step allocated, so applying them before the
+    /// forward pass is safe even if the step then rolls back: the blocks go
+    /// back to the pool holding dead data.
+    pub fn step_ops(&self) -> &[StorageOp] {
+        if self.in_txn {
+            &self.ops[self.txn_ops_len.min(self.ops.len())..]
+        } else {
+            &[]
         }
     }
 
@@ -1296,6 +1439,12 @@ impl KvPool {
                 }
                 SeqUndo::TokensAppended { index, old_len } => {
                     self.state_mut(index).tokens.truncate(old_len);
+                }
+                SeqUndo::TablePop { index, group, old } => {
+                    self.state_mut(index).tables[group as usize].blocks.push(old);
+                }
+                SeqUndo::TokensTruncated { index, removed } => {
+                    self.state_mut(index).tokens.extend(removed);
                 }
             }
         }

@@ -1,8 +1,13 @@
 //! The contract between the scheduler and a model implementation.
 //!
-//! The scheduler never sees tensors: it hands the model token ids and positions and gets
-//! host logits back. The real MLX model (crate `weft-models`) implements [`Model`]; tests
-//! and benchmarks use [`crate::fake::FakeModel`].
+//! The scheduler never sees tensors: it hands the model token ids, positions and each
+//! row's KV block tables, and gets host logits back. The scheduler owns the KV
+//! *accounting* (a `weft_kv_pool::KvPool` built from [`ModelInfo::kv`]); the model owns
+//! the *storage* those blocks index, writes each step's K/V where the tables say and reads
+//! a row's context through them. The real MLX model (crate `weft-models`) implements
+//! [`Model`]; tests and benchmarks use [`crate::fake::FakeModel`].
+
+pub use weft_kv_pool::{KvGroups, RowBlocks, StorageOp};
 
 /// Identifies one row (one residency of a request in the batch). A preempted request
 /// that resumes gets a fresh row id, so a model never sees an id come back.
@@ -21,9 +26,13 @@ pub struct RowInput {
     pub want_logits: bool,
     /// Trailing `tokens` that are a speculative draft (0: none; only with
     /// [`Model::supports_drafts`]). The row decodes `tokens[0]`, verifies the draft in the
-    /// same forward, gets logits for all `1 + draft` positions, and [`Model::keep`] says
-    /// how many of its tokens the commit keeps.
+    /// same forward and gets logits for all `1 + draft` positions; the scheduler takes
+    /// rejected draft tokens back in its pool (their slots become dead data).
     pub draft: usize,
+    /// The row's block table in each KV group of [`ModelInfo::kv`], in group order,
+    /// already holding slots `start_pos .. start_pos + tokens.len()`: the forward writes
+    /// this step's K/V there and reads the row's context `0 .. start_pos` through it.
+    pub blocks: Vec<RowBlocks>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +40,10 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     pub max_context: usize,
     pub eos_token_ids: Vec<u32>,
+    /// The KV storage the model holds: block size, one group per attention kind with its
+    /// block count, SSM state slots. The scheduler's pool mirrors it exactly, so every
+    /// block it accounts for exists.
+    pub kv: KvGroups,
 }
 
 /// Host logits of one forward call.
@@ -68,46 +81,27 @@ pub enum ModelError {
 /// A batched, staged model. Lives on the engine thread only; need not be `Send`.
 pub trait Model {
     fn info(&self) -> ModelInfo;
-    /// One batched forward: each row appends `tokens` (a prefill chunk, or the single token
-    /// to decode) at positions `start_pos..` (`start_pos` == that row's committed length).
-    /// Returns, for each row with `want_logits`, the logits of its last position (in input
-    /// order), as one flat `Vec<f32>` of `[n_wanted, vocab]` plus the row order. Staged:
-    /// nothing becomes visible until `commit()`; `rollback()` drops the staged state. A new
-    /// row id appears first with `start_pos` 0.
-    fn forward(&mut self, batch: &[RowInput]) -> Result<Logits, ModelError>;
+    /// One batched forward: first `ops` (the step's copy-on-write block copies and state
+    /// slot resets, in order), then each row appends `tokens` (a prefill chunk, or the
+    /// token to decode and a draft) at positions `start_pos..`, its K/V written into the
+    /// slots its `blocks` name. Returns, for each row with `want_logits`, the logits of
+    /// its last position (all `1 + draft` positions for a row with a draft), in input
+    /// order, as one flat `Vec<f32>` plus the row order.
+    ///
+    /// KV writes are not staged: they land in slots past each row's committed length or
+    /// in blocks this step allocated, which a rollback returns to the pool as dead data.
+    /// Anything else the model keeps per row (recurrent state) is staged: nothing of it
+    /// is visible until `commit()`, and `rollback()` drops it.
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Logits, ModelError>;
     fn commit(&mut self) -> Result<(), ModelError>;
     /// Whether `forward` takes rows with a draft (speculative decoding).
     fn supports_drafts(&self) -> bool {
         false
     }
-    /// Staged, between `forward` and `commit`: of the tokens a row with a draft fed this
-    /// step, keep only the first `tokens` (the decoded token plus the accepted draft).
-    fn keep(&mut self, row: RowId, tokens: usize) -> Result<(), ModelError> {
-        Err(ModelError::Contract(format!(
-            "keep({row}, {tokens}): this model takes no drafts"
-        )))
-    }
     fn rollback(&mut self);
-    /// Forget a row's state (finished, cancelled, preempted). Not staged.
+    /// Forget whatever per-row state the model keeps beyond the KV blocks (finished,
+    /// cancelled, preempted). Not staged.
     fn release_row(&mut self, row: RowId);
-
-    /// Prefix reuse, pure lookup: how many leading `tokens` of a new row this
-    /// tenant's cached state could cover (0 = none; always < `tokens.len()`).
-    fn prefix_len(&self, _tenant: &str, _tokens: &[u32]) -> usize {
-        0
-    }
-
-    /// Gives the new `row` (no state yet) the cached state of the longest prefix
-    /// of `tokens` this tenant left behind and returns its length, at most what
-    /// `prefix_len` said. Not staged: the row now exists at that length, and its
-    /// first `forward` starts there. Tenants never see each other's entries.
-    fn attach_prefix(&mut self, _row: RowId, _tenant: &str, _tokens: &[u32]) -> usize {
-        0
-    }
-
-    /// Offered just before `release_row` of a row that finished normally:
-    /// `tokens` are the tokens whose state the row holds, for later reuse.
-    fn offer_prefix(&mut self, _row: RowId, _tenant: &str, _tokens: &[u32]) {}
 }
 
 /// Token ids -> text. Must be pure: the same ids always give the same text, because the
