@@ -77,13 +77,18 @@ pub struct SchedulerConfig {
     /// Limits of tenants not named in `tenants`.
     pub default_tenant: TenantLimits,
     pub vtc: VtcWeights,
-    /// Tokens per KV block (for the built-in block counter and for capacity checks).
-    pub kv_block_size: usize,
-    /// Blocks in the built-in block counter (`Engine::start`).
-    pub kv_total_blocks: usize,
-    /// Blocks kept free when admitting new rows, so running rows can keep decoding
-    /// without preempting right away.
+    /// Blocks kept available (free or evictable) when admitting new rows, so running
+    /// rows can keep decoding without preempting right away. The KV block size and
+    /// count are the model's (`ModelInfo::kv`), not configured here.
     pub kv_watermark_blocks: usize,
+    /// Reuse KV of earlier requests of the same tenant (block-aligned prompt prefixes,
+    /// and a preempted request's own blocks when it resumes). Off: every row computes
+    /// its whole context, and nothing is kept in the pool after a row leaves.
+    pub prefix_cache: bool,
+    /// Fixes the pool's prefix hash key (reproducible hashes in tests). None (the
+    /// default) keeps the model's `KvGroups::hash_key`, normally None: a random key per
+    /// pool, so no tenant can predict or craft block hashes.
+    pub kv_hash_key: Option<u64>,
     /// Attempts of a failed step before its rows are isolated (bisected).
     pub max_step_retries: u32,
     /// Largest accepted `Request::logprobs`.
@@ -118,9 +123,9 @@ impl Default for SchedulerConfig {
             tenants: HashMap::new(),
             default_tenant: TenantLimits::default(),
             vtc: VtcWeights::default(),
-            kv_block_size: 16,
-            kv_total_blocks: 4096,
             kv_watermark_blocks: 0,
+            prefix_cache: true,
+            kv_hash_key: None,
             max_step_retries: 3,
             max_logprobs: 20,
             seed: 0x5eed,
@@ -148,9 +153,6 @@ impl SchedulerConfig {
                 "decode_prefill_tokens must be > 0 (0 would stall prompts behind decoding rows)"
                     .into(),
             );
-        }
-        if self.kv_block_size == 0 {
-            return Err("kv_block_size must be > 0".into());
         }
         if !(self.vtc.input >= 0.0 && self.vtc.output >= 0.0) {
             return Err("vtc weights must be >= 0".into());

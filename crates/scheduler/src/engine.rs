@@ -17,7 +17,6 @@ use tracing::{debug, error, info};
 use crate::admission::Admission;
 use crate::chan;
 use crate::config::SchedulerConfig;
-use crate::kv::{BlockBudget, KvBudget};
 use crate::model::{Detokenizer, Model, ModelInfo};
 use crate::request::{EventStream, Msg, Request, RequestKey, SubmitError};
 use crate::scheduler::{Scheduler, Stats};
@@ -130,8 +129,9 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Start the engine with the built-in block counter sized by `config`. Blocks until
-    /// the model is built (on the engine thread) or the factory failed.
+    /// Start the engine: the model is built by `factory` on the engine thread (it never
+    /// leaves it), and the scheduler with its KV pool from the model's `ModelInfo::kv`.
+    /// Blocks until both exist or the factory or the scheduler failed.
     pub fn start<M, E, F>(
         config: SchedulerConfig,
         factory: F,
@@ -141,27 +141,6 @@ impl Engine {
         M: Model + 'static,
         E: std::fmt::Display,
         F: FnOnce() -> Result<M, E> + Send + 'static,
-    {
-        let (bs, blocks) = (config.kv_block_size, config.kv_total_blocks);
-        Self::start_with_budget(
-            config,
-            move || factory().map(|m| (m, BlockBudget::new(bs, blocks))),
-            detok,
-        )
-    }
-
-    /// Start the engine with a KV budget built on the engine thread next to the model
-    /// (for a pool whose storage, like the model's, must stay on that thread).
-    pub fn start_with_budget<M, K, E, F>(
-        config: SchedulerConfig,
-        factory: F,
-        detok: Arc<dyn Detokenizer>,
-    ) -> Result<Self, EngineError>
-    where
-        M: Model + 'static,
-        K: KvBudget + 'static,
-        E: std::fmt::Display,
-        F: FnOnce() -> Result<(M, K), E> + Send + 'static,
     {
         config.validate().map_err(EngineError::Config)?;
         let (cmd_tx, cmd_rx) = std_mpsc::channel::<Command>();
@@ -174,7 +153,7 @@ impl Engine {
                         let _ = ready_tx.send(Err(EngineError::Factory(e.to_string())));
                         return;
                     }
-                    Ok((model, kv)) => match Scheduler::with_budget(config, model, kv, detok) {
+                    Ok(model) => match Scheduler::new(config, model, detok) {
                         Ok(s) => s,
                         Err(e) => {
                             let _ = ready_tx.send(Err(EngineError::Config(e.to_string())));
@@ -259,8 +238,8 @@ impl Drop for CloseOnExit {
     }
 }
 
-fn run_loop<M: Model, K: KvBudget>(
-    mut sched: Scheduler<M, K>,
+fn run_loop<M: Model>(
+    mut sched: Scheduler<M>,
     rx: std_mpsc::Receiver<Command>,
     shared: Arc<Shared>,
 ) {
@@ -332,9 +311,9 @@ enum Got {
 }
 
 /// Takes one command, waiting up to `wait` for it (not at all when None), and handles it.
-fn take<M: Model, K: KvBudget>(
+fn take<M: Model>(
     rx: &std_mpsc::Receiver<Command>,
-    sched: &mut Scheduler<M, K>,
+    sched: &mut Scheduler<M>,
     wait: Option<Duration>,
 ) -> Got {
     let cmd = match wait {
@@ -357,7 +336,7 @@ fn take<M: Model, K: KvBudget>(
 }
 
 /// Returns false on shutdown.
-fn handle<M: Model, K: KvBudget>(sched: &mut Scheduler<M, K>, cmd: Command) -> bool {
+fn handle<M: Model>(sched: &mut Scheduler<M>, cmd: Command) -> bool {
     match cmd {
         Command::Submit {
             key,

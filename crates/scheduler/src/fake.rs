@@ -4,16 +4,33 @@
 //! state corruption — a lost or duplicated token, a wrong position, a chunk applied twice
 //! — changes every later output. The fake also checks the [`Model`] contract itself and
 //! records violations instead of panicking.
+//!
+//! # KV storage
+//! Like the real model, the fake keeps its KV in blocks the scheduler's pool hands out:
+//! a shadow storage keyed by (group, block, offset) holding `(token, position, chain)`,
+//! where `chain` is the history hash after that token. A forward first applies the
+//! step's [`StorageOp::CopyBlock`]s, then writes every fed token into the slot its row's
+//! table names (directly, not staged, as the MLX storage does), and takes a row's
+//! history from the chain stored at `start_pos - 1` through the row's table. So a prefix
+//! hit continues exactly like a cold prefill, and a wrong, stale or foreign block
+//! changes the outputs. With [`FakeConfig::verify_kv`] every forward also re-walks each
+//! row's slots `0..start_pos` through its table and records a violation if one is
+//! missing or its chain does not follow from the one before.
 
 use std::collections::HashMap;
 
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 
-use crate::model::{Detokenizer, Logits, Model, ModelError, ModelInfo, RowId, RowInput};
-use crate::util::mix64;
+use crate::model::{
+    Detokenizer, KvGroups, Logits, Model, ModelError, ModelInfo, RowId, RowInput, StorageOp,
+};
+use crate::util::{mix64, IdBuild, IdMap};
 
 const HISTORY_SEED: u64 = 0x243f_6a88_85a3_08d3;
+/// XORed into the chains a failed forward writes: KV of a step that never committed
+/// (some layers written, others not) is garbage to anyone who reads it later.
+const TORN_WRITE: u64 = 0xdead_beef_0bad_f00d;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FakeLogits {
@@ -34,6 +51,13 @@ pub struct FakeConfig {
     /// Simulated layers (mid-forward faults fire after one of them).
     pub layers: usize,
     pub logits: FakeLogits,
+    /// Tokens per KV block (a power of two), reported in `ModelInfo::kv`.
+    pub kv_block_size: u32,
+    /// KV blocks of the fake's storage (one full-attention group).
+    pub kv_blocks: u32,
+    /// Re-walk every row's context through its table in every forward (O(context) per
+    /// row; benchmarks turn it off).
+    pub verify_kv: bool,
 }
 
 impl Default for FakeConfig {
@@ -44,6 +68,9 @@ impl Default for FakeConfig {
             eos_token_ids: vec![0],
             layers: 4,
             logits: FakeLogits::Hash,
+            kv_block_size: 16,
+            kv_blocks: 4096,
+            verify_kv: true,
         }
     }
 }
@@ -52,7 +79,7 @@ impl Default for FakeConfig {
 #[derive(Debug, Clone, Default)]
 pub struct FakeFaults {
     /// 1-based forward calls that fail after layer `fail_after_layer`, leaving partial
-    /// staged state behind (the caller must roll back).
+    /// staged state and torn KV writes behind (the caller must roll back).
     pub forward_fail_calls: Vec<u64>,
     pub fail_after_layer: usize,
     /// 1-based commit calls that fail (the staged state stays until rollback).
@@ -65,11 +92,22 @@ pub struct FakeFaults {
     pub poison_token: Option<u32>,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What the fake knows of a row between steps: the lengths its committed KV may have.
+/// After a step with a draft, the scheduler keeps the decoded token and any prefix of
+/// the draft, so the next `start_pos` may be anywhere in `lo..=hi`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RowState {
-    len: usize,
-    hash: u64,
-    last: u32,
+    lo: usize,
+    hi: usize,
+}
+
+/// One KV slot of the shadow storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    token: u32,
+    pos: usize,
+    /// History hash after this token.
+    chain: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -81,6 +119,12 @@ pub struct FakeStats {
     pub failed_commits: u64,
     pub tokens: u64,
     pub max_batch_rows: usize,
+    /// Storage ops applied (copy-on-write block copies).
+    pub copies: u64,
+    /// Rows that started past position 0 without the fake having seen them (prefix
+    /// hits), and slots re-verified through tables.
+    pub prefix_rows: u64,
+    pub verified_slots: u64,
 }
 
 #[derive(Debug)]
@@ -91,18 +135,22 @@ pub struct FakeModel {
     rows: HashMap<RowId, RowState>,
     /// Some between forward and commit/rollback; may be partial after a failed forward.
     staged: Option<HashMap<RowId, RowState>>,
-    /// States after each token of the rows with a draft in the staged step (for `keep`).
-    staged_drafts: HashMap<RowId, Vec<RowState>>,
+    /// The shadow KV storage, keyed by [`slot_key`] of (group, block, offset).
+    kv: IdMap<u64, Slot>,
+    /// Per-forward scratch: history hash after each position that needs logits, and
+    /// the slots written (conflict check).
+    states: Vec<(u64, u32)>,
+    written: HashMap<u64, RowId, IdBuild>,
     stats: FakeStats,
     violations: Vec<String>,
-    /// Offered sequences by tenant, newest last (the fake's prefix cache).
-    prefixes: Vec<(String, Vec<u32>)>,
 }
 
-/// The fake caches prefixes in blocks of this many tokens, like a paged cache.
-const PREFIX_BLOCK: usize = 8;
-/// Entries kept; older ones are evicted first.
-const PREFIX_ENTRIES: usize = 64;
+/// Packs (group, block, offset) into one map key: offsets stay below the block size
+/// (at most 1024, 10 bits) and block ids are `u32`.
+#[inline]
+fn slot_key(group: usize, block: u32, offset: usize) -> u64 {
+    ((group as u64) << 42) | (u64::from(block) << 10) | offset as u64
+}
 
 impl FakeModel {
     pub fn new(cfg: FakeConfig) -> Self {
@@ -117,10 +165,11 @@ impl FakeModel {
             rng,
             rows: HashMap::new(),
             staged: None,
-            staged_drafts: HashMap::new(),
+            kv: IdMap::default(),
+            states: Vec::new(),
+            written: HashMap::default(),
             stats: FakeStats::default(),
             violations: Vec::new(),
-            prefixes: Vec::new(),
         }
     }
 
@@ -149,12 +198,7 @@ impl FakeModel {
             .enumerate()
             .fold(HISTORY_SEED, |h, (p, &t)| step_hash(h, t, p));
         let mut out = vec![0.0; self.cfg.vocab_size];
-        let state = RowState {
-            len: history.len(),
-            hash: h,
-            last: history.last().copied().unwrap_or(0),
-        };
-        self.fill(state, &mut out);
+        self.fill(h, history.last().copied().unwrap_or(0), &mut out);
         out
     }
 
@@ -170,12 +214,11 @@ impl FakeModel {
         }
     }
 
-    fn fill(&self, state: RowState, out: &mut [f32]) {
+    fn fill(&self, hash: u64, last: u32, out: &mut [f32]) {
         let v = out.len() as u64;
-        let h = state.hash;
         match self.cfg.logits {
             FakeLogits::LastToken => {
-                let h = mix64(u64::from(state.last) ^ HISTORY_SEED);
+                let h = mix64(u64::from(last) ^ HISTORY_SEED);
                 for (i, o) in out.iter_mut().enumerate() {
                     let x = mix64(h ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
                     *o = (x >> 40) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0;
@@ -183,15 +226,142 @@ impl FakeModel {
             }
             FakeLogits::Hash => {
                 for (i, o) in out.iter_mut().enumerate() {
-                    let x = mix64(h ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                    let x = mix64(hash ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
                     *o = (x >> 40) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0;
                 }
             }
             FakeLogits::Trivial => {
                 if v > 0 {
-                    out[(h % v) as usize] = 1.0;
+                    out[(hash % v) as usize] = 1.0;
                 }
             }
+        }
+    }
+
+    fn bs(&self) -> usize {
+        self.cfg.kv_block_size.max(1) as usize
+    }
+
+    /// The slot holding position `pos` of `r` (through its table in group 0).
+    fn locate(&self, r: &RowInput, pos: usize) -> Option<u64> {
+        let t = r.blocks.first()?.as_table(self.bs());
+        t.locate(pos).map(|(b, o)| slot_key(0, b, o))
+    }
+
+    fn apply_ops(&mut self, ops: &[StorageOp]) -> Result<(), ModelError> {
+        let bs = self.bs();
+        for op in ops {
+            match *op {
+                StorageOp::CopyBlock { group, src, dst } => {
+                    if group != 0 || src >= self.cfg.kv_blocks || dst >= self.cfg.kv_blocks {
+                        return Err(self.violation(format!("storage op out of range: {op:?}")));
+                    }
+                    for o in 0..bs {
+                        match self.kv.get(&slot_key(group, src, o)).copied() {
+                            Some(s) => self.kv.insert(slot_key(group, dst, o), s),
+                            None => self.kv.remove(&slot_key(group, dst, o)),
+                        };
+                    }
+                    self.stats.copies += 1;
+                }
+                StorageOp::CopySlot { .. } | StorageOp::ResetSlot(_) => {
+                    return Err(self.violation(format!(
+                        "state-slot op {op:?} for a model without state slots"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks one row's input against the contract and what the fake knows of it, and
+    /// returns the history hash and last token before `tokens[0]`, read through the
+    /// row's table.
+    fn check_row(&mut self, r: &RowInput) -> Result<(u64, u32), ModelError> {
+        if r.tokens.is_empty() {
+            return Err(self.violation(format!("row {} has no tokens", r.row)));
+        }
+        match self.rows.get(&r.row) {
+            Some(s) if !(s.lo..=s.hi).contains(&r.start_pos) => {
+                return Err(self.violation(format!(
+                    "row {}: start_pos {} but committed length is in {}..={}",
+                    r.row, r.start_pos, s.lo, s.hi
+                )));
+            }
+            Some(_) => {}
+            None if r.start_pos > 0 => self.stats.prefix_rows += 1,
+            None => {}
+        }
+        let end = r.start_pos + r.tokens.len();
+        if end > self.cfg.max_context {
+            return Err(self.violation(format!("row {} grows past max_context", r.row)));
+        }
+        if let Some(&t) = r
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.cfg.vocab_size)
+        {
+            return Err(self.violation(format!("row {}: token {t} outside vocabulary", r.row)));
+        }
+        if r.draft > 0 && (r.draft + 1 != r.tokens.len() || r.start_pos == 0) {
+            return Err(self.violation(format!(
+                "row {}: draft of {} with {} tokens at {}",
+                r.row,
+                r.draft,
+                r.tokens.len(),
+                r.start_pos
+            )));
+        }
+        if r.blocks.len() != 1 {
+            return Err(self.violation(format!(
+                "row {}: {} block tables for 1 KV group",
+                r.row,
+                r.blocks.len()
+            )));
+        }
+        if let Some(&b) = r.blocks[0]
+            .blocks
+            .iter()
+            .find(|&&b| b >= self.cfg.kv_blocks)
+        {
+            return Err(self.violation(format!("row {}: block {b} outside storage", r.row)));
+        }
+        let held = (r.blocks[0].offset + r.blocks[0].blocks.len()) * self.bs();
+        if held < end || held >= end + self.bs() {
+            return Err(self.violation(format!(
+                "row {}: table holds {held} slots for {end} tokens",
+                r.row
+            )));
+        }
+        if self.cfg.verify_kv {
+            let mut prev = HISTORY_SEED;
+            for pos in 0..r.start_pos {
+                let slot = self.locate(r, pos).and_then(|k| self.kv.get(&k)).copied();
+                match slot {
+                    Some(s) if s.pos == pos && s.chain == step_hash(prev, s.token, pos) => {
+                        prev = s.chain;
+                    }
+                    other => {
+                        return Err(self.violation(format!(
+                            "row {}: KV slot of position {pos} (of {}) through its table is \
+                             {other:?}",
+                            r.row, r.start_pos
+                        )));
+                    }
+                }
+            }
+            self.stats.verified_slots += r.start_pos as u64;
+        }
+        if r.start_pos == 0 {
+            return Ok((HISTORY_SEED, 0));
+        }
+        let pos = r.start_pos - 1;
+        match self.locate(r, pos).and_then(|k| self.kv.get(&k)).copied() {
+            Some(s) if s.pos == pos => Ok((s.chain, s.token)),
+            other => Err(self.violation(format!(
+                "row {}: no KV for position {pos} through its table ({other:?})",
+                r.row
+            ))),
         }
     }
 }
@@ -207,68 +377,27 @@ impl Model for FakeModel {
             vocab_size: self.cfg.vocab_size,
             max_context: self.cfg.max_context,
             eos_token_ids: self.cfg.eos_token_ids.clone(),
+            kv: KvGroups::new(self.cfg.kv_block_size).full(self.cfg.kv_blocks),
         }
     }
 
-    fn forward(&mut self, batch: &[RowInput]) -> Result<Logits, ModelError> {
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Logits, ModelError> {
         self.stats.forwards += 1;
         let call = self.stats.forwards;
         if self.staged.is_some() {
             return Err(self.violation("forward called while a step is staged".into()));
         }
+        self.apply_ops(ops)?;
         let mut staged: HashMap<RowId, RowState> = HashMap::with_capacity(batch.len());
-        self.staged_drafts.clear();
+        let mut heads = Vec::with_capacity(batch.len());
         for r in batch {
-            let committed = self.rows.get(&r.row).copied().unwrap_or(RowState {
-                len: 0,
-                hash: HISTORY_SEED,
-                last: 0,
-            });
             if staged.contains_key(&r.row) {
                 return Err(self.violation(format!("row {} appears twice in one batch", r.row)));
             }
-            if r.tokens.is_empty() {
-                return Err(self.violation(format!("row {} has no tokens", r.row)));
-            }
-            if r.start_pos != committed.len {
-                return Err(self.violation(format!(
-                    "row {}: start_pos {} but committed length is {}",
-                    r.row, r.start_pos, committed.len
-                )));
-            }
-            if r.start_pos + r.tokens.len() > self.cfg.max_context {
-                return Err(self.violation(format!("row {} grows past max_context", r.row)));
-            }
-            if let Some(&t) = r
-                .tokens
-                .iter()
-                .find(|&&t| t as usize >= self.cfg.vocab_size)
-            {
-                return Err(self.violation(format!("row {}: token {t} outside vocabulary", r.row)));
-            }
-            if r.draft > 0 && (r.draft + 1 != r.tokens.len() || r.start_pos == 0) {
-                return Err(self.violation(format!(
-                    "row {}: draft of {} with {} tokens at {}",
-                    r.row,
-                    r.draft,
-                    r.tokens.len(),
-                    r.start_pos
-                )));
-            }
-            let mut s = committed;
-            let mut steps = Vec::new();
-            for &t in &r.tokens {
-                s.hash = step_hash(s.hash, t, s.len);
-                s.len += 1;
-                s.last = t;
-                if r.draft > 0 {
-                    steps.push(s);
-                }
-            }
-            staged.insert(r.row, s);
-            if r.draft > 0 {
-                self.staged_drafts.insert(r.row, steps);
-            }
+            heads.push(self.check_row(r)?);
+            let end = r.start_pos + r.tokens.len();
+            let lo = if r.draft > 0 { r.start_pos + 1 } else { end };
+            staged.insert(r.row, RowState { lo, hi: end });
         }
         let fail_here = self.faults.forward_fail_calls.contains(&call) || self.random_fault();
         let poisoned = self.faults.poison_token.is_some_and(|p| {
@@ -276,36 +405,67 @@ impl Model for FakeModel {
                 .iter()
                 .any(|r| r.start_pos == 0 && r.tokens.first() == Some(&p))
         });
-        for layer in 0..self.cfg.layers.max(1) {
-            if (fail_here && layer == self.faults.fail_after_layer) || (poisoned && layer == 0) {
-                // Leave half-written state staged, as a real model would after writing
-                // KV for some layers: only rollback may clear it.
-                let keep = staged.len() / 2;
-                self.staged = Some(staged.into_iter().take(keep).collect());
-                self.stats.failed_forwards += 1;
-                return Err(ModelError::Failed(format!(
-                    "injected fault after layer {layer}"
-                )));
+        let torn = (0..self.cfg.layers.max(1)).find(|&layer| {
+            (fail_here && layer == self.faults.fail_after_layer) || (poisoned && layer == 0)
+        });
+        // Write every fed token's KV where the row's table says, and keep the history
+        // hash after each position that gets logits.
+        self.written.clear();
+        self.states.clear();
+        let mut conflict = None;
+        for (r, &(mut h, _)) in batch.iter().zip(&heads) {
+            for (j, &t) in r.tokens.iter().enumerate() {
+                let pos = r.start_pos + j;
+                h = step_hash(h, t, pos);
+                let Some(key) = self.locate(r, pos) else {
+                    conflict = Some(format!("row {}: no slot for position {pos}", r.row));
+                    continue;
+                };
+                let chain = if torn.is_some() { h ^ TORN_WRITE } else { h };
+                self.kv.insert(
+                    key,
+                    Slot {
+                        token: t,
+                        pos,
+                        chain,
+                    },
+                );
+                if self.cfg.verify_kv {
+                    if let Some(other) = self.written.insert(key, r.row) {
+                        conflict = Some(format!(
+                            "rows {other} and {} write the same KV slot in one step",
+                            r.row
+                        ));
+                    }
+                }
+                if r.want_logits && (r.draft > 0 || j + 1 == r.tokens.len()) {
+                    self.states.push((h, t));
+                }
             }
         }
-        let wanted: Vec<&RowInput> = batch.iter().filter(|r| r.want_logits).collect();
+        if let Some(msg) = conflict {
+            return Err(self.violation(msg));
+        }
+        if let Some(layer) = torn {
+            // Leave half the rows' state staged, as a real model would after writing
+            // KV for some layers: only rollback may clear it.
+            let keep = staged.len() / 2;
+            self.staged = Some(staged.into_iter().take(keep).collect());
+            self.stats.failed_forwards += 1;
+            return Err(ModelError::Failed(format!(
+                "injected fault after layer {layer}"
+            )));
+        }
         let vocab = self.cfg.vocab_size;
-        let positions: usize = wanted.iter().map(|r| 1 + r.draft).sum();
-        let mut data = vec![0.0f32; positions * vocab];
-        let mut rows = Vec::with_capacity(wanted.len());
-        let mut at = 0;
-        for r in &wanted {
-            // A row with a draft has logits after each of its tokens.
-            let states = match self.staged_drafts.get(&r.row) {
-                Some(steps) => &steps[..],
-                None => staged.get(&r.row).map(std::slice::from_ref).unwrap_or(&[]),
-            };
-            for &st in states {
-                self.fill(st, &mut data[at * vocab..(at + 1) * vocab]);
-                at += 1;
-            }
-            rows.push(r.row);
+        let mut data = vec![0.0f32; self.states.len() * vocab];
+        for (i, &(h, last)) in self.states.iter().enumerate() {
+            self.fill(h, last, &mut data[i * vocab..(i + 1) * vocab]);
         }
+        let rows = batch
+            .iter()
+            .filter(|r| r.want_logits)
+            .map(|r| r.row)
+            .collect();
         self.stats.tokens += batch.iter().map(|r| r.tokens.len() as u64).sum::<u64>();
         self.stats.max_batch_rows = self.stats.max_batch_rows.max(batch.len());
         self.staged = Some(staged);
@@ -324,7 +484,6 @@ impl Model for FakeModel {
         if let Some(staged) = self.staged.take() {
             self.rows.extend(staged);
         }
-        self.staged_drafts.clear();
         self.stats.commits += 1;
         Ok(())
     }
@@ -333,74 +492,9 @@ impl Model for FakeModel {
         true
     }
 
-    fn keep(&mut self, row: RowId, tokens: usize) -> Result<(), ModelError> {
-        let state = self
-            .staged_drafts
-            .get(&row)
-            .and_then(|steps| tokens.checked_sub(1).and_then(|i| steps.get(i)))
-            .copied();
-        match (state, self.staged.as_mut()) {
-            (Some(st), Some(staged)) => {
-                staged.insert(row, st);
-                Ok(())
-            }
-            _ => Err(self.violation(format!(
-                "keep({row}, {tokens}) without a staged draft that long"
-            ))),
-        }
-    }
-
     fn rollback(&mut self) {
         self.stats.rollbacks += 1;
         self.staged = None;
-        self.staged_drafts.clear();
-    }
-
-    fn prefix_len(&self, tenant: &str, tokens: &[u32]) -> usize {
-        let best = self
-            .prefixes
-            .iter()
-            .filter(|(t, _)| t == tenant)
-            .map(|(_, p)| p.iter().zip(tokens).take_while(|(a, b)| a == b).count())
-            .max()
-            .unwrap_or(0);
-        (best.min(tokens.len().saturating_sub(1)) / PREFIX_BLOCK) * PREFIX_BLOCK
-    }
-
-    fn attach_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) -> usize {
-        let n = self.prefix_len(tenant, tokens);
-        if n == 0 {
-            return 0;
-        }
-        if self.rows.contains_key(&row) || self.staged.is_some() {
-            self.violations.push(format!(
-                "attach_prefix({row}) on a live row or inside a step"
-            ));
-            return 0;
-        }
-        let hash = tokens[..n]
-            .iter()
-            .enumerate()
-            .fold(HISTORY_SEED, |h, (p, &t)| step_hash(h, t, p));
-        let last = tokens[n - 1];
-        self.rows.insert(row, RowState { len: n, hash, last });
-        n
-    }
-
-    fn offer_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) {
-        match self.rows.get(&row) {
-            Some(s) if s.len == tokens.len() => {
-                if self.prefixes.len() >= PREFIX_ENTRIES {
-                    self.prefixes.remove(0);
-                }
-                self.prefixes.push((tenant.to_string(), tokens.to_vec()));
-            }
-            other => self.violations.push(format!(
-                "offer_prefix({row}) with {} tokens but the row holds {:?}",
-                tokens.len(),
-                other.map(|s| s.len)
-            )),
-        }
     }
 
     fn release_row(&mut self, row: RowId) {
@@ -445,69 +539,167 @@ impl Detokenizer for FakeDetokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::RowBlocks;
 
-    fn row(row: RowId, tokens: Vec<u32>, start_pos: usize) -> RowInput {
+    fn row(row: RowId, tokens: Vec<u32>, start_pos: usize, blocks: Vec<u32>) -> RowInput {
         RowInput {
             row,
             tokens,
             start_pos,
             want_logits: true,
             draft: 0,
+            blocks: vec![RowBlocks { offset: 0, blocks }],
+        }
+    }
+
+    /// Blocks of 2 tokens, so tables have several blocks.
+    fn small() -> FakeConfig {
+        FakeConfig {
+            kv_block_size: 2,
+            kv_blocks: 16,
+            ..FakeConfig::default()
         }
     }
 
     #[test]
     fn logits_depend_on_exact_history_not_chunking() {
         let mut m = FakeModel::new(FakeConfig::default());
-        let a = m.forward(&[row(1, vec![1, 2, 3], 0)]).unwrap();
+        let a = m
+            .forward(&[], &[row(1, vec![1, 2, 3], 0, vec![0])])
+            .unwrap();
         m.commit().unwrap();
-        let b = m.forward(&[row(1, vec![4], 3)]).unwrap();
+        let b = m.forward(&[], &[row(1, vec![4], 3, vec![0])]).unwrap();
         m.commit().unwrap();
         let mut m2 = FakeModel::new(FakeConfig::default());
-        let c = m2.forward(&[row(9, vec![1, 2, 3, 4], 0)]).unwrap();
+        let c = m2
+            .forward(&[], &[row(9, vec![1, 2, 3, 4], 0, vec![5])])
+            .unwrap();
         assert_eq!(b.data, c.data);
         assert_ne!(a.data, b.data);
         assert_eq!(m.logits_for_history(&[1, 2, 3, 4]), c.data);
         assert_ne!(m.logits_for_history(&[1, 2, 4, 3]), c.data);
+        assert!(m.violations().is_empty() && m2.violations().is_empty());
     }
 
     #[test]
     fn staging_and_contract_checks() {
         let mut m = FakeModel::new(FakeConfig::default());
-        m.forward(&[row(1, vec![1, 2], 0)]).unwrap();
+        m.forward(&[], &[row(1, vec![1, 2], 0, vec![0])]).unwrap();
         m.rollback();
+        // Position 2 was never committed: rolled back, the row is unknown, and its
+        // table holds no KV for the context it claims.
         assert!(matches!(
-            m.forward(&[row(1, vec![3], 2)]),
+            m.forward(&[], &[row(2, vec![3], 2, vec![3])]),
             Err(ModelError::Contract(_))
         ));
-        m.forward(&[row(1, vec![1, 2], 0)]).unwrap();
-        assert!(m.forward(&[row(1, vec![1, 2], 0)]).is_err());
+        m.forward(&[], &[row(1, vec![1, 2], 0, vec![0])]).unwrap();
+        assert!(m.forward(&[], &[row(1, vec![1, 2], 0, vec![0])]).is_err());
         m.commit().unwrap();
         assert!(m.commit().is_err());
+        // A known row at the wrong position, and a table too short for its tokens.
+        assert!(m.forward(&[], &[row(1, vec![3], 1, vec![0])]).is_err());
+        assert!(m.forward(&[], &[row(1, vec![3; 20], 2, vec![0])]).is_err());
         assert_eq!(m.live_rows(), 1);
         m.release_row(1);
         assert_eq!(m.live_rows(), 0);
-        assert_eq!(m.violations().len(), 3);
+        assert_eq!(m.violations().len(), 5, "{:?}", m.violations());
+    }
+
+    /// A new row whose table starts with another row's full blocks continues exactly
+    /// like a cold prefill; a table naming a stale or foreign block is caught.
+    #[test]
+    fn prefix_blocks_continue_like_a_cold_prefill() {
+        let mut m = FakeModel::new(small());
+        let cold = m
+            .forward(&[], &[row(1, vec![1, 2, 3, 4, 5], 0, vec![0, 1, 2])])
+            .unwrap();
+        m.commit().unwrap();
+        // Row 2 shares blocks 0 and 1 (positions 0..4) and computes the rest itself.
+        let hit = m
+            .forward(&[], &[row(2, vec![5], 4, vec![0, 1, 3])])
+            .unwrap();
+        m.commit().unwrap();
+        assert_eq!(hit.data, cold.data);
+        assert_eq!(m.stats().prefix_rows, 1);
+        assert!(m.violations().is_empty(), "{:?}", m.violations());
+        // Blocks in the wrong order: position 0 reads a slot holding position 2.
+        assert!(m
+            .forward(&[], &[row(3, vec![5], 4, vec![1, 0, 4])])
+            .is_err());
+        // A block nobody wrote.
+        assert!(m
+            .forward(&[], &[row(4, vec![5], 4, vec![0, 5, 4])])
+            .is_err());
+        assert_eq!(m.violations().len(), 2);
     }
 
     #[test]
-    fn injected_faults_leave_partial_staging() {
+    fn copy_block_ops_apply_before_writes() {
+        let mut m = FakeModel::new(small());
+        let a = m
+            .forward(&[], &[row(1, vec![1, 2, 3], 0, vec![0, 1])])
+            .unwrap();
+        m.commit().unwrap();
+        // Copy-on-write of the partial block 1 into block 7, then row 2 (a fork of row
+        // 1) writes position 3 there; row 1's block stays as it was.
+        let op = StorageOp::CopyBlock {
+            group: 0,
+            src: 1,
+            dst: 7,
+        };
+        let b = m.forward(&[op], &[row(2, vec![9], 3, vec![0, 7])]).unwrap();
+        m.commit().unwrap();
+        assert_eq!(b.data, m.logits_for_history(&[1, 2, 3, 9]));
+        let c = m.forward(&[], &[row(1, vec![4], 3, vec![0, 1])]).unwrap();
+        m.commit().unwrap();
+        assert_eq!(c.data, m.logits_for_history(&[1, 2, 3, 4]));
+        assert_ne!(a.data, c.data);
+        assert_eq!(m.stats().copies, 1);
+        assert!(m.violations().is_empty(), "{:?}", m.violations());
+    }
+
+    #[test]
+    fn injected_faults_leave_partial_staging_and_torn_kv() {
         let faults = FakeFaults {
             forward_fail_calls: vec![1],
             fail_after_layer: 2,
             commit_fail_calls: vec![1],
             ..Default::default()
         };
-        let mut m = FakeModel::with_faults(FakeConfig::default(), faults);
+        let mut m = FakeModel::with_faults(small(), faults);
         assert!(m
-            .forward(&[row(1, vec![1], 0), row(2, vec![1], 0)])
+            .forward(
+                &[],
+                &[row(1, vec![1, 2], 0, vec![0]), row(2, vec![1], 0, vec![1])]
+            )
             .is_err());
         assert!(m.has_staged());
         m.rollback();
-        m.forward(&[row(1, vec![1], 0)]).unwrap();
+        // What the failed forward wrote is garbage: a row reading it as context fails.
+        assert!(m.forward(&[], &[row(3, vec![3], 2, vec![0, 2])]).is_err());
+        assert_eq!(m.violations().len(), 1);
+        m.forward(&[], &[row(1, vec![1], 0, vec![0])]).unwrap();
         assert!(m.commit().is_err());
         m.rollback();
         assert_eq!(m.live_rows(), 0);
-        assert!(m.violations().is_empty());
+    }
+
+    #[test]
+    fn drafts_leave_the_committed_length_open_to_the_accepted_prefix() {
+        let mut m = FakeModel::new(small());
+        m.forward(&[], &[row(1, vec![1, 2], 0, vec![0])]).unwrap();
+        m.commit().unwrap();
+        let mut r = row(1, vec![3, 4, 5], 2, vec![0, 1, 2]);
+        r.draft = 2;
+        let l = m.forward(&[], &[r]).unwrap();
+        assert_eq!(l.data.len(), 3 * 64);
+        m.commit().unwrap();
+        // The scheduler kept the decoded token and one draft token.
+        let next = m
+            .forward(&[], &[row(1, vec![7], 4, vec![0, 1, 2])])
+            .unwrap();
+        m.commit().unwrap();
+        assert_eq!(next.data, m.logits_for_history(&[1, 2, 3, 4, 7]));
+        assert!(m.violations().is_empty(), "{:?}", m.violations());
     }
 }

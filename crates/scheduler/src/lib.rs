@@ -2,9 +2,12 @@
 //! chunked prefill, preemption by recompute, host sampling, and the step transaction,
 //! run by one engine thread that owns the model.
 //!
-//! The crate knows no tensors. A model plugs in through [`Model`]; KV memory through
-//! [`KvBudget`] (the built-in [`BlockBudget`] counts blocks; `weft-kv-pool` is meant to
-//! back it in production). [`fake::FakeModel`] makes everything testable without MLX.
+//! The crate knows no tensors. A model plugs in through [`Model`] and tells the scheduler
+//! what KV storage it holds ([`ModelInfo::kv`]); the scheduler owns the accounting of that
+//! storage, a paged [`KvPool`] from `weft-kv-pool` (block tables, refcounts, tenant-salted
+//! prefix cache, step transactions), and hands the model each row's block tables.
+//! [`fake::FakeModel`] makes everything testable without MLX: it keeps a shadow KV
+//! storage indexed by those tables, so a wrong table changes its outputs.
 //!
 //! - [`Engine`] / [`EngineHandle`]: the engine thread and the API for async front ends.
 //! - [`Scheduler`]: the synchronous core, driven step by step with caller-supplied time
@@ -18,14 +21,15 @@
 //!    most ahead in fair share, then newest). Then prefill chunks of running rows in the
 //!    same keep order, shrunk to the token budget and free memory. Then joiners, picked
 //!    by virtual token counter (smallest first) and priority within a tenant.
-//! 3. Transaction: reserve KV, forward, sample, stage text and finish decisions, model
-//!    commit, then apply (infallible). Any failure before the model's commit rolls back
-//!    the model and the KV budget and leaves the scheduler untouched, because nothing
-//!    in it is written until the apply; the step is retried. After `max_step_retries`
+//! 3. Transaction: append to the KV pool, forward, sample, stage text and finish
+//!    decisions, model commit and pool commit, then apply (infallible). Any failure before the model's commit rolls back
+//!    the model and the pool and leaves the scheduler untouched, because nothing in it
+//!    is written until the apply; the step is retried. After `max_step_retries`
 //!    the batch is bisected until the failing request is alone, and only it fails.
 //!
 //! Preemption and admission are decided before the transaction and stay decided if it
-//! fails: preempting calls `release_row`, which is not staged, so the transaction
+//! fails: preempting calls `release_row` and releases the pool sequence, and admitting
+//! allocates one (with its prefix hit), none of which is staged, so the transaction
 //! boundary is drawn after them. A retry therefore plans the same batch.
 //!
 //! # Fair share
@@ -49,15 +53,28 @@
 //! token `i` of a request from a ChaCha8 stream at a position derived from `i`, so
 //! seeded output does not depend on the batch, on retries or on preemption.
 //!
-//! # KV budget and `weft-kv-pool`
-//! The scheduler asks a [`KvBudget`] whether rows can grow, reserves growth inside the
-//! step's transaction (`begin` / `commit` / `rollback`) and releases rows it drops.
-//! `weft-kv-pool`'s `KvPool` has the same transaction shape; an adapter (row id ->
-//! sequence id, `reserve` -> `append`, `release` -> `release`) belongs where the model
-//! and the pool are built together, since the model needs the same pool's block tables.
-//! [`Engine::start_with_budget`] builds both on the engine thread for that reason.
-//! Prefix-cache hits are not used yet (a new row always starts at position 0), so
-//! `Usage::cached_prompt_tokens` is 0.
+//! # KV memory: the paged pool
+//! The scheduler builds one [`KvPool`] from [`ModelInfo::kv`] (today: one full-attention
+//! group, no state slots; anything else is [`SchedulerError::UnsupportedKv`]), so every
+//! block it accounts for exists in the model's storage. Each running request holds a
+//! pool sequence next to its model row.
+//! - Admission asks the pool for the longest cached, block-aligned prefix of prompt ++
+//!   generated (all but the last token, so the forward computes at least one) in the
+//!   tenant's own salt: a tenant never hits another's blocks. Memory checks count real
+//!   blocks: the blocks a row adds (`ceil((start + n) / bs)` minus those it holds) plus
+//!   cached blocks a hit takes off the evictable list, against free + evictable blocks,
+//!   with `kv_watermark_blocks` kept back for running rows. `Usage::cached_prompt_tokens`
+//!   is the hit at first admission.
+//! - A step is one pool transaction: `begin`, `append_tokens` of exactly what each row
+//!   feeds, the rows' tables into [`RowInput::blocks`], `forward(step_ops, rows)`,
+//!   sampling, `truncate` of rejected draft tokens, model commit, pool commit (which
+//!   files newly full blocks in the prefix cache). A failure rolls back with
+//!   `rollback_after_writes`, since the forward may already have written storage.
+//! - Preemption frees what a victim alone references (shared prefix blocks stay). A
+//!   finished, cancelled or preempted row releases its sequence; its full blocks stay as
+//!   evictable cached blocks (the prefix cache is whatever the pool holds; LRU eviction
+//!   when free blocks run out), so a preempted request normally resumes from its own
+//!   blocks.
 
 mod admission;
 mod chan;
@@ -67,7 +84,6 @@ pub mod draft;
 pub mod engine;
 pub mod fake;
 pub mod fault;
-pub mod kv;
 pub mod metrics;
 pub mod model;
 pub mod request;
@@ -78,10 +94,15 @@ mod util;
 pub use config::{SchedulerConfig, TenantLimits, VtcWeights};
 pub use engine::{Engine, EngineError, EngineHandle};
 pub use fault::{FaultPlan, FaultPoint};
-pub use kv::{BlockBudget, KvBudget, KvError};
-pub use model::{Detokenizer, Logits, Model, ModelError, ModelInfo, RowId, RowInput};
+pub use model::{
+    Detokenizer, KvGroups, Logits, Model, ModelError, ModelInfo, RowBlocks, RowId, RowInput,
+    StorageOp,
+};
 pub use request::{
     Event, EventStream, FinishReason, Finished, Request, RequestKey, SamplingParams, StopMatch,
     SubmitError, TokenDelta, TokenLogprob, Usage,
 };
 pub use scheduler::{Scheduler, SchedulerError, Stats, StepReport, TenantStats};
+/// The KV pool crate, for the pool types [`Scheduler::kv_pool`] exposes.
+pub use weft_kv_pool as kv_pool;
+pub use weft_kv_pool::{KvError, KvPool};

@@ -13,6 +13,7 @@ pub const REQUESTS_RUNNING: &str = "weft_requests_running";
 pub const REQUESTS_WAITING: &str = "weft_requests_waiting";
 pub const KV_BLOCKS_USED: &str = "weft_kv_blocks_used";
 pub const KV_BLOCKS_FREE: &str = "weft_kv_blocks_free";
+pub const KV_BLOCKS_CACHED: &str = "weft_kv_blocks_cached";
 pub const KV_USAGE_RATIO: &str = "weft_kv_usage_ratio";
 pub const PREEMPTIONS: &str = "weft_preemptions_total";
 pub const STEP_ROLLBACKS: &str = "weft_step_rollbacks_total";
@@ -46,9 +47,13 @@ pub fn describe() {
         REQUESTS_WAITING,
         "Requests queued, including preempted ones"
     );
-    describe_gauge!(KV_BLOCKS_USED, "KV blocks reserved by rows");
-    describe_gauge!(KV_BLOCKS_FREE, "KV blocks free");
-    describe_gauge!(KV_USAGE_RATIO, "Used / total KV blocks");
+    describe_gauge!(KV_BLOCKS_USED, "KV pool blocks referenced by running rows");
+    describe_gauge!(KV_BLOCKS_FREE, "KV pool blocks holding nothing");
+    describe_gauge!(
+        KV_BLOCKS_CACHED,
+        "KV pool blocks holding prefix-cache contents, evictable (LRU) when none are free"
+    );
+    describe_gauge!(KV_USAGE_RATIO, "Used / total KV pool blocks");
     describe_counter!(
         PREEMPTIONS,
         "Rows preempted (recomputed later) for lack of KV memory"
@@ -72,9 +77,12 @@ pub fn describe() {
     describe_counter!(GENERATION_TOKENS, "Generated tokens");
     describe_counter!(
         PREFIX_QUERIES,
-        "Prompt tokens looked up in the prefix cache"
+        "Tokens offered to the KV pool's prefix cache at admission"
     );
-    describe_counter!(PREFIX_HITS, "Prompt tokens served from the prefix cache");
+    describe_counter!(
+        PREFIX_HITS,
+        "Tokens served from the KV pool's prefix cache at admission"
+    );
     describe_counter!(REQUESTS_FINISHED, "Finished requests by reason");
     describe_counter!(
         SPEC_DRAFT_TOKENS,
@@ -89,6 +97,7 @@ pub fn describe() {
 pub(crate) struct EngineMetrics {
     pub kv_used: Gauge,
     pub kv_free: Gauge,
+    pub kv_cached: Gauge,
     pub kv_ratio: Gauge,
     pub preemptions: Counter,
     pub rollbacks: Counter,
@@ -110,6 +119,7 @@ impl EngineMetrics {
         Self {
             kv_used: gauge!(KV_BLOCKS_USED),
             kv_free: gauge!(KV_BLOCKS_FREE),
+            kv_cached: gauge!(KV_BLOCKS_CACHED),
             kv_ratio: gauge!(KV_USAGE_RATIO),
             preemptions: counter!(PREEMPTIONS),
             rollbacks: counter!(STEP_ROLLBACKS),

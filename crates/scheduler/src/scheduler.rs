@@ -2,6 +2,13 @@
 //! step transaction and sampling. It runs on whatever thread owns it (the engine thread
 //! in production, the test thread in simulations) and takes `now` from the caller, so
 //! simulations are deterministic.
+//!
+//! KV memory is the paged pool of `weft-kv-pool`, built from the model's
+//! [`ModelInfo::kv`]: every running request holds one pool sequence next to its model
+//! row, planning counts the pool's real free and evictable blocks, a step's appends,
+//! draft truncations and prefix-cache registrations are one pool transaction, and a
+//! request that leaves gives its blocks back (full ones stay as evictable prefix-cache
+//! blocks, salted per tenant).
 
 use std::cmp::Reverse;
 use std::collections::hash_map::DefaultHasher;
@@ -18,7 +25,6 @@ use crate::config::SchedulerConfig;
 use crate::detok::{TextState, TextUpdate};
 use crate::draft::{self, Seq};
 use crate::fault::{FaultPlan, FaultPoint};
-use crate::kv::{BlockBudget, KvBudget};
 use crate::metrics::{EngineMetrics, TenantMetrics};
 use crate::model::{Detokenizer, Model, ModelInfo, RowId, RowInput};
 use crate::request::{
@@ -26,11 +32,19 @@ use crate::request::{
 };
 use crate::sampling::{sample, PenaltyState, SampleCtx, Sampled, Scratch};
 use crate::util::{mix64, IdMap};
+use weft_kv_pool::{AttentionKind, KvError, KvPool, OwnerId, PrefixStats, Salt, SeqId, SeqSpec};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SchedulerError {
     #[error("invalid scheduler config: {0}")]
     Config(String),
+    /// The model's KV layout ([`ModelInfo::kv`]) is one the scheduler cannot plan for
+    /// yet (today: exactly one full-attention group and no state slots).
+    #[error("unsupported KV layout: {0}")]
+    UnsupportedKv(String),
+    /// The pool rejected the model's KV layout.
+    #[error("KV pool: {0}")]
+    Kv(#[from] KvError),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -48,9 +62,14 @@ pub struct Stats {
     pub running: usize,
     pub waiting: usize,
     pub tenants: Vec<TenantStats>,
+    /// KV blocks of the pool (one full-attention group): `used` are referenced by a
+    /// running row, `free` hold nothing, `cached` hold a finished or preempted row's
+    /// full blocks for prefix reuse and are evicted (LRU) when `free` runs out.
+    /// `used + free + cached == total`.
     pub kv_blocks_total: usize,
     pub kv_blocks_used: usize,
     pub kv_blocks_free: usize,
+    pub kv_blocks_cached: usize,
     pub steps: u64,
     pub rollbacks: u64,
     pub preemptions: u64,
@@ -84,6 +103,9 @@ struct Tenant {
     running: usize,
     max_running: usize,
     label: usize,
+    /// Prefix-cache domain: unique per tenant (from its index, which is never reused),
+    /// so one tenant never hits another's blocks.
+    salt: Salt,
 }
 
 struct Req {
@@ -92,7 +114,8 @@ struct Req {
     seq: u64,
     r: Request,
     tx: chan::Sender<Msg>,
-    row: Option<RowId>,
+    /// The model row and pool sequence while running.
+    row: Option<Resident>,
     generated: Vec<u32>,
     /// Tokens of prompt ++ generated that the model has committed for `row`.
     computed: usize,
@@ -107,7 +130,7 @@ struct Req {
     /// after preemption (that is the engine's choice, not the tenant's use).
     charged: bool,
     preemptions: u32,
-    /// Prompt tokens served from the model's prefix cache at first admission.
+    /// Prompt tokens served from the pool's prefix cache at first admission.
     cached: usize,
     /// The draft planned for this step (scratch, rebuilt by every plan).
     draft: Vec<u32>,
@@ -118,14 +141,8 @@ impl Req {
         self.r.prompt.len() + self.generated.len()
     }
 
-    /// `n` tokens of prompt ++ generated from `start` (clamped to what exists).
-    fn tokens(&self, start: usize, n: usize) -> Vec<u32> {
-        let mut v = Vec::with_capacity(n);
-        self.extend_tokens(start, n, &mut v);
-        v
-    }
-
-    /// Appends what [`Req::tokens`] returns to `v`, so a step can refill buffers it keeps.
+    /// Appends `n` tokens of prompt ++ generated from `start` (clamped to what exists)
+    /// to `v`, so a step can refill buffers it keeps.
     fn extend_tokens(&self, start: usize, n: usize, v: &mut Vec<u32>) {
         let (p, g) = (&self.r.prompt, &self.generated);
         if n == 1 {
@@ -274,6 +291,13 @@ impl std::ops::Index<&RequestKey> for Slab {
     }
 }
 
+/// Where a running request lives: its model row and its pool sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Resident {
+    row: RowId,
+    seq: SeqId,
+}
+
 /// A running row: its request key and slab slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct RunSlot {
@@ -286,6 +310,7 @@ struct Planned {
     key: RequestKey,
     slot: u32,
     row: RowId,
+    seq: SeqId,
     start: usize,
     n: usize,
     want_logits: bool,
@@ -323,6 +348,21 @@ struct StepBufs {
     done: Vec<(RequestKey, FinishReason, Option<StopMatch>)>,
     per_label: Vec<u64>,
     label_sums: Vec<(usize, usize)>,
+    /// Prompt ++ generated of a joiner (prefix lookup and allocation).
+    joiner: Vec<u32>,
+}
+
+/// `ceil(tokens / 2^shift)`: blocks holding `tokens` tokens (block sizes are powers of
+/// two; a shift is far cheaper than the division, taken several times per row per step).
+#[inline]
+fn blocks_of(tokens: usize, shift: u32) -> usize {
+    (tokens >> shift) + usize::from(tokens & ((1usize << shift) - 1) != 0)
+}
+
+/// New blocks a row holding `start` tokens needs to grow by `n`.
+#[inline]
+fn need_of(start: usize, n: usize, shift: u32) -> usize {
+    blocks_of(start + n, shift) - blocks_of(start, shift)
 }
 
 /// The detokenizer a request's stream runs itself: requests without stop strings are
@@ -334,11 +374,16 @@ pub(crate) fn stream_detok(
     req.stop_strings.is_empty().then(|| detok.clone())
 }
 
-pub struct Scheduler<M: Model, K: KvBudget = BlockBudget> {
+pub struct Scheduler<M: Model> {
     cfg: SchedulerConfig,
     info: ModelInfo,
     model: M,
-    kv: K,
+    pool: KvPool,
+    /// Tokens per KV block, and its log2 (block sizes are powers of two).
+    bs: usize,
+    bs_shift: u32,
+    /// Pool prefix counters already published as metrics.
+    prefix_seen: PrefixStats,
     detok: Arc<dyn Detokenizer>,
     admission: Arc<Admission>,
     faults: FaultPlan,
@@ -362,40 +407,39 @@ pub struct Scheduler<M: Model, K: KvBudget = BlockBudget> {
     metrics: EngineMetrics,
 }
 
-impl<M: Model> Scheduler<M, BlockBudget> {
-    /// A scheduler with the built-in block counter sized by the config.
+impl<M: Model> Scheduler<M> {
+    /// A scheduler for `model`, with a KV pool built from exactly the storage the model
+    /// reports in [`ModelInfo::kv`] (`cfg.kv_hash_key`, if set, fixes the prefix hash
+    /// key). Today the layout must be one full-attention group without state slots.
     pub fn new(
         cfg: SchedulerConfig,
         model: M,
         detok: Arc<dyn Detokenizer>,
     ) -> Result<Self, SchedulerError> {
-        let kv = BlockBudget::new(cfg.kv_block_size, cfg.kv_total_blocks);
-        Self::with_budget(cfg, model, kv, detok)
-    }
-}
-
-impl<M: Model, K: KvBudget> Scheduler<M, K> {
-    pub fn with_budget(
-        cfg: SchedulerConfig,
-        model: M,
-        kv: K,
-        detok: Arc<dyn Detokenizer>,
-    ) -> Result<Self, SchedulerError> {
         cfg.validate().map_err(SchedulerError::Config)?;
-        if kv.block_size() != cfg.kv_block_size {
-            return Err(SchedulerError::Config(format!(
-                "KV budget block size {} differs from kv_block_size {}",
-                kv.block_size(),
-                cfg.kv_block_size
-            )));
-        }
         let info = model.info();
         if info.vocab_size == 0 {
             return Err(SchedulerError::Config(
                 "model reports an empty vocabulary".into(),
             ));
         }
-        let capacity = kv.total_blocks() * kv.block_size();
+        let mut kv = info.kv.clone();
+        match (&kv.groups[..], kv.state_slots) {
+            ([g], 0) if g.kind == AttentionKind::Full => {}
+            (groups, slots) => {
+                return Err(SchedulerError::UnsupportedKv(format!(
+                    "the scheduler plans one full-attention group without state slots; \
+                     the model reports groups {groups:?} and {slots} state slots"
+                )))
+            }
+        }
+        if let Some(key) = cfg.kv_hash_key {
+            kv.hash_key = Some(key);
+        }
+        let pool = KvPool::new(kv)?;
+        let bs = pool.block_size();
+        let total = pool.group(0)?.total();
+        let capacity = total.saturating_mul(bs);
         let admission = Arc::new(Admission::new(cfg.clone(), info.clone(), capacity));
         let mut labels: Vec<(String, TenantMetrics)> = Vec::new();
         let mut named: Vec<&String> = cfg.tenants.keys().collect();
@@ -409,7 +453,10 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             cfg,
             info,
             model,
-            kv,
+            bs,
+            bs_shift: bs.trailing_zeros(),
+            prefix_seen: pool.prefix_stats(),
+            pool,
             detok,
             admission,
             tenants: Vec::new(),
@@ -445,8 +492,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         &self.model
     }
 
-    pub fn kv(&self) -> &K {
-        &self.kv
+    /// The KV pool, read-only (tests audit its tables; metrics read its counts).
+    pub fn kv_pool(&self) -> &KvPool {
+        &self.pool
     }
 
     /// Submit-time fault counters (tests read how many faults fired).
@@ -545,6 +593,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             running: 0,
             max_running: self.cfg.limits(name).max_running,
             label,
+            salt: Salt(i as u64 + 1),
         });
         self.tenant_ix.insert(name.to_string(), i);
         i
@@ -662,16 +711,28 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         }
     }
 
-    fn held_blocks(&self, row: RowId) -> usize {
-        self.kv.row_tokens(row).div_ceil(self.kv.block_size())
+    /// Blocks a row of `tokens` tokens holds: `ceil(tokens / bs)` (one full-attention
+    /// group; its table always has exactly that many blocks).
+    #[inline]
+    fn blocks(&self, tokens: usize) -> usize {
+        blocks_of(tokens, self.bs_shift)
     }
 
-    /// (row, committed length, tokens left to feed) of a running request.
-    fn progress(&self, slot: u32) -> (RowId, usize, usize) {
-        match self.reqs.at(slot) {
-            Some(r) => (r.row.unwrap_or(0), r.computed, r.seq_len() - r.computed),
-            None => (0, 0, 0),
-        }
+    /// New blocks a row holding `start` tokens needs to grow by `n`.
+    #[inline]
+    fn need(&self, start: usize, n: usize) -> usize {
+        need_of(start, n, self.bs_shift)
+    }
+
+    /// Blocks an allocation can take now: free plus evictable cached ones.
+    fn available(&self) -> usize {
+        self.pool.group(0).map_or(0, |g| g.available())
+    }
+
+    /// (resident, committed length, tokens left to feed) of a running request.
+    fn progress(&self, slot: u32) -> Option<(Resident, usize, usize)> {
+        let r = self.reqs.at(slot)?;
+        Some((r.row?, r.computed, r.seq_len() - r.computed))
     }
 
     fn plan(&mut self, now: Instant) -> Plan {
@@ -699,19 +760,23 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                     .copied()
                     .filter(|x| group.as_ref().is_none_or(|g| g.contains(&x.key))),
             );
-            let mut free = self.kv.free_blocks();
+            // Real pool blocks an append can take: free plus evictable cached ones.
+            let mut free = self.available();
             // One pass over the batch: decoding rows are planned right away; whether
             // memory suffices for all of them decides between the fast path and the
             // preempting one.
             let mut decode_need = 0;
             for &x in &order {
-                let (row, start, rem) = self.progress(x.slot);
+                let Some((res, start, rem)) = self.progress(x.slot) else {
+                    continue;
+                };
                 if rem == 1 {
-                    decode_need += self.kv.blocks_needed(row, start + 1);
+                    decode_need += self.need(start, 1);
                     rows.push(Planned {
                         key: x.key,
                         slot: x.slot,
-                        row,
+                        row: res.row,
+                        seq: res.seq,
                         start,
                         n: 1,
                         want_logits: true,
@@ -754,12 +819,15 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             let mut i = 0;
             while i < end {
                 let x = order[i];
-                let (row, start, rem) = self.progress(x.slot);
+                let Some((res, start, rem)) = self.progress(x.slot) else {
+                    i += 1;
+                    continue;
+                };
                 if rem != 1 {
                     i += 1;
                     continue;
                 }
-                let need = self.kv.blocks_needed(row, start + 1);
+                let need = self.need(start, 1);
                 let mut preempted_self = false;
                 while need > free {
                     end -= 1;
@@ -769,12 +837,12 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                         preempted_self = true;
                         break;
                     }
-                    let (vrow, _, vrem) = self.progress(v.slot);
-                    if vrem == 1 {
+                    if self.progress(v.slot).is_some_and(|(_, _, vrem)| vrem == 1) {
                         budget += 1;
                     }
-                    free += self.held_blocks(vrow);
-                    self.preempt(v.key);
+                    // What the victim really gives back: blocks only it referenced
+                    // (prefix blocks it shares with other rows stay in use).
+                    free += self.preempt(v.key);
                 }
                 if preempted_self {
                     break;
@@ -783,7 +851,8 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 rows.push(Planned {
                     key: x.key,
                     slot: x.slot,
-                    row,
+                    row: res.row,
+                    seq: res.seq,
                     start,
                     n: 1,
                     want_logits: true,
@@ -798,7 +867,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 order[..end]
                     .iter()
                     .copied()
-                    .filter(|x| self.progress(x.slot).2 > 1),
+                    .filter(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem > 1)),
             );
             self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
 
@@ -825,6 +894,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         if k == 0 || budget == 0 || !self.model.supports_drafts() {
             return 0;
         }
+        let shift = self.bs_shift;
         let mut added = 0;
         for p in rows.iter_mut() {
             if budget == 0 {
@@ -850,8 +920,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 continue;
             }
             let n = 1 + r.draft.len();
-            let extra = self.kv.blocks_needed(p.row, p.start + n)
-                - self.kv.blocks_needed(p.row, p.start + 1);
+            let extra = need_of(p.start, n, shift) - need_of(p.start, 1, shift);
             if extra > *free {
                 r.draft.clear();
                 continue;
@@ -883,13 +952,14 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         budget: &mut usize,
         free: &mut usize,
     ) {
-        let bs = self.kv.block_size();
         for &x in xs {
             if *budget == 0 {
                 break;
             }
-            let (row, start, rem) = self.progress(x.slot);
-            let cap = (self.held_blocks(row) + *free) * bs;
+            let Some((res, start, rem)) = self.progress(x.slot) else {
+                continue;
+            };
+            let cap = (self.blocks(start) + *free) * self.bs;
             let n = self
                 .cfg
                 .prefill_chunk
@@ -899,12 +969,13 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             if n == 0 {
                 continue;
             }
-            *free -= self.kv.blocks_needed(row, start + n);
+            *free -= self.need(start, n);
             *budget -= n;
             rows.push(Planned {
                 key: x.key,
                 slot: x.slot,
-                row,
+                row: res.row,
+                seq: res.seq,
                 start,
                 n,
                 want_logits: n == rem,
@@ -922,6 +993,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             .map(|(i, _)| i)
     }
 
+    /// The prefix-cache domain of a tenant's sequences (None: caching off).
+    fn salt_of(&self, t: usize) -> Option<Salt> {
+        self.cfg.prefix_cache.then(|| self.tenants[t].salt)
+    }
+
     fn admit_joiners(
         &mut self,
         now: Instant,
@@ -929,20 +1005,48 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         budget: &mut usize,
         free: &mut usize,
     ) {
-        let bs = self.kv.block_size();
         let mut prefilling = rows.iter().any(|r| r.n > 1);
+        let mut toks = std::mem::take(&mut self.bufs.joiner);
         while self.running.len() < self.cfg.max_batch_rows && *budget > 0 {
+            let watermark = if self.running.is_empty() {
+                0
+            } else {
+                self.cfg.kv_watermark_blocks
+            };
+            // A joiner always needs a block of its own: a prefix hit covers whole blocks
+            // and leaves at least its last token to compute.
+            if 1 + watermark > *free {
+                break;
+            }
             let Some(t) = self.pick_tenant() else { break };
             let Some((_, &k)) = self.tenants[t].queue.first_key_value() else {
                 break;
             };
-            let (total, cached) = {
-                let r = &self.reqs[&k];
-                let seq = r.tokens(0, r.seq_len());
-                (
-                    seq.len(),
-                    self.model.prefix_len(&self.tenants[t].name, &seq),
-                )
+            toks.clear();
+            if let Some(r) = self.reqs.get(&k) {
+                r.extend_tokens(0, r.seq_len(), &mut toks);
+            }
+            let total = toks.len();
+            if total == 0 {
+                break;
+            }
+            // What a hit would cover (all but the last token are offered, so the forward
+            // computes at least one), and how many of its blocks sit evictable in the
+            // cache: taking those leaves fewer blocks for everyone else.
+            let (cached, revived) = match self.salt_of(t) {
+                Some(salt) => {
+                    let hit = self.pool.lookup(salt, &toks[..total - 1]);
+                    let revived = match (self.pool.group(0), hit.groups.first()) {
+                        (Ok(g), Some(gh)) => gh
+                            .blocks
+                            .iter()
+                            .filter(|&&b| g.refcount(b).is_ok_and(|c| c == 0))
+                            .count(),
+                        _ => 0,
+                    };
+                    (hit.tokens, revived)
+                }
+                None => (0, 0),
             };
             let rest = total - cached;
             let n = self.cfg.prefill_chunk.min(rest).min(*budget);
@@ -953,45 +1057,66 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 // Head-of-line, like a memory stall, to keep the fair order.
                 break;
             }
-            let need = (cached + n).div_ceil(bs);
-            let watermark = if self.running.is_empty() {
-                0
-            } else {
-                self.cfg.kv_watermark_blocks
-            };
-            if need + watermark > *free {
+            if self.need(cached, n) + revived + watermark > *free {
                 // Head-of-line: admitting someone further back would break fair order.
                 break;
             }
-            let Some((row, slot, cached)) = self.start(k, now) else {
+            let before = self.available();
+            let Some((res, slot, cached)) = self.start(k, &toks, now) else {
                 break;
             };
+            // Cached blocks the hit took out of the evictable list, plus the chunk's
+            // new blocks.
+            let revived = before.saturating_sub(self.available());
             let n = self.cfg.prefill_chunk.min(total - cached).min(*budget);
-            *free -= (cached + n).div_ceil(bs);
+            *free = free.saturating_sub(revived + self.need(cached, n));
             *budget -= n;
             prefilling |= n > 1;
             rows.push(Planned {
                 key: k,
                 slot,
-                row,
+                row: res.row,
+                seq: res.seq,
                 start: cached,
                 n,
                 want_logits: cached + n == total,
                 draft: 0,
             });
         }
+        self.bufs.joiner = toks;
     }
 
-    /// Move a waiting request into the running batch with a fresh row. Returns the row
-    /// and the request's slab slot.
-    fn start(&mut self, k: RequestKey, now: Instant) -> Option<(RowId, u32, usize)> {
+    /// Move a waiting request into the running batch with a fresh row and a pool
+    /// sequence that starts with the longest cached prefix of `toks` (its prompt ++
+    /// generated; all but the last token are offered). Returns the resident, the
+    /// request's slab slot and the tokens the hit covers; None (nothing changed) if the
+    /// pool refused the sequence.
+    fn start(
+        &mut self,
+        k: RequestKey,
+        toks: &[u32],
+        now: Instant,
+    ) -> Option<(Resident, u32, usize)> {
         let req_slot = self.reqs.slot(&k)?;
-        let row = self.next_row;
-        self.next_row += 1;
         let (t, qslot, prompt_len, first) = {
             let r = self.reqs.at(req_slot)?;
             (r.tenant, r.queue_slot(), r.r.prompt.len(), !r.charged)
         };
+        let mut spec = SeqSpec::new(OwnerId(u32::try_from(t).unwrap_or(u32::MAX)));
+        if let Some(salt) = self.salt_of(t) {
+            spec = spec.salted(salt);
+        }
+        let offered = &toks[..toks.len().saturating_sub(1)];
+        let (seq, cached) = match self.pool.allocate_with_prefix(spec, offered) {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(request = k.0, error = %e, "KV pool refused a sequence");
+                return None;
+            }
+        };
+        let row = self.next_row;
+        self.next_row += 1;
+        let res = Resident { row, seq };
         self.remove_waiting(t, qslot);
         let w_in = self.cfg.vtc.input;
         let tenant = &mut self.tenants[t];
@@ -1008,25 +1133,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             key: k,
             slot: req_slot,
         });
-        let (seq, tenant_name) = match self.reqs.at(req_slot) {
-            Some(r) => (r.tokens(0, r.seq_len()), self.tenants[t].name.clone()),
-            None => (Vec::new(), String::new()),
-        };
-        let cached = if seq.is_empty() {
-            0
-        } else {
-            let c = self.model.attach_prefix(row, &tenant_name, &seq);
-            self.metrics.prefix_queries.increment(seq.len() as u64);
-            self.metrics.prefix_hits.increment(c as u64);
-            c.min(seq.len().saturating_sub(1))
-        };
         if let Some(r) = self.reqs.at_mut(req_slot) {
-            r.row = Some(row);
+            r.row = Some(res);
             r.computed = cached;
             if first {
                 r.cached = cached.min(prompt_len);
-            }
-            if first {
                 r.charged = true;
                 r.scheduled_at = Some(now);
                 self.metrics
@@ -1034,33 +1145,46 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                     .record(now.saturating_duration_since(r.arrival).as_secs_f64());
             }
         }
-        Some((row, req_slot, cached))
+        Some((res, req_slot, cached))
+    }
+
+    /// Gives a resident's row and sequence back (model first, then pool). Returns the
+    /// blocks that became available: those only this sequence referenced.
+    fn release_resident(&mut self, res: Resident) -> usize {
+        self.model.release_row(res.row);
+        let before = self.available();
+        if let Err(e) = self.pool.release(res.seq) {
+            error!(row = res.row, error = %e, "KV pool refused to release a sequence");
+        }
+        self.available().saturating_sub(before)
     }
 
     /// Recompute-style preemption: drop the row's state; the request waits again with
-    /// its generated tokens and resumes by prefilling prompt ++ generated.
-    fn preempt(&mut self, k: RequestKey) {
+    /// its generated tokens and resumes by prefilling prompt ++ generated (normally
+    /// from its own blocks, which stay in the prefix cache until evicted). Returns the
+    /// blocks it freed.
+    fn preempt(&mut self, k: RequestKey) -> usize {
         let Some(r) = self.reqs.get_mut(&k) else {
-            return;
+            return 0;
         };
-        let Some(row) = r.row.take() else { return };
+        let Some(res) = r.row.take() else { return 0 };
         r.computed = 0;
         r.preemptions += 1;
         let t = r.tenant;
         debug!(
             request = k.0,
-            row,
+            row = res.row,
             generated = r.generated.len(),
             "preempting row"
         );
-        self.model.release_row(row);
-        self.kv.release(row);
+        let freed = self.release_resident(res);
         self.running.retain(|x| x.key != k);
         self.tenants[t].running -= 1;
         self.admission.preempted(&self.tenants[t].name);
         self.stats.preemptions += 1;
         self.metrics.preemptions.increment(1);
         self.push_waiting(k);
+        freed
     }
 
     fn run(&mut self, plan: &Plan, now: Instant) -> StepReport {
@@ -1077,7 +1201,13 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 }
                 Err(e) => {
                     self.model.rollback();
-                    self.kv.rollback();
+                    // The forward may have written storage by now (even a failed one);
+                    // cached blocks the step evicted must not come back as cache hits.
+                    if self.pool.in_transaction() {
+                        if let Err(e) = self.pool.rollback_after_writes() {
+                            error!(error = %e, "KV pool rollback failed");
+                        }
+                    }
                     self.stats.rollbacks += 1;
                     self.metrics.rollbacks.increment(1);
                     if let Some(fp) = before {
@@ -1117,18 +1247,13 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         }
     }
 
-    /// One try of the step. Touches nothing but the model's and the budget's staged
-    /// state until the model has committed; after that nothing can fail.
+    /// One try of the step, as one pool transaction: append every row's tokens, hand the
+    /// model the step's storage ops and the rows' block tables, forward, sample, take
+    /// rejected draft tokens back, commit model then pool. Touches nothing but the
+    /// model's and the pool's staged state until the model has committed; after that
+    /// nothing can fail.
     fn attempt(&mut self, rows: &[Planned], now: Instant) -> Result<StepReport, String> {
-        self.kv.begin();
-        for p in rows {
-            self.kv
-                .reserve(p.row, p.start + p.n)
-                .map_err(|e| e.to_string())?;
-        }
-        if self.faults.hit(FaultPoint::AfterPlan) {
-            return Err("injected fault after planning".into());
-        }
+        self.pool.begin().map_err(|e| e.to_string())?;
         let inputs = &mut self.bufs.inputs;
         if inputs.len() < rows.len() {
             inputs.resize_with(rows.len(), || RowInput {
@@ -1137,6 +1262,7 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 start_pos: 0,
                 want_logits: false,
                 draft: 0,
+                blocks: Vec::new(),
             });
         }
         for (p, input) in rows.iter().zip(inputs.iter_mut()) {
@@ -1149,10 +1275,24 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 r.extend_tokens(p.start, p.n - p.draft, &mut input.tokens);
                 input.tokens.extend_from_slice(&r.draft[..p.draft]);
             }
+            // Exactly the tokens the row feeds; a draft's rejected tail is truncated
+            // after sampling.
+            self.pool
+                .append_tokens(p.seq, &input.tokens)
+                .map_err(|e| format!("KV append for request {}: {e}", p.key.0))?;
+        }
+        if self.faults.hit(FaultPoint::AfterPlan) {
+            return Err("injected fault after planning".into());
+        }
+        // Tables after every append of the step (an append may replace a shared block).
+        for (p, input) in rows.iter().zip(inputs.iter_mut()) {
+            let t = self.pool.table(p.seq, 0).map_err(|e| e.to_string())?;
+            input.blocks.resize_with(1, Default::default);
+            input.blocks[0].copy_from(&t);
         }
         let logits = self
             .model
-            .forward(&inputs[..rows.len()])
+            .forward(self.pool.step_ops(), &inputs[..rows.len()])
             .map_err(|e| e.to_string())?;
         let wanted = &mut self.bufs.wanted;
         wanted.clear();
@@ -1251,9 +1391,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
                 more.push(s);
             }
             if p.draft > 0 {
-                self.model
-                    .keep(p.row, 1 + more.len())
-                    .map_err(|e| e.to_string())?;
+                // Rejected draft tokens leave the pool again (staged, like the append):
+                // the row keeps the decoded token and the accepted draft.
+                self.pool
+                    .truncate(p.seq, p.start + 1 + more.len())
+                    .map_err(|e| format!("KV truncate for request {}: {e}", p.key.0))?;
             }
             li += 1 + p.draft;
             commits.push(RowCommit {
@@ -1264,7 +1406,11 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         }
 
         self.model.commit().map_err(|e| e.to_string())?;
-        self.kv.commit();
+        // Files the step's full blocks in the prefix cache. It cannot fail with the
+        // step open; the model has committed, so the step stands either way.
+        if let Err(e) = self.pool.commit() {
+            error!(error = %e, "KV pool commit failed after the model committed");
+        }
         let mut commits = std::mem::take(&mut self.bufs.commits);
         let rep = self.apply(rows, &mut commits, now);
         self.bufs.commits = commits;
@@ -1402,17 +1548,9 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
         };
         let t = r.tenant;
         let was_waiting = match r.row {
-            Some(row) => {
-                if matches!(
-                    reason,
-                    FinishReason::Length | FinishReason::Stop | FinishReason::Eos
-                ) && r.computed > 0
-                {
-                    let tokens = r.tokens(0, r.computed);
-                    self.model.offer_prefix(row, &self.tenants[t].name, &tokens);
-                }
-                self.model.release_row(row);
-                self.kv.release(row);
+            Some(res) => {
+                // Its full blocks stay in the pool as evictable prefix-cache blocks.
+                self.release_resident(res);
                 self.running.retain(|x| x.key != k);
                 self.tenants[t].running -= 1;
                 false
@@ -1454,15 +1592,25 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     }
 
     fn publish(&mut self) {
-        let total = self.kv.total_blocks();
-        let free = self.kv.free_blocks();
-        self.metrics.kv_used.set((total - free) as f64);
-        self.metrics.kv_free.set(free as f64);
-        self.metrics.kv_ratio.set(if total == 0 {
+        let b = self.pool.group(0).map(|g| g.stats()).unwrap_or_default();
+        self.metrics.kv_used.set(b.used as f64);
+        self.metrics.kv_free.set(b.free as f64);
+        self.metrics.kv_cached.set(b.cached as f64);
+        self.metrics.kv_ratio.set(if b.total == 0 {
             0.0
         } else {
-            (total - free) as f64 / total as f64
+            b.used as f64 / b.total as f64
         });
+        let p = self.pool.prefix_stats();
+        let seen = std::mem::replace(&mut self.prefix_seen, p);
+        let queries = p.query_tokens.saturating_sub(seen.query_tokens);
+        let hits = p.hit_tokens.saturating_sub(seen.hit_tokens);
+        if queries > 0 {
+            self.metrics.prefix_queries.increment(queries);
+        }
+        if hits > 0 {
+            self.metrics.prefix_hits.increment(hits);
+        }
         let sums = &mut self.bufs.label_sums;
         sums.clear();
         sums.resize(self.labels.len(), (0, 0));
@@ -1477,14 +1625,14 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
     }
 
     pub fn stats(&self) -> Stats {
-        let total = self.kv.total_blocks();
-        let free = self.kv.free_blocks();
+        let b = self.pool.group(0).map(|g| g.stats()).unwrap_or_default();
         let mut s = self.stats.clone();
         s.running = self.running.len();
         s.waiting = self.reqs.len() - self.running.len();
-        s.kv_blocks_total = total;
-        s.kv_blocks_free = free;
-        s.kv_blocks_used = total - free;
+        s.kv_blocks_total = b.total;
+        s.kv_blocks_free = b.free;
+        s.kv_blocks_cached = b.cached;
+        s.kv_blocks_used = b.used;
         s.tenants = self
             .tenants
             .iter()
@@ -1533,8 +1681,34 @@ impl<M: Model, K: KvBudget> Scheduler<M, K> {
             }
         }
         self.probation.hash(&mut h);
-        self.kv.fingerprint().hash(&mut h);
+        self.hash_pool(&mut h);
         h.finish()
+    }
+
+    /// The pool's sequence state: every live sequence's table, length, position and
+    /// token ids, the refcount of every block a table holds, and the used count. Not the
+    /// order or content of the free and cached lists: a rollback after the forward wrote
+    /// storage rightly drops cache entries of blocks the step evicted.
+    fn hash_pool(&self, h: &mut DefaultHasher) {
+        let p = &self.pool;
+        p.in_transaction().hash(h);
+        let Ok(g) = p.group(0) else { return };
+        g.stats().used.hash(h);
+        let ps = p.prefix_stats();
+        (ps.lookups, ps.query_tokens, ps.hit_tokens).hash(h);
+        for seq in p.live_sequences() {
+            seq.hash(h);
+            if let Ok(info) = p.sequence(seq) {
+                (info.owner, info.salt, info.len, info.position).hash(h);
+            }
+            if let Ok(t) = p.table(seq, 0) {
+                (t.offset, t.blocks).hash(h);
+                for &b in t.blocks {
+                    g.refcount(b).ok().hash(h);
+                }
+            }
+            p.tokens(seq).ok().hash(h);
+        }
     }
 
     /// Time until the earliest deadline of a live request (the engine sleeps no longer).

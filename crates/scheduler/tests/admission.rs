@@ -13,9 +13,13 @@ use weft_scheduler::{
 };
 
 fn sched(cfg: SchedulerConfig) -> Scheduler<FakeModel> {
+    sched_blocks(cfg, BLOCKS)
+}
+
+fn sched_blocks(cfg: SchedulerConfig, blocks: u32) -> Scheduler<FakeModel> {
     Scheduler::new(
         cfg,
-        FakeModel::new(fake_config()),
+        FakeModel::new(fake_blocks(blocks)),
         Arc::new(FakeDetokenizer),
     )
     .unwrap()
@@ -43,7 +47,6 @@ fn overloaded(r: Result<impl Sized, SubmitError>) -> (Duration, String) {
 #[test]
 fn requests_that_can_never_fit_are_invalid_and_name_the_limit() {
     let mut cfg = sched_config();
-    cfg.kv_total_blocks = 10; // 160 tokens
     cfg.tenants.insert(
         "metered".into(),
         TenantLimits {
@@ -51,7 +54,7 @@ fn requests_that_can_never_fit_are_invalid_and_name_the_limit() {
             ..TenantLimits::default()
         },
     );
-    let mut s = sched(cfg);
+    let mut s = sched_blocks(cfg, 10); // 160 tokens
     let now = Instant::now();
     assert!(invalid(s.submit(Request::new("t", vec![1; 4000], 200), now)).contains("max_context"));
     assert!(invalid(s.submit(Request::new("t", vec![1; 150], 20), now)).contains("KV capacity"));

@@ -10,7 +10,7 @@ use common::*;
 use weft_scheduler::fake::{FakeDetokenizer, FakeModel};
 use weft_scheduler::{
     Engine, EngineError, Event, EventStream, FinishReason, Finished, Logits, Model, ModelError,
-    ModelInfo, Request, RowId, RowInput, SubmitError,
+    ModelInfo, Request, RowId, RowInput, StorageOp, SubmitError,
 };
 
 /// Not `Send` (holds an `Rc`), like an MLX-backed model: proves the engine builds and
@@ -24,8 +24,8 @@ impl Model for ThreadBound {
     fn info(&self) -> ModelInfo {
         self.inner.info()
     }
-    fn forward(&mut self, batch: &[RowInput]) -> Result<Logits, ModelError> {
-        self.inner.forward(batch)
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Logits, ModelError> {
+        self.inner.forward(ops, batch)
     }
     fn commit(&mut self) -> Result<(), ModelError> {
         self.inner.commit()
@@ -106,7 +106,7 @@ async fn concurrent_requests_stream_to_completion() {
     }
     eventually(|| {
         let st = engine.stats();
-        st.running == 0 && st.waiting == 0 && st.kv_blocks_free == st.kv_blocks_total
+        st.running == 0 && st.waiting == 0 && st.kv_blocks_used == 0
     })
     .await;
     engine.shutdown();
@@ -124,7 +124,7 @@ async fn dropping_the_stream_or_cancelling_frees_the_row() {
     // step, so wait for both (a leak never satisfies it and times out).
     eventually(|| {
         let st = engine.stats();
-        st.running == 0 && st.kv_blocks_free == st.kv_blocks_total
+        st.running == 0 && st.kv_blocks_used == 0
     })
     .await;
 

@@ -6,7 +6,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
-use weft_scheduler::fake::{FakeFaults, FakeModel};
+use weft_scheduler::fake::{FakeConfig, FakeFaults, FakeModel};
 use weft_scheduler::{FinishReason, Request, Scheduler, TenantLimits};
 
 /// One tenant floods at step 0; others arrive steadily; a few requests are cancelled,
@@ -67,10 +67,9 @@ fn mixed_workload_under_kv_pressure_matches_unpressured_run() {
 
     // Reference: KV never runs out, a larger batch, nothing cancelled.
     let mut big = sched_config();
-    big.kv_total_blocks = 100_000;
     big.max_batch_rows = 128;
     big.max_step_tokens = 1024;
-    let reference = run_plain(big, &undisturbed(&specs));
+    let reference = run_blocks(big, 100_000, &undisturbed(&specs));
     assert_clean(&reference);
     assert_eq!(reference.sched.stats().preemptions, 0);
 
@@ -274,8 +273,7 @@ fn fair_share_follows_weights_within_vtc_bound() {
             deadline_after: None,
         });
     }
-    let mut cfg = sched_config();
-    cfg.kv_total_blocks = 2000;
+    let cfg = sched_config();
     let (w_in, w_out) = (cfg.vtc.input, cfg.vtc.output);
     let max_prompt = 60.0;
     let max_out = 30.0;
@@ -300,7 +298,7 @@ fn fair_share_follows_weights_within_vtc_bound() {
     let prompt_len: Vec<usize> = specs.iter().map(|s| s.req.prompt.len()).collect();
     let r = run(
         cfg,
-        fake_config(),
+        fake_blocks(2000),
         FakeFaults::default(),
         &specs,
         |_, sched, outs| {
@@ -378,7 +376,6 @@ fn tenant_running_cap_holds() {
         })
         .collect();
     let mut cfg = sched_config();
-    cfg.kv_total_blocks = 10_000;
     cfg.tenants.insert(
         "capped".into(),
         TenantLimits {
@@ -390,7 +387,7 @@ fn tenant_running_cap_holds() {
     let mut max_capped = 0;
     let r = run(
         cfg,
-        fake_config(),
+        fake_blocks(10_000),
         FakeFaults::default(),
         &specs,
         |_, s: &Scheduler<FakeModel>, _| {
@@ -460,11 +457,9 @@ fn priority_orders_admission_and_preemption() {
     assert!(high_done_at.unwrap() < low_first_at.unwrap());
 
     // Preemption: KV for about one row; the older but lower-priority row is the victim.
-    let mut cfg = sched_config();
-    cfg.kv_total_blocks = 4;
     let mut s = Scheduler::new(
-        cfg,
-        FakeModel::new(fake_config()),
+        sched_config(),
+        FakeModel::new(fake_blocks(4)),
         Arc::new(FakeDetokenizer),
     )
     .unwrap();
@@ -489,7 +484,9 @@ fn priority_orders_admission_and_preemption() {
         (lf.usage.generated_tokens, hf.usage.generated_tokens),
         (40, 40)
     );
-    assert_eq!(s.stats().kv_blocks_free, 4);
+    let st = s.stats();
+    assert_eq!((st.kv_blocks_used, st.kv_blocks_total), (0, 4));
+    assert_eq!(st.kv_blocks_free + st.kv_blocks_cached, 4);
 }
 
 /// Prefix reuse: a tenant's second request that shares a prefix with its first
@@ -529,33 +526,61 @@ fn prefix_reuse_is_exact_and_tenant_scoped() {
     let mut other = second.clone();
     other.tenant = "b".into();
 
-    let mk = || {
-        Scheduler::new(
-            sched_config(),
-            FakeModel::new(fake_config()),
-            Arc::new(FakeDetokenizer),
-        )
-        .unwrap()
+    // Blocks of 8 tokens.
+    let fake = FakeConfig {
+        kv_block_size: 8,
+        ..fake_config()
     };
-    // Cold reference for the second prompt.
-    let mut cold = mk();
+    let mk = |cfg: weft_scheduler::SchedulerConfig| {
+        Scheduler::new(cfg, FakeModel::new(fake.clone()), Arc::new(FakeDetokenizer)).unwrap()
+    };
+    // Cold references for the second prompt: a fresh pool, and a pool with prefix
+    // caching off that ran the first request before.
+    let mut cold = mk(sched_config());
     let (want, cold_fin) = run_one(&mut cold, second.clone(), t0);
     assert_eq!(cold_fin.usage.cached_prompt_tokens, 0);
+    let mut off = mk(weft_scheduler::SchedulerConfig {
+        prefix_cache: false,
+        ..sched_config()
+    });
+    run_one(&mut off, first.clone(), t0);
+    let (got_off, f_off) = run_one(&mut off, second.clone(), t0);
+    assert_eq!(
+        (got_off, f_off.usage.cached_prompt_tokens),
+        (want.clone(), 0)
+    );
+    assert_eq!(off.kv_pool().stats().groups[0].cached, 0);
 
-    let mut s = mk();
+    let mut s = mk(sched_config());
     let (_, f1) = run_one(&mut s, first, t0);
     assert_eq!(f1.usage.cached_prompt_tokens, 0);
-    let (got, f2) = run_one(&mut s, second, t0);
-    // 30 shared prompt tokens plus 5 generated ones were offered; reuse is block-aligned (8).
+    let (got, f2) = run_one(&mut s, second.clone(), t0);
+    // The first request's 30 prompt tokens and 5 fed-back generated ones sit in the
+    // pool; the second prompt shares 30 of them, and reuse is block-aligned (8).
     assert_eq!(f2.usage.cached_prompt_tokens, 24);
     assert_eq!(got, want, "a prefix hit changed the output");
+    assert!(s.model().stats().prefix_rows >= 1);
     let (got_b, fb) = run_one(&mut s, other, t0);
     assert_eq!(
         fb.usage.cached_prompt_tokens, 0,
         "tenant b hit tenant a's prefix"
     );
     assert_eq!(got_b, want);
-    assert_eq!(s.stats().kv_blocks_free, sched_config().kv_total_blocks);
+    // The same prompt again from tenant a: every full block but the one holding the
+    // last prompt token (which the forward must compute) comes from the cache.
+    let (again, fa) = run_one(&mut s, second, t0);
+    assert_eq!(fa.usage.cached_prompt_tokens, 32);
+    assert_eq!(again, want);
+    let p = s.kv_pool().stats();
+    assert_eq!(p.prefix.hit_tokens, 24 + 32);
+    assert_eq!((p.groups[0].used, p.sequences), (0, 0));
+    assert!(p.groups[0].cached > 0);
+    s.kv_pool().check_invariants().unwrap();
+    assert!(
+        s.model().violations().is_empty(),
+        "{:?}",
+        s.model().violations()
+    );
 }
 
 /// Continuous batching: a request arriving while other rows decode is prefilled in
@@ -573,9 +598,7 @@ fn joiner_starts_while_others_decode() {
     let mut late = Request::new("a", prompt(&mut g, 20), 5);
     late.ignore_eos = true;
     specs.push(Spec::at(30, late));
-    let mut cfg = sched_config();
-    cfg.kv_total_blocks = 10_000;
-    let r = run_plain(cfg, &specs);
+    let r = run_blocks(sched_config(), 10_000, &specs);
     assert_clean(&r);
     let first = r.outcomes[16]
         .first_token_step
@@ -605,12 +628,11 @@ fn short_prompts_are_not_split_across_steps() {
     let mut cfg = sched_config();
     cfg.max_step_tokens = 100;
     cfg.prefill_chunk = 64;
-    cfg.kv_total_blocks = 1000;
     for (second_len, started_in_step_0) in [(60, 1), (200, 2)] {
         let mut running_after_first = None;
         let r = run(
             cfg.clone(),
-            fake_config(),
+            fake_blocks(1000),
             FakeFaults::default(),
             &specs_of(second_len),
             |step, s: &Scheduler<FakeModel>, _| {
@@ -649,14 +671,13 @@ fn decode_prefill_tokens_bound_prefill_beside_decoding_rows() {
     let mut cfg = sched_config();
     cfg.max_step_tokens = 1024;
     cfg.prefill_chunk = 512;
-    cfg.kv_total_blocks = 1000;
     for cap in [None, Some(64)] {
         cfg.decode_prefill_tokens = cap;
         let mut per_step = vec![];
         let mut seen = 0;
         let r = run(
             cfg.clone(),
-            fake_config(),
+            fake_blocks(1000),
             FakeFaults::default(),
             &specs,
             |_, s: &Scheduler<FakeModel>, _| {
@@ -738,9 +759,11 @@ fn speculation_keeps_every_stream_and_saves_steps_on_repetitive_output() {
             Spec::at(0, req)
         })
         .collect();
-    let fake = looping_fake();
+    let fake = FakeConfig {
+        kv_blocks: 10_000,
+        ..looping_fake()
+    };
     let mut cfg = sched_config();
-    cfg.kv_total_blocks = 10_000;
     let plain = run(
         cfg.clone(),
         fake.clone(),
@@ -776,9 +799,11 @@ fn drafts_stay_within_the_step_token_budget() {
             Spec::at(0, req)
         })
         .collect();
-    let fake = looping_fake();
+    let fake = FakeConfig {
+        kv_blocks: 10_000,
+        ..looping_fake()
+    };
     let mut cfg = sched_config();
-    cfg.kv_total_blocks = 10_000;
     cfg.speculate = 4;
     cfg.speculate_step_tokens = 8;
     let (mut running, mut drafted, mut fed) = (0, 0, 0);

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 use weft_scheduler::fake::{FakeConfig, FakeDetokenizer, FakeFaults, FakeLogits, FakeModel};
+use weft_scheduler::kv_pool::Salt;
 use weft_scheduler::{
     Detokenizer, Event, EventStream, FinishReason, Finished, Request, SamplingParams, Scheduler,
     SchedulerConfig, StopMatch, SubmitError, TenantLimits, TokenLogprob,
@@ -63,12 +64,23 @@ pub struct Run {
     pub max_waiting_seen: usize,
 }
 
+/// KV blocks of the default fake: tight enough that the workloads preempt.
+pub const BLOCKS: u32 = 200;
+
 pub fn fake_config() -> FakeConfig {
+    fake_blocks(BLOCKS)
+}
+
+/// The default fake with `blocks` KV blocks of 16 tokens (the model decides the pool).
+pub fn fake_blocks(blocks: u32) -> FakeConfig {
     FakeConfig {
         vocab_size: 64,
         max_context: 4096,
         eos_token_ids: vec![0],
         layers: 4,
+        kv_block_size: 16,
+        kv_blocks: blocks,
+        verify_kv: true,
         ..FakeConfig::default()
     }
 }
@@ -93,8 +105,6 @@ pub fn sched_config() -> SchedulerConfig {
             max_waiting: 100_000,
             tokens_per_minute: None,
         },
-        kv_block_size: 16,
-        kv_total_blocks: 200,
         verify_rollback: true,
         ..SchedulerConfig::default()
     }
@@ -176,18 +186,45 @@ pub fn varied_request(rng: &mut ChaCha8Rng, tenant: &str, weight: f64, i: usize)
     r
 }
 
-/// Drive `specs` to completion. `on_step` sees the scheduler after every step.
 /// `run` with the default fake model, no model faults and no step observer.
 pub fn run_plain(cfg: SchedulerConfig, specs: &[Spec]) -> Run {
+    run_blocks(cfg, BLOCKS, specs)
+}
+
+/// `run_plain` with a KV pool of `blocks` blocks.
+pub fn run_blocks(cfg: SchedulerConfig, blocks: u32, specs: &[Spec]) -> Run {
     run(
         cfg,
-        fake_config(),
+        fake_blocks(blocks),
         FakeFaults::default(),
         specs,
         |_, _, _| {},
     )
 }
 
+/// Tenant isolation and pool consistency, checked against the live pool: no block is
+/// in the tables of two tenants (by owner and by salt), every table matches its
+/// sequence's length, and the pool's own invariants hold.
+pub fn audit_pool(sched: &Scheduler<FakeModel>) {
+    let pool = sched.kv_pool();
+    let mut owner: HashMap<u32, (weft_scheduler::kv_pool::OwnerId, Option<Salt>)> = HashMap::new();
+    for seq in pool.live_sequences() {
+        let info = pool.sequence(seq).expect("live sequence");
+        let t = pool.table(seq, 0).expect("table");
+        assert_eq!(t.blocks.len(), info.len.div_ceil(pool.block_size()));
+        for &b in t.blocks {
+            let o = *owner.entry(b).or_insert((info.owner, info.salt));
+            assert_eq!(
+                o,
+                (info.owner, info.salt),
+                "block {b} is shared across tenants"
+            );
+        }
+    }
+    pool.check_invariants().expect("pool invariants");
+}
+
+/// Drive `specs` to completion. `on_step` sees the scheduler after every step.
 pub fn run(
     cfg: SchedulerConfig,
     fake: FakeConfig,
@@ -267,7 +304,10 @@ pub fn run(
         }
         let st = sched.stats();
         max_waiting_seen = max_waiting_seen.max(st.waiting);
-        assert!(st.kv_blocks_used <= st.kv_blocks_total);
+        assert_eq!(
+            st.kv_blocks_used + st.kv_blocks_free + st.kv_blocks_cached,
+            st.kv_blocks_total
+        );
         on_step(step, &sched, &outcomes);
         step += 1;
         if next == order.len() && by_step.is_empty() && !sched.has_work() {
@@ -299,7 +339,16 @@ pub fn run(
 /// Leak and contract checks that hold after any run.
 pub fn assert_clean(run: &Run) {
     let st = run.sched.stats();
-    assert_eq!(st.kv_blocks_free, st.kv_blocks_total, "KV blocks leaked");
+    // Every block is back: free, or evictable in the prefix cache.
+    assert_eq!(st.kv_blocks_used, 0, "KV blocks leaked");
+    assert_eq!(st.kv_blocks_free + st.kv_blocks_cached, st.kv_blocks_total);
+    let pool = run.sched.kv_pool();
+    let ps = pool.stats();
+    assert_eq!(ps.groups[0].used, 0, "pool blocks still referenced");
+    assert_eq!(ps.sequences, 0, "pool sequences leaked");
+    assert!(!pool.in_transaction());
+    pool.check_invariants()
+        .expect("pool invariants after drain");
     assert_eq!(st.running, 0);
     assert_eq!(st.waiting, 0);
     assert_eq!(
