@@ -7,12 +7,22 @@ use common::*;
 use weft_scheduler::fake::FakeFaults;
 use weft_scheduler::{FaultPlan, FaultPoint, FinishReason};
 
+/// Varied requests; a third of them start with one of two shared system prompts, so
+/// steps run with prefix hits (besides the hits of preempted requests resuming).
 fn workload(seed: u64, n: usize) -> Vec<Spec> {
     let mut g = rng(seed);
+    let systems = [
+        prompt(&mut rng(seed + 1), 40),
+        prompt(&mut rng(seed + 2), 64),
+    ];
     (0..n)
         .map(|i| {
             let t = ["t0", "t1", "t2"][i % 3];
-            let req = varied_request(&mut g, t, 1.0 + (i % 3) as f64, i);
+            let mut req = varied_request(&mut g, t, 1.0 + (i % 3) as f64, i);
+            if chance(&mut g, 0.33) {
+                let sys = &systems[below(&mut g, 2) as usize];
+                req.prompt = [sys.clone(), req.prompt.clone()].concat();
+            }
             Spec {
                 arrival_step: below(&mut g, 200),
                 req,
@@ -22,6 +32,22 @@ fn workload(seed: u64, n: usize) -> Vec<Spec> {
             }
         })
         .collect()
+}
+
+/// Steps of the run started rows from cached blocks: shared system prompts and
+/// preempted requests resuming.
+fn assert_prefix_hits(r: &Run) {
+    let p = r.sched.kv_pool().stats().prefix;
+    let cached: usize = r
+        .outcomes
+        .iter()
+        .filter_map(|o| o.finished.as_ref())
+        .map(|f| f.usage.cached_prompt_tokens)
+        .sum();
+    eprintln!("prefix {p:?}, cached prompt tokens {cached}");
+    assert!(cached > 500, "cached prompt tokens {cached}");
+    assert!(p.hit_tokens as usize > cached, "no resume hits: {p:?}");
+    assert!(r.sched.model().stats().prefix_rows > 20);
 }
 
 #[test]
@@ -44,6 +70,7 @@ fn random_faults_everywhere_leave_streams_unchanged() {
     assert!(st.rollbacks > 50, "rollbacks {}", st.rollbacks);
     assert_eq!(st.failed_steps, 0);
     assert!(st.preemptions > 0);
+    assert_prefix_hits(&faulty);
     let fake = faulty.sched.model().stats();
     assert!(
         fake.failed_forwards >= 5 && fake.failed_commits >= 5,
@@ -156,5 +183,7 @@ fn faults_with_speculation_leave_streams_unchanged() {
     let st = faulty.sched.stats();
     assert!(st.rollbacks > 30, "rollbacks {}", st.rollbacks);
     assert!(st.accepted_tokens > 100, "{st:?}");
+    assert!(st.preemptions > 0);
+    assert_prefix_hits(&faulty);
     assert_same_streams(&clean, &faulty);
 }
