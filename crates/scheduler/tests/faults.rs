@@ -154,8 +154,9 @@ fn poisoned_requests_fail_alone_and_others_continue() {
     }
 }
 
-/// Faults while rows verify drafts (a failed `keep`, a fault after sampling part of a
-/// draft) roll back like any other step: streams equal the fault-free run without drafts.
+/// Faults while rows verify drafts (after the pool truncated a rejected draft, after
+/// sampling part of a draft) roll back like any other step: streams equal the
+/// fault-free run without drafts.
 #[test]
 fn faults_with_speculation_leave_streams_unchanged() {
     let specs = workload(8, 300);

@@ -49,6 +49,7 @@ fn metrics_are_emitted_with_bounded_tenant_labels() {
         m::REQUESTS_WAITING,
         m::KV_BLOCKS_USED,
         m::KV_BLOCKS_FREE,
+        m::KV_BLOCKS_CACHED,
         m::KV_USAGE_RATIO,
         m::PREEMPTIONS,
         m::STEP_ROLLBACKS,
@@ -60,6 +61,8 @@ fn metrics_are_emitted_with_bounded_tenant_labels() {
         m::PROMPT_TOKENS,
         m::GENERATION_TOKENS,
         m::REQUESTS_FINISHED,
+        m::PREFIX_QUERIES,
+        m::PREFIX_HITS,
     ] {
         assert!(names.contains(want), "missing {want}; have {names:?}");
     }
@@ -87,4 +90,30 @@ fn metrics_are_emitted_with_bounded_tenant_labels() {
         .sum();
     let streamed: usize = r.outcomes.iter().map(|o| o.tokens.len()).sum();
     assert_eq!(gen_total, streamed as u64);
+
+    // KV gauges are the pool's real block counts; prefix counters are the pool's.
+    let value = |name: &str| -> f64 {
+        snap.iter()
+            .filter(|(k, ..)| k.key().name() == name)
+            .map(|(_, _, _, v)| match v {
+                metrics_util::debugging::DebugValue::Counter(c) => *c as f64,
+                metrics_util::debugging::DebugValue::Gauge(g) => g.into_inner(),
+                _ => 0.0,
+            })
+            .sum()
+    };
+    let pool = r.sched.kv_pool().stats();
+    let g = pool.groups[0];
+    assert_eq!(value(m::KV_BLOCKS_USED), 0.0);
+    assert_eq!(value(m::KV_BLOCKS_FREE), g.free as f64);
+    assert_eq!(value(m::KV_BLOCKS_CACHED), g.cached as f64);
+    assert_eq!(
+        value(m::KV_BLOCKS_FREE) + value(m::KV_BLOCKS_CACHED),
+        g.total as f64
+    );
+    assert_eq!(value(m::KV_USAGE_RATIO), 0.0);
+    assert!(g.cached > 0);
+    assert_eq!(value(m::PREFIX_QUERIES), pool.prefix.query_tokens as f64);
+    assert!(pool.prefix.query_tokens > 0);
+    assert_eq!(value(m::PREFIX_HITS), pool.prefix.hit_tokens as f64);
 }
