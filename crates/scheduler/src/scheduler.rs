@@ -1254,6 +1254,7 @@ impl<M: Model> Scheduler<M> {
     /// nothing can fail.
     fn attempt(&mut self, rows: &[Planned], now: Instant) -> Result<StepReport, String> {
         self.pool.begin().map_err(|e| e.to_string())?;
+        let shift = self.bs_shift;
         let inputs = &mut self.bufs.inputs;
         if inputs.len() < rows.len() {
             inputs.resize_with(rows.len(), || RowInput {
@@ -1266,6 +1267,9 @@ impl<M: Model> Scheduler<M> {
             });
         }
         for (p, input) in rows.iter().zip(inputs.iter_mut()) {
+            // What this buffer last held: a table of the same row whose first
+            // `ceil(start / bs)` blocks were committed then and are still the row's.
+            let (held_row, held_start) = (input.row, input.start_pos);
             input.row = p.row;
             input.start_pos = p.start;
             input.want_logits = p.want_logits;
@@ -1277,18 +1281,30 @@ impl<M: Model> Scheduler<M> {
             }
             // Exactly the tokens the row feeds; a draft's rejected tail is truncated
             // after sampling.
-            self.pool
+            let appended = self
+                .pool
                 .append_tokens(p.seq, &input.tokens)
                 .map_err(|e| format!("KV append for request {}: {e}", p.key.0))?;
+            // The row's table after its append (only its own appends change it). Blocks
+            // of committed tokens never move (no copy-on-write happened: the append
+            // says so), so a buffer that held this row's table keeps those and copies
+            // only what follows: no O(context) copy per row per step.
+            let t = self.pool.table(p.seq, 0).map_err(|e| e.to_string())?;
+            input.blocks.resize_with(1, Default::default);
+            let rb = &mut input.blocks[0];
+            let keep = if held_row == p.row && appended.copies == 0 && rb.offset == t.offset {
+                blocks_of(held_start, shift)
+                    .min(rb.blocks.len())
+                    .min(t.blocks.len())
+            } else {
+                0
+            };
+            rb.offset = t.offset;
+            rb.blocks.truncate(keep);
+            rb.blocks.extend_from_slice(&t.blocks[keep..]);
         }
         if self.faults.hit(FaultPoint::AfterPlan) {
             return Err("injected fault after planning".into());
-        }
-        // Tables after every append of the step (an append may replace a shared block).
-        for (p, input) in rows.iter().zip(inputs.iter_mut()) {
-            let t = self.pool.table(p.seq, 0).map_err(|e| e.to_string())?;
-            input.blocks.resize_with(1, Default::default);
-            input.blocks[0].copy_from(&t);
         }
         let logits = self
             .model
