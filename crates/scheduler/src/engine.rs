@@ -1,7 +1,8 @@
 //! The engine thread and its async-friendly handle.
 //!
 //! One dedicated `std::thread` owns the model (MLX arrays must never cross threads, so
-//! the model is built on that thread by a factory closure) and the scheduler. Tokio front
+//! the model is built on that thread by a factory closure) and the scheduler, whose KV
+//! pool is sized from the model's `ModelInfo::kv` right there. Tokio front
 //! ends talk to it through channels only: submit and cancel are commands, each request
 //! gets its own unbounded event channel (bounded in practice by `max_tokens`), and stats
 //! are a snapshot the engine publishes after every step. Admission limits are checked in
