@@ -1,19 +1,45 @@
-//! Times batched decode steps of a model directory: `cargo run --release -p
-//! weft-models --example decode_timing -- <model dir> [batch] [prompt] [steps]`
-//! (`HOST_GEMM=0|1` picks MLX matmuls or the packed CPU GEMM; `TWO_LANES=1`
-//! runs the prefill as two interleaved halves on two lanes, as the runner does;
-//! `DEQUANTIZE=0` keeps quantized weights quantized).
+//! Times batched decode steps of a model directory through `BatchRunner` and
+//! a kv-pool `KvPool` (the scheduler's half, played here):
+//! `cargo run --release -p weft-models --example decode_timing -- <model dir> [batch] [prompt] [steps]`
+//!
+//! Environment: `HOST_GEMM=0|1` picks MLX matmuls or the packed CPU GEMM;
+//! `DEQUANTIZE=0` keeps quantized weights quantized; `TWO_LANES=1` lets the
+//! prefill split over two CPU lanes; `DECODE_T=k` times verify steps of k
+//! tokens per row; `LEAVE=n` makes n rows finish after every decode step (the
+//! step cost while rows leave the batch); `RAGGED=1` gives rows prompts of
+//! `prompt + row % 8` tokens.
 use std::time::Instant;
 
-use mlx_rs::Array;
-use weft_models::{load, KvCache, LoadOptions};
+use weft_kv_pool::{KvPool, OwnerId, Salt, SeqId, SeqSpec};
+use weft_models::{load, BatchRunner, KvMemory, Lanes, LoadOptions, RowBlocks, RowStep};
+
+fn env_num(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+fn plan(pool: &mut KvPool, seqs: &[SeqId], steps: &mut [RowStep]) -> Vec<weft_models::StorageOp> {
+    pool.begin().expect("begin");
+    for (s, &q) in steps.iter_mut().zip(seqs) {
+        pool.append_tokens(q, &s.tokens).expect("KV pool large enough");
+        let mut b = RowBlocks::default();
+        b.copy_from(&pool.table(q, 0).expect("live"));
+        s.blocks = vec![b];
+    }
+    pool.step_ops().to_vec()
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let dir = std::path::PathBuf::from(&args[1]);
-    let b: i32 = args.get(2).map_or(Ok(32), |s| s.parse())?;
-    let p: i32 = args.get(3).map_or(Ok(64), |s| s.parse())?;
+    let dir = std::path::PathBuf::from(args.get(1).ok_or("usage: decode_timing <model dir> [batch] [prompt] [steps]")?);
+    let b: usize = args.get(2).map_or(Ok(32), |s| s.parse())?;
+    let p: usize = args.get(3).map_or(Ok(64), |s| s.parse())?;
     let steps: usize = args.get(4).map_or(Ok(10), |s| s.parse())?;
+    let dt = env_num("DECODE_T", 1);
+    let leave = env_num("LEAVE", 0);
+    let ragged = std::env::var_os("RAGGED").is_some();
     let m = load(
         &dir,
         LoadOptions {
@@ -23,89 +49,86 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
     )?
     .model;
-    let ragged = std::env::var_os("RAGGED").is_some();
-    let mut cache = KvCache::new(m.num_layers(), b as usize);
-    let t0 = Instant::now();
-    if ragged {
-        // Rows of different lengths merged into one left-padded batch.
-        let mut merged: Option<KvCache> = None;
-        for r in 0..b {
-            let n = p + r % 8;
-            let ids: Vec<i32> = (0..n)
-                .map(|i| 100 + ((r * 31 + i) * 7919) % 40000)
-                .collect();
-            let mut one = KvCache::new(m.num_layers(), 1);
-            m.forward(&Array::from_slice(&ids, &[1, n]), &mut one, true)?
-                .eval()?;
-            one.commit();
-            match merged.as_mut() {
-                Some(c) => c.merge(&one)?,
-                None => merged = Some(one),
-            }
-        }
-        cache = merged.unwrap_or(cache);
-    } else {
-        // Earlier rounds warm the allocator; the last one's cache is decoded.
-        let rounds: i32 = std::env::var("PREFILL_ROUNDS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(1);
-        for r in 0..rounds {
-            cache = KvCache::new(m.num_layers(), b as usize);
-            let ids: Vec<i32> = (0..b * p).map(|i| 100 + (i * 7919 + r) % 40000).collect();
-            let t = Instant::now();
-            if std::env::var_os("TWO_LANES").is_some() {
-                // The prefill as two halves on two lanes, interleaved.
-                let lanes = weft_models::Lanes::cpu(2);
-                let _blas = lanes.single_threaded_blas();
-                let h = (b / 2 * p) as usize;
-                let (ta, tb) = (
-                    Array::from_slice(&ids[..h], &[b / 2, p]),
-                    Array::from_slice(&ids[h..], &[b - b / 2, p]),
-                );
-                let mut ca = KvCache::new(m.num_layers(), (b / 2) as usize);
-                let mut cb = KvCache::new(m.num_layers(), (b - b / 2) as usize);
-                let out = m.forward_interleaved(
-                    vec![(0, &ta, &mut ca, true), (1, &tb, &mut cb, true)],
-                    &lanes,
-                    &mut |_| Ok(()),
-                )?;
-                mlx_rs::transforms::eval(&out)?;
-            } else {
-                let l = m.forward(&Array::from_slice(&ids, &[b, p]), &mut cache, true)?;
-                l.eval()?;
-                cache.commit();
-            }
-            println!(
-                "prefill round {r}: {:.1} ms",
-                t.elapsed().as_secs_f64() * 1e3
-            );
-        }
+    let per_row = (p + 8 + (steps + 1) * dt).div_ceil(16) + 1;
+    let mut runner = BatchRunner::with_memory(m, 16, KvMemory::Blocks((b * per_row + 16) as u32))?;
+    if std::env::var_os("TWO_LANES").is_some() {
+        runner.set_lanes(Lanes::cpu(2));
     }
+    println!(
+        "KV: {} blocks, {:.1} MiB, paged decode kernel: {}",
+        runner.kv_groups().groups[0].num_blocks,
+        runner.kv().bytes() as f64 / (1 << 20) as f64,
+        runner.kv().uses_kernel()
+    );
+    let mut pool = KvPool::new(runner.kv_groups().clone().hash_key(1))?;
+    let seqs: Vec<SeqId> = (0..b)
+        .map(|_| pool.allocate(SeqSpec::new(OwnerId(0)).salted(Salt(1))))
+        .collect::<Result<_, _>>()?;
+    let mut rows: Vec<RowStep> = (0..b)
+        .map(|r| {
+            let n = if ragged { p + r % 8 } else { p };
+            RowStep {
+                row: r as u64,
+                tokens: (0..n)
+                    .map(|i| (100 + ((r * 31 + i) * 7919) % 40000) as u32)
+                    .collect(),
+                start_pos: 0,
+                want_logits: true,
+                ..Default::default()
+            }
+        })
+        .collect();
+    let t0 = Instant::now();
+    let ops = plan(&mut pool, &seqs, &mut rows);
+    runner.forward(&ops, &rows)?;
+    runner.commit()?;
+    pool.commit()?;
     println!(
         "prefill B={b} T={p}: {:.1} ms",
         t0.elapsed().as_secs_f64() * 1e3
     );
-    // DECODE_T > 1 times a verify step of speculative decoding (T tokens per row).
-    let dt: i32 = std::env::var("DECODE_T")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1);
-    let tok: Vec<i32> = (0..b * dt).map(|i| 200 + i).collect();
-    let tok = Array::from_slice(&tok, &[b, dt]);
+    let mut live: Vec<usize> = (0..b).collect();
     let mut times = vec![];
-    for _ in 0..steps {
+    for step in 0..steps {
+        if live.is_empty() {
+            break;
+        }
+        let mut batch: Vec<RowStep> = live
+            .iter()
+            .map(|&r| {
+                let start = pool.sequence(seqs[r]).map(|s| s.len).unwrap_or(0);
+                RowStep {
+                    row: r as u64,
+                    tokens: (0..dt).map(|i| (200 + r + i + step) as u32).collect(),
+                    start_pos: start,
+                    want_logits: true,
+                    draft: dt - 1,
+                    ..Default::default()
+                }
+            })
+            .collect();
+        let q: Vec<SeqId> = live.iter().map(|&r| seqs[r]).collect();
         let t = Instant::now();
-        let l = m.forward(&tok, &mut cache, true)?;
-        l.eval()?;
-        cache.commit();
+        let ops = plan(&mut pool, &q, &mut batch);
+        runner.forward(&ops, &batch)?;
+        runner.commit()?;
+        pool.commit()?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
+        for _ in 0..leave.min(live.len()) {
+            if let Some(r) = live.pop() {
+                pool.release(seqs[r])?;
+            }
+        }
     }
+    let n = times.len();
+    let rows_done: usize = (0..n).map(|i| b.saturating_sub(i * leave)).sum();
     times.sort_by(|a, b| a.total_cmp(b));
     println!(
-        "decode B={b}: median {:.1} ms/step ({:.1} tok/s)",
-        times[steps / 2],
-        b as f64 * 1e3 / times[steps / 2]
+        "decode B={b}{}: median {:.2} ms/step, p90 {:.2} ms ({:.1} tok/s over {n} steps)",
+        if leave > 0 { format!(" (-{leave} rows/step)") } else { String::new() },
+        times[n / 2],
+        times[(n * 9 / 10).min(n - 1)],
+        rows_done as f64 * dt as f64 * 1e3 / times.iter().sum::<f64>()
     );
     Ok(())
 }

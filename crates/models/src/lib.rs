@@ -2,21 +2,21 @@
 //!
 //! Everything here runs on the engine thread: MLX arrays never cross threads.
 
-pub mod cache;
 pub mod config;
 pub mod cpu_gemm;
 pub mod cpu_kernels;
 pub mod error;
 pub mod lanes;
+pub mod kv;
 pub mod linear;
 pub mod llama;
 pub mod loader;
-pub mod prefix;
+pub mod paged_attention;
 pub mod runner;
 pub mod tokenizer;
 pub mod weights;
 
-pub use cache::KvCache;
+pub use kv::{KvMemory, KvShape, KvStep, PagedKv};
 pub use config::{Arch, ModelConfig};
 pub use cpu_kernels::Kernels;
 pub use error::ModelError;
@@ -24,5 +24,6 @@ pub use lanes::Lanes;
 pub use linear::WeightPolicy;
 pub use llama::LlamaModel;
 pub use loader::{load, Device, LoadOptions, LoadedModel};
-pub use runner::{BatchRunner, RowId, RowStep, StepLogits};
+pub use runner::{BatchRunner, RowId, RowStep, StepLogits, DEFAULT_BLOCK_SIZE};
+pub use weft_kv_pool::{KvGroups, RowBlocks, StorageOp};
 pub use tokenizer::{ChatMessage, Tokenizer};

@@ -2,11 +2,10 @@
 
 use std::future::Future;
 
-use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
-use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::fast;
 use mlx_rs::{ops, Array, Dtype};
 
-use crate::cache::{KvCache, StepMask};
+use crate::kv::{self, KvShape, KvStep};
 use crate::config::{Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
 use crate::error::{ModelError, Result};
@@ -88,12 +87,6 @@ struct Layer {
     mlp: Mlp,
     input_norm: Array,
     post_norm: Array,
-}
-
-/// One step's attention mask, in the form the model's kernels take.
-enum AttnMask {
-    Step(StepMask),
-    Additive(Option<Array>),
 }
 
 /// Rotary embedding parameters, fixed at load.
@@ -255,11 +248,22 @@ impl LlamaModel {
         self.layers.len()
     }
 
-    /// Forward `tokens` `[B, T]` (int32) for every row of `cache`, writing
-    /// their K/V at the cache cursor (staged until `cache.commit()`).
-    /// Returns logits `[B, T', V]` where T' is 1 when `last_only`, else T.
-    pub fn forward(&self, tokens: &Array, cache: &mut KvCache, last_only: bool) -> Result<Array> {
-        self.forward_with_hook(tokens, cache, last_only, &mut |_| Ok(()))
+    /// The shape of this model's KV cache.
+    pub fn kv_shape(&self) -> KvShape {
+        KvShape {
+            layers: self.layers.len(),
+            kv_heads: self.config.num_kv_heads as u32,
+            head_dim: self.config.head_dim as u32,
+            dtype: self.policy.dtype,
+        }
+    }
+
+    /// Forward `tokens` `[B, T]` (int32, rows right-padded) for the rows of
+    /// `kv`, writing their K/V into the pool slots their tables name.
+    /// Returns logits `[B, T', V]`: T' is 1 when `last_only` (each row's last
+    /// real token), else T.
+    pub fn forward(&self, tokens: &Array, kv: &mut KvStep<'_>, last_only: bool) -> Result<Array> {
+        self.forward_with_hook(tokens, kv, last_only, &mut |_| Ok(()))
     }
 
     /// As `forward`, calling `after_layer(i)` after building layer i's graph
@@ -267,11 +271,11 @@ impl LlamaModel {
     pub fn forward_with_hook(
         &self,
         tokens: &Array,
-        cache: &mut KvCache,
+        kv: &mut KvStep<'_>,
         last_only: bool,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
-        let mut fut = std::pin::pin!(self.forward_async(tokens, cache, last_only, after_layer));
+        let mut fut = std::pin::pin!(self.forward_async(tokens, kv, last_only, after_layer));
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         loop {
             if let std::task::Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
@@ -280,14 +284,14 @@ impl LlamaModel {
         }
     }
 
-    /// Runs independent forwards (`(lane, tokens, cache, last_only)`) in
+    /// Runs independent forwards (`(lane, tokens, kv, last_only)`) in
     /// lockstep, each built on its lane's stream. With packed linears a
     /// forward stops at each GEMM; while one forward's GEMM runs on the CPU
     /// pool, MLX evaluates the others' norms, RoPE and attention on their
     /// streams, so both kinds of work overlap instead of taking turns.
     pub fn forward_interleaved(
         &self,
-        jobs: Vec<(usize, &Array, &mut KvCache, bool)>,
+        jobs: Vec<(usize, &Array, &mut KvStep<'_>, bool)>,
         lanes: &crate::Lanes,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Vec<Array>> {
@@ -298,9 +302,9 @@ impl LlamaModel {
             .collect();
         let mut lane_of = Vec::with_capacity(jobs.len());
         let mut futs = Vec::with_capacity(jobs.len());
-        for ((lane, tokens, cache, last_only), h) in jobs.into_iter().zip(hooks.iter_mut()) {
+        for ((lane, tokens, kv, last_only), h) in jobs.into_iter().zip(hooks.iter_mut()) {
             lane_of.push(lane);
-            futs.push(Box::pin(self.forward_async(tokens, cache, last_only, h)));
+            futs.push(Box::pin(self.forward_async(tokens, kv, last_only, h)));
         }
         let mut out: Vec<Option<Array>> = futs.iter().map(|_| None).collect();
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
@@ -325,29 +329,23 @@ impl LlamaModel {
     async fn forward_async(
         &self,
         tokens: &Array,
-        cache: &mut KvCache,
+        kv: &mut KvStep<'_>,
         last_only: bool,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
         let shape = tokens.shape();
-        if shape.len() != 2 || shape[0] as usize != cache.batch_size() {
+        if shape.len() != 2 || shape[0] as usize != kv.batch() || shape[1] != kv.step_tokens() {
             return Err(ModelError::Invalid(format!(
-                "tokens shape {shape:?} does not match a cache of {} rows",
-                cache.batch_size()
+                "tokens shape {shape:?} does not match a step of {} rows x {} tokens",
+                kv.batch(),
+                kv.step_tokens()
             )));
         }
-        let t = shape[1];
         let mut h = self.embed.embed(tokens, self.policy.dtype)?;
-        let offsets = cache.offsets_array();
-        let mask = match self.policy.kernels {
-            Kernels::Stock => AttnMask::Step(cache.mask(t)),
-            Kernels::CpuTuned => AttnMask::Additive(cache.additive_mask(t)),
-        };
+        let offsets = kv.offsets().clone();
         for (i, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, Some(&layer.input_norm), self.config.rms_norm_eps)?;
-            let a = self
-                .attention(i, &layer.attn, &x, cache, &offsets, &mask)
-                .await?;
+            let a = self.attention(i, &layer.attn, &x, kv, &offsets).await?;
             h = ops::add(&h, &a)?;
             let x = fast::rms_norm(&h, Some(&layer.post_norm), self.config.rms_norm_eps)?;
             let m = &layer.mlp;
@@ -360,8 +358,8 @@ impl LlamaModel {
             h = ops::add(&h, &m.down.forward_async(&act).await?)?;
             after_layer(i)?;
         }
-        if last_only && t > 1 {
-            h = h.try_index((.., t - 1.., ..))?;
+        if last_only {
+            h = kv::last_positions(&h, kv.last_index())?;
         }
         let h = fast::rms_norm(&h, Some(&self.norm), self.config.rms_norm_eps)?;
         match &self.lm_head {
@@ -375,9 +373,8 @@ impl LlamaModel {
         layer: usize,
         attn: &Attention,
         x: &Array,
-        cache: &mut KvCache,
+        kv: &mut KvStep<'_>,
         offsets: &Array,
-        mask: &AttnMask,
     ) -> Result<Array> {
         let c = &self.config;
         let (b, t) = (x.dim(0), x.dim(1));
@@ -399,25 +396,8 @@ impl LlamaModel {
         let v = heads(next()?, c.num_kv_heads, &None)?;
         let q = self.rope.apply(&q, offsets)?;
         let k = self.rope.apply(&k, offsets)?;
-        let (k, v) = cache.update(layer, &k, &v)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let out = match mask {
-            AttnMask::Additive(m) => cpu_kernels::attention(&q, &k, &v, scale, m.as_ref())?,
-            AttnMask::Step(StepMask::None) => {
-                fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None)?
-            }
-            AttnMask::Step(StepMask::Causal) => fast::scaled_dot_product_attention(
-                &q,
-                &k,
-                &v,
-                scale,
-                ScaledDotProductAttentionMask::Causal,
-                None,
-            )?,
-            AttnMask::Step(StepMask::Array(m)) => {
-                fast::scaled_dot_product_attention(&q, &k, &v, scale, m, None)?
-            }
-        };
+        let out = kv.attend(layer, &q, &k, &v, scale)?;
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[b, t, c.num_heads * c.head_dim])?;

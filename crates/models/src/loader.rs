@@ -13,6 +13,15 @@ use crate::llama::LlamaModel;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
 
+/// Whether this libmlx runs on a CUDA GPU.
+pub fn cuda_available() -> bool {
+    // SAFETY: a plain query with an out-parameter.
+    unsafe {
+        let mut ok = false;
+        mlx_sys::mlx_cuda_is_available(&mut ok) == 0 && ok
+    }
+}
+
 /// Where MLX runs, as far as weight layout is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -23,11 +32,7 @@ pub enum Device {
 impl Device {
     /// The GPU when this libmlx has a usable CUDA or Metal backend.
     pub fn detect() -> Self {
-        // SAFETY: plain queries without arguments.
-        let cuda = unsafe {
-            let mut ok = false;
-            mlx_sys::mlx_cuda_is_available(&mut ok) == 0 && ok
-        };
+        let cuda = cuda_available();
         let metal = unsafe {
             let mut ok = false;
             mlx_sys::mlx_metal_is_available(&mut ok) == 0 && ok

@@ -1,21 +1,29 @@
 //! Runs one engine step over rows that join, decode and leave independently.
 //!
-//! Decoding rows share one left-padded [`KvCache`] so a step is a single
-//! batched forward; prefilling rows run on their own single-row caches and are
-//! merged into the decode batch the first time they decode. Every step is a
-//! transaction: `forward` stages, `commit` makes it visible, `rollback` leaves
-//! every row exactly as before the step.
+//! The KV lives in kv-pool's paged storage ([`PagedKv`]); the scheduler's pool
+//! decides which blocks each row holds and hands the tables down with the
+//! step ([`RowStep::blocks`]). So there is no batch cache to recompose: a row
+//! joins or leaves by being in a step or not, and nothing is copied when it
+//! does. A step's decoding rows run as one forward; prefilling rows (fresh
+//! prompts, chunks of long ones, rows continuing after a prefix hit) are
+//! grouped by length into right-padded forwards, spread over CPU lanes when
+//! that pays.
+//!
+//! A step is a transaction without anything to stage here: its K/V writes land
+//! in slots past each row's committed length or in blocks the step allocated,
+//! which the scheduler's rollback returns to the pool as dead data. Only the
+//! scheduler's pool says what is committed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
+use weft_kv_pool::{KvGroups, RowBlocks, StorageOp};
 
-use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
+use crate::kv::{KvMemory, KvStep, PagedKv};
 use crate::lanes::{self, Lanes};
 use crate::llama::LlamaModel;
-use crate::prefix::PrefixStore;
 
 pub type RowId = u64;
 
@@ -25,14 +33,16 @@ pub struct RowStep {
     pub row: RowId,
     /// A prefill chunk, or the token to decode followed by a draft.
     pub tokens: Vec<u32>,
-    /// Position of `tokens[0]`; must equal the row's committed length.
+    /// Position of `tokens[0]`: the row's committed length.
     pub start_pos: usize,
     pub want_logits: bool,
     /// How many trailing `tokens` are a speculative draft (0: none). A row
     /// with a draft decodes `tokens[0]` and verifies the rest in the same
-    /// forward; its logits come back for every position, and
-    /// [`BatchRunner::keep`] says how many of its tokens the commit keeps.
+    /// forward; its logits come back for every position.
     pub draft: usize,
+    /// The row's block table per KV group ([`PagedKv::groups`]), holding
+    /// slots `start_pos .. start_pos + tokens.len()`.
+    pub blocks: Vec<RowBlocks>,
 }
 
 impl RowStep {
@@ -60,77 +70,45 @@ impl StepLogits {
     }
 }
 
-/// Where a row's cache lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Home {
-    Batch(usize),
-    Solo,
-    /// Position in a parked prefill group.
-    Parked(usize, usize),
-}
-
-/// Rows prefilled together, kept as one multi-row cache until they join the
-/// decode batch: joining as a whole costs one concatenation instead of a copy
-/// per row out of the group and another into the batch.
-struct Parked {
-    /// `None` once a row was released or moved out.
-    rows: Vec<Option<RowId>>,
-    cache: KvCache,
-}
-
 pub struct BatchRunner {
     model: LlamaModel,
-    batch: KvCache,
-    /// The row in each batch position; `None` for a released row whose cache
-    /// columns are dropped at the next recomposition, so rows finishing
-    /// together cost one filter of the batch, not one each.
-    batch_rows: Vec<Option<RowId>>,
-    solo: HashMap<RowId, KvCache>,
-    /// Caches written by the open step, to commit or roll back together.
-    touched_batch: bool,
-    touched_solo: Vec<RowId>,
-    /// Rows created by the open step (dropped again on rollback).
-    created: Vec<RowId>,
+    kv: PagedKv,
     /// Called after each layer of each forward: fault injection in tests.
     layer_hook: Option<Box<dyn FnMut(usize) -> Result<()>>>,
-    prefixes: PrefixStore,
-    /// Fresh rows prefilled together in the open step: split into single-row
-    /// caches at commit, dropped on rollback.
-    groups: Vec<(Vec<RowId>, KvCache)>,
-    /// Committed prefill groups whose rows have not joined the batch yet.
-    parked: Vec<Parked>,
     /// CPU streams a step's independent forwards are spread over.
     lanes: Lanes,
     /// Lanes the last `forward` built graphs on.
     lanes_used: usize,
-    /// Per batch position, the columns of the open step to keep at commit
-    /// (the row's own tokens; `keep` lowers it for rejected drafts).
-    batch_kept: Vec<i32>,
+    /// A forward ran and neither `commit` nor `rollback` followed yet.
+    open: bool,
 }
 
-/// Prefix reuse granularity (tokens) and default capacity (tokens).
-pub const PREFIX_BLOCK: usize = 16;
-pub const PREFIX_CAPACITY: usize = 4096;
+/// Tokens per KV block unless configured otherwise.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 impl BatchRunner {
-    pub fn new(model: LlamaModel) -> Self {
-        let layers = model.num_layers();
+    pub fn new(model: LlamaModel, kv: PagedKv) -> Self {
         Self {
             model,
-            batch: KvCache::new(layers, 0),
-            batch_rows: Vec::new(),
-            solo: HashMap::new(),
-            touched_batch: false,
-            touched_solo: Vec::new(),
-            created: Vec::new(),
+            kv,
             layer_hook: None,
-            prefixes: PrefixStore::new(PREFIX_BLOCK, PREFIX_CAPACITY),
-            groups: Vec::new(),
-            parked: Vec::new(),
             lanes: Lanes::single(),
             lanes_used: 0,
-            batch_kept: Vec::new(),
+            open: false,
         }
+    }
+
+    /// A runner whose KV storage takes `memory` in `block_size`-token blocks,
+    /// with Weft's paged decode kernel when MLX runs on a CUDA GPU.
+    pub fn with_memory(model: LlamaModel, block_size: u32, memory: KvMemory) -> Result<Self> {
+        let kv = PagedKv::new(
+            model.kv_shape(),
+            block_size,
+            memory,
+            model.policy.kernels,
+            crate::loader::cuda_available(),
+        )?;
+        Ok(Self::new(model, kv))
     }
 
     /// Spreads each step's independent forwards over these lanes (see
@@ -144,133 +122,41 @@ impl BatchRunner {
         self.lanes_used
     }
 
-    /// Sets the prefix cache capacity in tokens (0 turns reuse off).
-    pub fn set_prefix_capacity(&mut self, tokens: usize) {
-        self.prefixes = PrefixStore::new(PREFIX_BLOCK, tokens);
-    }
-
-    /// Longest reusable cached prefix of `tokens` for `tenant`.
-    pub fn prefix_len(&self, tenant: &str, tokens: &[u32]) -> usize {
-        self.prefixes.lookup(tenant, tokens)
-    }
-
-    /// Creates `row` from the tenant's longest cached prefix of `tokens`;
-    /// returns its length (0: no hit, no row created). Outside any step.
-    pub fn attach_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) -> usize {
-        if self.home(row).is_some() || self.touched_batch || !self.touched_solo.is_empty() {
-            return 0;
-        }
-        match self.prefixes.take(tenant, tokens) {
-            Some((cache, n)) => {
-                self.solo.insert(row, cache);
-                n
-            }
-            None => 0,
-        }
-    }
-
-    /// Stores a row's K/V for reuse; `tokens` are the tokens it holds.
-    pub fn offer_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) -> Result<()> {
-        if self.row_len(row) != Some(tokens.len()) {
-            return Err(ModelError::Invalid(format!(
-                "offer_prefix: row {row} holds {:?} tokens, offered {}",
-                self.row_len(row),
-                tokens.len()
-            )));
-        }
-        let cache = match self.home(row) {
-            Some(Home::Batch(i)) => self.batch.extract(i)?,
-            Some(Home::Solo) => match self.solo.get(&row) {
-                Some(c) => c.clone(),
-                None => return Ok(()),
-            },
-            Some(Home::Parked(g, i)) => self.parked[g].cache.extract(i)?,
-            None => return Ok(()),
-        };
-        self.prefixes.insert(tenant, tokens.to_vec(), cache);
-        Ok(())
-    }
-
     pub fn model(&self) -> &LlamaModel {
         &self.model
+    }
+
+    /// The KV storage.
+    pub fn kv(&self) -> &PagedKv {
+        &self.kv
+    }
+
+    /// The block layout the scheduler's pool must mirror.
+    pub fn kv_groups(&self) -> &KvGroups {
+        self.kv.groups()
     }
 
     pub fn set_layer_hook(&mut self, hook: Option<Box<dyn FnMut(usize) -> Result<()>>>) {
         self.layer_hook = hook;
     }
 
-    /// Committed length of a row, if it has state.
-    pub fn row_len(&self, row: RowId) -> Option<usize> {
-        match self.home(row)? {
-            Home::Batch(i) => Some(self.batch.lengths()[i] as usize),
-            Home::Solo => self.solo.get(&row).map(|c| c.lengths()[0] as usize),
-            Home::Parked(g, i) => Some(self.parked[g].cache.lengths()[i] as usize),
-        }
-    }
-
-    pub fn num_rows(&self) -> usize {
-        self.batch_rows.iter().flatten().count()
-            + self.solo.len()
-            + self
-                .parked
-                .iter()
-                .map(|p| p.rows.iter().flatten().count())
-                .sum::<usize>()
-    }
-
-    fn home(&self, row: RowId) -> Option<Home> {
-        if let Some(i) = self.batch_rows.iter().position(|&r| r == Some(row)) {
-            Some(Home::Batch(i))
-        } else if self.solo.contains_key(&row) {
-            Some(Home::Solo)
-        } else {
-            self.parked.iter().enumerate().find_map(|(g, p)| {
-                p.rows
-                    .iter()
-                    .position(|&r| r == Some(row))
-                    .map(|i| Home::Parked(g, i))
-            })
-        }
-    }
-
-    /// Forgets a row's state. Not part of a step transaction.
-    pub fn release(&mut self, row: RowId) -> Result<()> {
-        match self.home(row) {
-            Some(Home::Batch(i)) => {
-                self.batch_rows[i] = None;
-                if self.batch_rows.iter().all(Option::is_none) {
-                    self.batch = KvCache::new(self.model.num_layers(), 0);
-                    self.batch_rows.clear();
-                }
-            }
-            Some(Home::Solo) => {
-                self.solo.remove(&row);
-            }
-            Some(Home::Parked(g, i)) => {
-                self.parked[g].rows[i] = None;
-                self.drop_empty_parked();
-            }
-            None => {}
-        }
-        Ok(())
-    }
-
-    /// Stages one step. On error the step is rolled back before returning.
-    pub fn forward(&mut self, steps: &[RowStep]) -> Result<StepLogits> {
-        if self.touched_batch || !self.touched_solo.is_empty() || !self.created.is_empty() {
+    /// Runs one step: `ops` (the step's copy-on-write copies) first, then every
+    /// row's tokens, their K/V written where their tables say. On error the
+    /// step is closed again before returning.
+    pub fn forward(&mut self, ops: &[StorageOp], steps: &[RowStep]) -> Result<StepLogits> {
+        if self.open {
             return Err(ModelError::Invalid(
                 "forward called inside an open step".into(),
             ));
         }
-        let result = self.forward_inner(steps);
-        if result.is_err() {
-            self.rollback();
-        }
+        let result = self.forward_inner(ops, steps);
+        self.open = result.is_ok();
         result
     }
 
-    fn forward_inner(&mut self, steps: &[RowStep]) -> Result<StepLogits> {
-        let mut seen = std::collections::HashSet::new();
+    fn forward_inner(&mut self, ops: &[StorageOp], steps: &[RowStep]) -> Result<StepLogits> {
+        let groups_needed = self.kv.groups().groups.len();
+        let mut seen = HashSet::new();
         for s in steps {
             if !seen.insert(s.row) {
                 return Err(ModelError::Invalid(format!(
@@ -291,44 +177,20 @@ impl BatchRunner {
                     s.start_pos
                 )));
             }
-            let have = self.row_len(s.row).unwrap_or(0);
-            if have != s.start_pos {
+            if s.blocks.len() != groups_needed {
                 return Err(ModelError::Invalid(format!(
-                    "row {} starts at {} but its cache holds {have} tokens",
-                    s.row, s.start_pos
+                    "row {} has {} block tables for {groups_needed} KV groups",
+                    s.row,
+                    s.blocks.len()
                 )));
             }
         }
-        // Decode rows: one new token (and maybe a draft) on top of existing state.
-        let mut decode: Vec<&RowStep> = steps.iter().filter(|s| s.decodes()).collect();
-        self.compose_batch(&decode.iter().map(|s| s.row).collect::<Vec<_>>())?;
-        // The batch keeps its own row order (reordering would copy every
-        // layer's cache); outputs are matched to steps by row id.
-        let pos: HashMap<RowId, usize> = self
-            .batch_rows
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| r.map(|r| (r, i)))
-            .collect();
-        decode.sort_by_key(|s| pos.get(&s.row).copied().unwrap_or(usize::MAX));
-
-        let mut outputs: HashMap<RowId, Array> = HashMap::new();
+        self.kv.apply(ops)?;
+        let decode: Vec<&RowStep> = steps.iter().filter(|s| s.decodes()).collect();
         let prefill: Vec<&RowStep> = steps.iter().filter(|s| !s.decodes()).collect();
-        // Fresh rows prefill together, left-padded to the longest prompt of
-        // their group: one [G, T] forward is about twice as fast per row on
-        // CPU as G forwards of [1, T]. Groups bound the padding they add.
-        let mut fresh: Vec<&RowStep> = Vec::new();
-        let mut singles: Vec<&RowStep> = Vec::new();
-        for s in prefill {
-            if s.start_pos == 0 && self.home(s.row).is_none() {
-                fresh.push(s);
-            } else {
-                singles.push(s);
-            }
-        }
         let plan = plan_lanes(
-            ragged_groups(fresh),
-            singles,
+            ragged_groups(prefill),
+            Vec::new(),
             decode.len(),
             self.lanes.count(),
             self.lanes.min_tokens(),
@@ -340,112 +202,74 @@ impl BatchRunner {
         } else {
             None
         };
-        // Every forward of the step is built first and then run in lockstep
-        // (`LlamaModel::forward_interleaved`), each on its lane.
-        let mut groups = Vec::with_capacity(plan.groups.len());
-        for (g, lane) in plan.groups {
-            let t = g.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i32;
-            let mut ids: Vec<i32> = Vec::with_capacity(g.len() * t as usize);
-            let mut pads = Vec::with_capacity(g.len());
-            for s in &g {
-                let pad = t - s.tokens.len() as i32;
-                pads.push(pad);
-                // Padding ids are never attended to; 0 is valid in every vocabulary.
-                ids.extend(std::iter::repeat_n(0, pad as usize));
-                ids.extend(s.tokens.iter().map(|&x| x as i32));
-            }
-            let tokens = Array::from_slice(&ids, &[g.len() as i32, t]);
-            let cache = KvCache::with_left_pad(self.model.num_layers(), pads);
-            groups.push((g, lane, tokens, cache));
+        // Every forward: (rows, lane, tokens, decode?).
+        let mut jobs: Vec<(Vec<&RowStep>, usize, Array, bool)> = Vec::new();
+        let singles = plan.singles.into_iter().map(|(s, l)| (vec![s], l));
+        for (g, lane) in plan.groups.into_iter().chain(singles) {
+            let tokens = right_padded(&g);
+            jobs.push((g, lane, tokens, false));
         }
-        let mut singles = Vec::with_capacity(plan.singles.len());
-        for (s, lane) in plan.singles {
-            self.unpark(s.row)?;
-            // Out of the map while the forward borrows it; put back below,
-            // whatever the outcome, so a rollback finds it.
-            let cache = match self.solo.remove(&s.row) {
-                Some(c) => c,
-                None => {
-                    self.created.push(s.row);
-                    KvCache::new(self.model.num_layers(), 1)
-                }
-            };
-            self.touched_solo.push(s.row);
-            let ids: Vec<i32> = s.tokens.iter().map(|&t| t as i32).collect();
-            let tokens = Array::from_slice(&ids, &[1, ids.len() as i32]);
-            singles.push((s, lane, tokens, cache));
+        if !decode.is_empty() {
+            let tokens = right_padded(&decode);
+            jobs.push((decode, plan.decode_lane, tokens, true));
         }
-        self.drop_empty_parked();
-        let decode_tokens = if decode.is_empty() {
-            None
-        } else {
-            // Rows with shorter drafts (or none) are filled on the right; the
-            // filler columns are never kept, so they end up as holes.
-            let t = decode.iter().map(|s| s.tokens.len()).max().unwrap_or(1);
-            let mut ids: Vec<i32> = Vec::with_capacity(decode.len() * t);
-            self.batch_kept = vec![t as i32; self.batch_rows.len()];
-            for s in &decode {
-                ids.extend(s.tokens.iter().map(|&x| x as i32));
-                ids.extend(std::iter::repeat_n(0, t - s.tokens.len()));
-                if let Some(&i) = pos.get(&s.row) {
-                    self.batch_kept[i] = s.tokens.len() as i32;
-                }
-            }
-            self.touched_batch = true;
-            Some(Array::from_slice(&ids, &[decode.len() as i32, t as i32]))
-        };
-        let mut jobs: Vec<(usize, &Array, &mut KvCache, bool)> = Vec::new();
-        for (_, lane, tokens, cache) in groups.iter_mut() {
-            jobs.push((*lane, tokens, cache, true));
-        }
-        for (_, lane, tokens, cache) in singles.iter_mut() {
-            jobs.push((*lane, tokens, cache, true));
-        }
-        if let Some(tokens) = &decode_tokens {
-            let last_only = tokens.dim(1) == 1;
-            jobs.push((plan.decode_lane, tokens, &mut self.batch, last_only));
-        }
+        let kv = &self.kv;
+        let mut steps_kv: Vec<KvStep<'_>> = jobs
+            .iter()
+            .map(|(rows, _, _, dec)| {
+                let r: Vec<(&[RowBlocks], usize, usize)> = rows
+                    .iter()
+                    .map(|s| (s.blocks.as_slice(), s.start_pos, s.tokens.len()))
+                    .collect();
+                kv.step(&r, *dec)
+            })
+            .collect::<Result<_>>()?;
         let mut no_hook = |_: usize| Ok(());
         let hook: &mut dyn FnMut(usize) -> Result<()> = match &mut self.layer_hook {
             Some(h) => h.as_mut(),
             None => &mut no_hook,
         };
-        let ran = self.model.forward_interleaved(jobs, &self.lanes, hook);
-        // Solo caches go back to their map whatever happened, so a rollback
-        // finds them.
-        let mut single_rows = Vec::with_capacity(singles.len());
-        for (s, _, _, cache) in singles {
-            self.solo.insert(s.row, cache);
-            single_rows.push(s);
-        }
-        let mut logits = ran?.into_iter();
-        let mut next = || {
-            logits
-                .next()
-                .ok_or_else(|| ModelError::Invalid("a forward returned no logits".into()))
-        };
-        for (g, _, _, cache) in groups {
-            let l = next()?;
-            for (i, s) in g.iter().enumerate() {
-                if s.want_logits {
-                    outputs.insert(s.row, l.try_index((i as i32, 0, ..))?);
-                }
+        let mut outs: Vec<Array> = Vec::with_capacity(jobs.len());
+        if kv.uses_kernel() && jobs.len() > 1 {
+            // On the GPU, a pool array still referenced by an earlier
+            // forward's pending attention cannot be updated in place by the
+            // next forward's write (MLX copies the whole pool instead), so the
+            // forwards of one step run one after the other, each evaluated.
+            for ((_, lane, tokens, dec), kvs) in jobs.iter().zip(steps_kv.iter_mut()) {
+                let last_only = !*dec || tokens.dim(1) == 1;
+                let mut one =
+                    self.model
+                        .forward_interleaved(vec![(*lane, tokens, kvs, last_only)], &self.lanes, hook)?;
+                let o = one.pop().ok_or_else(|| ModelError::Invalid("a forward returned no logits".into()))?;
+                let mut pending = kv.arrays();
+                pending.push(o.clone());
+                mlx_rs::transforms::eval(pending.iter())?;
+                outs.push(o);
             }
-            self.groups.push((g.iter().map(|s| s.row).collect(), cache));
+        } else {
+            let batch: Vec<(usize, &Array, &mut KvStep<'_>, bool)> = jobs
+                .iter()
+                .zip(steps_kv.iter_mut())
+                .map(|((_, lane, tokens, dec), kvs)| (*lane, tokens, kvs, !*dec || tokens.dim(1) == 1))
+                .collect();
+            outs = self.model.forward_interleaved(batch, &self.lanes, hook)?;
         }
-        for s in single_rows {
-            let l = next()?;
-            if s.want_logits {
-                outputs.insert(s.row, l.reshape(&[-1])?);
-            }
+        drop(steps_kv);
+        if outs.len() != jobs.len() {
+            return Err(ModelError::Invalid("a forward returned no logits".into()));
         }
-        if decode_tokens.is_some() {
-            let l = next()?;
-            for (i, s) in decode.iter().enumerate() {
-                if s.want_logits {
-                    let n = 1 + s.draft as i32;
-                    outputs.insert(s.row, l.try_index((i as i32, 0..n, ..))?);
+        let mut outputs: HashMap<RowId, Array> = HashMap::new();
+        for ((rows, _, _, dec), l) in jobs.iter().zip(&outs) {
+            for (i, s) in rows.iter().enumerate() {
+                if !s.want_logits {
+                    continue;
                 }
+                let a = if *dec && l.dim(1) > 1 {
+                    l.try_index((i as i32, 0..1 + s.draft as i32, ..))?
+                } else {
+                    l.try_index((i as i32, 0, ..))?
+                };
+                outputs.insert(s.row, a);
             }
         }
         let rows: Vec<RowId> = steps
@@ -455,7 +279,7 @@ impl BatchRunner {
             .collect();
         let vocab = self.model.config.vocab_size as usize;
         if rows.is_empty() {
-            mlx_rs::transforms::eval(self.pending_arrays())?;
+            mlx_rs::transforms::eval(kv.arrays().iter())?;
             return Ok(StepLogits {
                 rows,
                 counts: vec![],
@@ -474,7 +298,10 @@ impl BatchRunner {
             .collect::<Result<_>>()?;
         let counts = parts.iter().map(|a| a.dim(0) as usize).collect();
         let all = ops::concatenate(&parts, 0)?.as_dtype(Dtype::Float32)?;
-        all.eval()?;
+        let mut pending = kv.arrays();
+        pending.push(all.clone());
+        mlx_rs::transforms::eval(pending.iter())?;
+        drop(pending);
         let data = all.as_slice::<f32>().to_vec();
         Ok(StepLogits {
             rows,
@@ -484,197 +311,37 @@ impl BatchRunner {
         })
     }
 
-    /// Arrays a logits-free step must still evaluate (its cache writes).
-    fn pending_arrays(&self) -> Vec<&Array> {
-        // Cache arrays are lazily written; evaluating the batch and touched
-        // solo caches materialises the step.
-        let mut v = Vec::new();
-        if self.touched_batch {
-            v.extend(self.batch.arrays());
-        }
-        for r in &self.touched_solo {
-            if let Some(c) = self.solo.get(r) {
-                v.extend(c.arrays());
-            }
-        }
-        for (_, c) in &self.groups {
-            v.extend(c.arrays());
-        }
-        v
-    }
-
-    /// Makes the decode batch hold exactly the rows in `rows` (in any order:
-    /// rows that stay keep their places, joiners are appended). Moving rows
-    /// between the batch and solo caches changes no row's contents, so it
-    /// happens outside the step transaction.
-    fn compose_batch(&mut self, rows: &[RowId]) -> Result<()> {
-        let same = rows.len() == self.batch_rows.len()
-            && rows.iter().all(|&r| self.batch_rows.contains(&Some(r)));
-        if same {
-            return Ok(());
-        }
-        // Released rows are dropped; live rows that do not decode this step
-        // are parked in single-row caches.
-        let leaving: Vec<usize> = (0..self.batch_rows.len())
-            .filter(|&i| self.batch_rows[i].is_none_or(|r| !rows.contains(&r)))
-            .collect();
-        for &i in &leaving {
-            if let Some(r) = self.batch_rows[i] {
-                let one = self.batch.extract(i)?;
-                self.solo.insert(r, one);
-            }
-        }
-        let staying: Vec<usize> = (0..self.batch_rows.len())
-            .filter(|i| !leaving.contains(i))
-            .collect();
-        let mut order: Vec<RowId> = staying.iter().filter_map(|&i| self.batch_rows[i]).collect();
-        let mut batch = if staying.is_empty() {
-            None
-        } else if leaving.is_empty() {
-            Some(self.batch.clone())
-        } else {
-            let mut b = self.batch.clone();
-            b.filter(&staying)?;
-            Some(b)
-        };
-        let joiners: Vec<RowId> = rows
-            .iter()
-            .copied()
-            .filter(|r| !order.contains(r))
-            .collect();
-        // Parked groups whose rows all join merge as they are; rows of other
-        // groups move out one by one.
-        let whole: Vec<usize> = (0..self.parked.len())
-            .filter(|&g| {
-                self.parked[g]
-                    .rows
-                    .iter()
-                    .all(|r| r.is_some_and(|r| joiners.contains(&r)))
-            })
-            .collect();
-        for &r in &joiners {
-            if let Some(Home::Parked(g, _)) = self.home(r) {
-                if !whole.contains(&g) {
-                    self.unpark(r)?;
-                }
-            }
-        }
-        let mut caches = Vec::with_capacity(joiners.len());
-        let mut joined = Vec::with_capacity(joiners.len());
-        for &g in &whole {
-            caches.push(&self.parked[g].cache);
-            joined.extend(self.parked[g].rows.iter().flatten().copied());
-        }
-        for r in &joiners {
-            if joined.contains(r) {
-                continue;
-            }
-            caches.push(self.solo.get(r).ok_or_else(|| {
-                ModelError::Invalid(format!("row {r} has no state to decode from"))
-            })?);
-            joined.push(*r);
-        }
-        if let Some((first, rest)) = caches.split_first() {
-            match batch.as_mut() {
-                Some(b) => b.merge_many(&caches)?,
-                None => {
-                    let mut b = (*first).clone();
-                    b.merge_many(rest)?;
-                    batch = Some(b);
-                }
-            }
-        }
-        order.extend(joined);
-        for r in rows {
-            self.solo.remove(r);
-        }
-        for &g in whole.iter().rev() {
-            self.parked.remove(g);
-        }
-        self.drop_empty_parked();
-        self.batch = batch.unwrap_or_else(|| KvCache::new(self.model.num_layers(), 0));
-        self.batch_rows = order.into_iter().map(Some).collect();
-        Ok(())
-    }
-
-    /// Moves a parked row into a single-row cache of its own (same contents).
-    /// Leaves emptied groups in place, so group indices stay valid.
-    fn unpark(&mut self, row: RowId) -> Result<()> {
-        if let Some(Home::Parked(g, i)) = self.home(row) {
-            let one = self.parked[g].cache.extract(i)?;
-            self.parked[g].rows[i] = None;
-            self.solo.insert(row, one);
-        }
-        Ok(())
-    }
-
-    fn drop_empty_parked(&mut self) {
-        self.parked.retain(|p| p.rows.iter().any(Option::is_some));
-    }
-
-    /// Keeps only the first `tokens` of the open step's tokens of `row`, a
-    /// row that decoded with a draft (the decoded token plus the accepted
-    /// part of the draft). Staged like the step itself.
-    pub fn keep(&mut self, row: RowId, tokens: usize) -> Result<()> {
-        let Some(Home::Batch(i)) = self.home(row) else {
-            return Err(ModelError::Invalid(format!(
-                "keep: row {row} did not decode"
-            )));
-        };
-        match self.batch_kept.get_mut(i) {
-            Some(k) if self.touched_batch && tokens >= 1 && tokens as i32 <= *k => {
-                *k = tokens as i32;
-                Ok(())
-            }
-            k => Err(ModelError::Invalid(format!(
-                "keep: {tokens} tokens of row {row}, which wrote {k:?} this step"
-            ))),
-        }
-    }
-
+    /// Closes the step. Nothing is staged here (see the module docs); the
+    /// scheduler's pool commits the step.
     pub fn commit(&mut self) -> Result<()> {
-        if self.touched_batch {
-            self.batch.commit_kept(&self.batch_kept)?;
-        }
-        for (rows, mut cache) in std::mem::take(&mut self.groups) {
-            cache.commit();
-            self.parked.push(Parked {
-                rows: rows.into_iter().map(Some).collect(),
-                cache,
-            });
-        }
-        for r in self.touched_solo.drain(..) {
-            if let Some(c) = self.solo.get_mut(&r) {
-                c.commit();
-            }
-        }
-        self.touched_batch = false;
-        self.created.clear();
+        self.open = false;
         Ok(())
     }
 
+    /// Closes the step without keeping it: its writes are dead data once the
+    /// scheduler's pool rolls back.
     pub fn rollback(&mut self) {
-        self.groups.clear();
-        if self.touched_batch {
-            self.batch.rollback();
-        }
-        for r in self.touched_solo.drain(..) {
-            if let Some(c) = self.solo.get_mut(&r) {
-                c.rollback();
-            }
-        }
-        for r in self.created.drain(..) {
-            self.solo.remove(&r);
-        }
-        self.touched_batch = false;
+        self.open = false;
     }
+}
+
+/// `[rows, T]` token ids, each row right-padded with 0 to the longest (padding
+/// is never written to the pool nor attended to).
+fn right_padded(rows: &[&RowStep]) -> Array {
+    let t = rows.iter().map(|s| s.tokens.len()).max().unwrap_or(1);
+    let mut ids: Vec<i32> = Vec::with_capacity(rows.len() * t);
+    for s in rows {
+        ids.extend(s.tokens.iter().map(|&x| x as i32));
+        ids.extend(std::iter::repeat_n(0, t - s.tokens.len()));
+    }
+    Array::from_slice(&ids, &[rows.len() as i32, t as i32])
 }
 
 /// Most padding a row may get in a prefill group, as a fraction (1/8) of the
 /// group's length or an absolute floor of tokens, whichever is larger.
 const PAD_FLOOR: usize = 16;
 
-/// Splits fresh rows into prefill groups: longest first, each group taking
+/// Splits prefilling rows into groups: longest first, each group taking
 /// rows while their padding stays within `max(T / 8, PAD_FLOOR)` tokens.
 /// Deterministic (ties by row id) so a retried step builds the same groups.
 fn ragged_groups(mut rows: Vec<&RowStep>) -> Vec<Vec<&RowStep>> {
@@ -804,6 +471,7 @@ mod tests {
                 start_pos: 0,
                 want_logits: true,
                 draft: 0,
+                blocks: Vec::new(),
             })
             .collect()
     }

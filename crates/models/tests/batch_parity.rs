@@ -51,10 +51,12 @@ fn log_softmax(v: &[f32]) -> Vec<f32> {
 /// Per row: generated tokens and the full log-prob vector at each step.
 type Trace = Vec<(Vec<u32>, Vec<Vec<f32>>)>;
 
-/// Drives `BatchRunner` like a minimal scheduler: joiners prefill in the same
-/// step as decoding rows; finished rows are released at once. `fail` may make
-/// a step fail (to be retried).
+/// Drives `BatchRunner` like a minimal scheduler (a `KvPool` holds the rows'
+/// blocks): joiners prefill in the same step as decoding rows; finished rows
+/// are released at once. `fail` may make a step fail (to be retried): the
+/// pool rolls back after the forward wrote its blocks, as in the engine.
 fn drive(runner: &mut BatchRunner, rows: &[Row], mut fail: impl FnMut(usize) -> bool) -> Trace {
+    let mut kv = Kv::for_runner(runner);
     let mut out: Trace = rows.iter().map(|_| (vec![], vec![])).collect();
     let mut active: Vec<usize> = vec![];
     let mut step = 0;
@@ -65,7 +67,7 @@ fn drive(runner: &mut BatchRunner, rows: &[Row], mut fail: impl FnMut(usize) -> 
                 active.push(i);
             }
         }
-        let steps: Vec<RowStep> = active
+        let mut steps: Vec<RowStep> = active
             .iter()
             .map(|&i| {
                 let (gen, ids) = (&out[i].0, &rows[i].ids);
@@ -75,7 +77,7 @@ fn drive(runner: &mut BatchRunner, rows: &[Row], mut fail: impl FnMut(usize) -> 
                         tokens: ids.clone(),
                         start_pos: 0,
                         want_logits: true,
-                        draft: 0,
+                        ..Default::default()
                     }
                 } else {
                     RowStep {
@@ -83,25 +85,26 @@ fn drive(runner: &mut BatchRunner, rows: &[Row], mut fail: impl FnMut(usize) -> 
                         tokens: vec![*gen.last().unwrap()],
                         start_pos: ids.len() + gen.len() - 1,
                         want_logits: true,
-                        draft: 0,
+                        ..Default::default()
                     }
                 }
             })
             .collect();
+        let ops = kv.plan(&mut steps);
         if fail(step) {
-            let r = runner.forward(&steps);
-            match r {
+            match runner.forward(&ops, &steps) {
                 Err(_) => {
                     retries += 1;
                     assert!(retries < 100, "fault injection never stopped");
-                    continue; // rolled back inside forward; retry the same step
                 }
                 Ok(_) => runner.rollback(), // a fault "after eval": drop the step
             }
+            kv.rollback();
             continue;
         }
-        let logits = runner.forward(&steps).expect("step");
+        let logits = runner.forward(&ops, &steps).expect("step");
         runner.commit().unwrap();
+        kv.commit();
         for (k, &row) in logits.rows.iter().enumerate() {
             let i = row as usize;
             let lp = log_softmax(logits.row(k));
@@ -111,13 +114,15 @@ fn drive(runner: &mut BatchRunner, rows: &[Row], mut fail: impl FnMut(usize) -> 
         active.retain(|&i| {
             let done = out[i].0.len() >= rows[i].max_tokens;
             if done {
-                runner.release(i as u64).unwrap();
+                kv.release(i as u64);
             }
             !done
         });
         step += 1;
     }
-    assert_eq!(runner.num_rows(), 0, "rows left behind after all finished");
+    assert_eq!(kv.rows(), 0, "rows left behind after all finished");
+    assert_eq!(kv.pool.stats().groups[0].used, 0, "blocks left in use");
+    kv.pool.check_invariants().unwrap();
     out
 }
 
@@ -129,6 +134,13 @@ fn fixture(dir: &std::path::Path, quantize: bool) -> std::path::PathBuf {
     }
     oracle(&args);
     md
+}
+
+/// KV blocks every test runner gets (16 tokens each).
+const BLOCKS: u32 = 256;
+
+fn new_runner(md: &std::path::Path) -> BatchRunner {
+    runner(load(md), BLOCKS)
 }
 
 fn load(md: &std::path::Path) -> LlamaModel {
@@ -173,7 +185,7 @@ fn joining_and_leaving_rows_match_batch_generator() {
         req_path.to_str().unwrap(),
     ]);
 
-    let mut runner = BatchRunner::new(load(&md));
+    let mut runner = new_runner(&md);
     let one_lane = drive(&mut runner, &rs, |_| false);
     // Two CPU lanes with every step eligible to split: prefill groups are
     // halved and forwards of one step built on two streams.
@@ -217,7 +229,7 @@ fn joining_and_leaving_rows_match_batch_generator() {
 
 /// A runner whose steps all split over two CPU lanes when they can.
 fn two_lanes(md: &std::path::Path) -> BatchRunner {
-    let mut runner = BatchRunner::new(load(md));
+    let mut runner = new_runner(md);
     runner.set_lanes(Lanes::cpu(2).with_min_tokens(1));
     runner
 }
@@ -226,7 +238,7 @@ fn two_lanes(md: &std::path::Path) -> BatchRunner {
 fn failed_steps_roll_back_and_retry_to_the_same_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let md = fixture(dir.path(), true);
-    faults_roll_back(&md, |md| BatchRunner::new(load(md)));
+    faults_roll_back(&md, new_runner);
     // The same with each step's forwards spread over two CPU lanes.
     faults_roll_back(&md, two_lanes);
 }
@@ -294,25 +306,25 @@ fn two_lanes_match_one_lane_at_the_default_threshold() {
         })
         .collect();
     let drive = |runner: &mut BatchRunner| {
+        let mut kv = Kv::for_runner(runner);
         let mut next: Vec<Option<RowStep>> = vec![None; prompts.len()];
         let mut out: Vec<Vec<(u32, Vec<f32>)>> = vec![vec![]; prompts.len()];
         let mut lanes = vec![];
-        for step in 0..10 {
+        for n in 0..10 {
             // Row 0 starts at step 0, rows 1-4 join together at step 2.
             for (r, p) in prompts.iter().enumerate() {
-                if step == if r == 0 { 0 } else { 2 } {
+                if n == if r == 0 { 0 } else { 2 } {
                     next[r] = Some(RowStep {
                         row: r as u64,
                         tokens: p.clone(),
                         start_pos: 0,
                         want_logits: true,
-                        draft: 0,
+                        ..Default::default()
                     });
                 }
             }
-            let active: Vec<RowStep> = next.iter().flatten().cloned().collect();
-            let l = runner.forward(&active).unwrap();
-            runner.commit().unwrap();
+            let mut active: Vec<RowStep> = next.iter().flatten().cloned().collect();
+            let l = step(runner, &mut kv, &mut active);
             lanes.push(runner.lanes_used());
             for (k, a) in active.iter().enumerate() {
                 let t = argmax(l.row(k));
@@ -324,8 +336,8 @@ fn two_lanes_match_one_lane_at_the_default_threshold() {
         }
         (out, lanes)
     };
-    let (want, one) = drive(&mut BatchRunner::new(load(&md)));
-    let mut runner = BatchRunner::new(load(&md));
+    let (want, one) = drive(&mut new_runner(&md));
+    let mut runner = new_runner(&md);
     runner.set_lanes(Lanes::cpu(2));
     let (got, two) = drive(&mut runner);
     assert!(one.iter().all(|&n| n == 1), "one-lane runner split a step");
@@ -344,49 +356,52 @@ fn two_lanes_match_one_lane_at_the_default_threshold() {
     }
 }
 
-/// A row started from a cached prefix (same tenant) continues exactly like a
-/// cold row; another tenant gets no hit.
+/// A row started from a cached prefix (same tenant) maps the cached blocks
+/// into its table (no copy) and continues exactly like a cold row; another
+/// tenant gets no hit.
 #[test]
 fn prefix_reuse_matches_a_cold_prefill() {
     let dir = tempfile::tempdir().unwrap();
     let md = fixture(dir.path(), false);
     let shared: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 512).collect();
     let second: Vec<u32> = [shared.clone(), vec![5, 6, 7]].concat();
-    let step = |runner: &mut BatchRunner, row: u64, tokens: Vec<u32>, start: usize| {
-        let l = runner
-            .forward(&[RowStep {
-                row,
-                tokens,
-                start_pos: start,
-                want_logits: true,
-                draft: 0,
-            }])
-            .unwrap();
-        runner.commit().unwrap();
-        l.row(0).to_vec()
+    let one = |runner: &mut BatchRunner, kv: &mut Kv, row: u64, tokens: Vec<u32>, start: usize| {
+        let mut s = [RowStep {
+            row,
+            tokens,
+            start_pos: start,
+            want_logits: true,
+            ..Default::default()
+        }];
+        step(runner, kv, &mut s).row(0).to_vec()
     };
     // Cold: the second prompt alone, then 8 greedy tokens.
-    let greedy_from = |runner: &mut BatchRunner, row: u64, start: usize| {
-        let mut logits = step(runner, row, second[start..].to_vec(), start);
+    let greedy_from = |runner: &mut BatchRunner, kv: &mut Kv, row: u64, start: usize| {
+        let mut logits = one(runner, kv, row, second[start..].to_vec(), start);
         let mut out = vec![];
         for i in 0..8 {
             let t = argmax(&logits);
             out.push((t, logits.clone()));
-            logits = step(runner, row, vec![t], second.len() + i);
+            logits = one(runner, kv, row, vec![t], second.len() + i);
         }
         out
     };
-    let mut cold = BatchRunner::new(load(&md));
-    let want = greedy_from(&mut cold, 1, 0);
+    let mut cold = new_runner(&md);
+    let mut cold_kv = Kv::for_runner(&cold);
+    let want = greedy_from(&mut cold, &mut cold_kv, 1, 0);
 
-    let mut warm = BatchRunner::new(load(&md));
-    step(&mut warm, 7, shared.clone(), 0);
-    warm.offer_prefix(7, "a", &shared).unwrap();
-    warm.release(7).unwrap();
-    assert_eq!(warm.prefix_len("b", &second), 0, "cross-tenant prefix hit");
-    let n = warm.attach_prefix(2, "a", &second);
+    let mut warm = new_runner(&md);
+    let mut kv = Kv::for_runner(&warm);
+    // Tenant 1 prefills the shared prompt and finishes: its two full blocks
+    // stay cached.
+    one(&mut warm, &mut kv, 7, shared.clone(), 0);
+    kv.release(7);
+    assert_eq!(kv.pool.stats().groups[0].cached, 2);
+    assert_eq!(kv.start_with_prefix(3, 2, &second), 0, "cross-tenant prefix hit");
+    kv.release(3);
+    let n = kv.start_with_prefix(2, 1, &second);
     assert_eq!(n, 32, "block-aligned reuse of the 40 shared tokens");
-    let got = greedy_from(&mut warm, 2, n);
+    let got = greedy_from(&mut warm, &mut kv, 2, n);
     for (i, ((wt, wl), (gt, gl))) in want.iter().zip(&got).enumerate() {
         assert_eq!(wt, gt, "token {i} differs after a prefix hit");
         assert!(
@@ -397,7 +412,7 @@ fn prefix_reuse_matches_a_cold_prefill() {
     }
 }
 
-/// Fresh rows of different lengths prefilled in one left-padded group decode
+/// Fresh rows of different lengths prefilled in one right-padded group decode
 /// exactly like each row prefilled alone. (mlx-lm 0.32.2's `BatchGenerator`
 /// is not a usable oracle here: three ragged joiners next to decoding rows
 /// give a uniform first distribution for the padded row on some runs.)
@@ -416,6 +431,7 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
         .collect();
     // Greedy continuation of every row, the prompts all prefilled in step 0.
     let run = |runner: &mut BatchRunner, rows: &[usize]| -> Vec<Vec<(u32, Vec<f32>)>> {
+        let mut kv = Kv::for_runner(runner);
         let mut out: Vec<Vec<(u32, Vec<f32>)>> = vec![vec![]; rows.len()];
         let mut steps: Vec<RowStep> = rows
             .iter()
@@ -424,12 +440,11 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
                 tokens: prompts[r].clone(),
                 start_pos: 0,
                 want_logits: true,
-                draft: 0,
+                ..Default::default()
             })
             .collect();
         for _ in 0..8 {
-            let l = runner.forward(&steps).unwrap();
-            runner.commit().unwrap();
+            let l = step(runner, &mut kv, &mut steps);
             for (k, s) in steps.iter_mut().enumerate() {
                 assert_eq!(l.rows[k], s.row);
                 let t = argmax(l.row(k));
@@ -440,10 +455,10 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
         }
         out
     };
-    let mut together = BatchRunner::new(load(&md));
+    let mut together = new_runner(&md);
     let got = run(&mut together, &[0, 1, 2, 3]);
     let alone: Vec<Vec<(u32, Vec<f32>)>> = (0..prompts.len())
-        .map(|r| run(&mut BatchRunner::new(load(&md)), &[r]).remove(0))
+        .map(|r| run(&mut new_runner(&md), &[r]).remove(0))
         .collect();
     let check = |r: usize, got: &[(u32, Vec<f32>)]| {
         for (i, ((wt, wl), (gt, gl))) in alone[r].iter().zip(got).enumerate() {
@@ -458,29 +473,29 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
 
     // The group breaks up before it joins the batch: row 1 is released after
     // its first token and row 2 sits out step 1.
-    let mut split = BatchRunner::new(load(&md));
+    let mut split = new_runner(&md);
+    let mut kv = Kv::for_runner(&split);
     let mut next: Vec<RowStep> = (0..prompts.len())
         .map(|r| RowStep {
             row: r as u64,
             tokens: prompts[r].clone(),
             start_pos: 0,
             want_logits: true,
-            draft: 0,
+            ..Default::default()
         })
         .collect();
     let mut out: Vec<Vec<(u32, Vec<f32>)>> = vec![vec![]; prompts.len()];
-    for step in 0..8 {
-        let active: Vec<RowStep> = next
+    for i in 0..8 {
+        let mut active: Vec<RowStep> = next
             .iter()
             .filter(|s| {
-                let released = step >= 1 && s.row == 1;
-                let sits_out = step == 1 && s.row == 2;
+                let released = i >= 1 && s.row == 1;
+                let sits_out = i == 1 && s.row == 2;
                 !released && !sits_out
             })
             .cloned()
             .collect();
-        let l = split.forward(&active).unwrap();
-        split.commit().unwrap();
+        let l = step(&mut split, &mut kv, &mut active);
         for (k, a) in active.iter().enumerate() {
             let t = argmax(l.row(k));
             out[a.row as usize].push((t, l.row(k).to_vec()));
@@ -488,8 +503,8 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
             s.start_pos += s.tokens.len();
             s.tokens = vec![t];
         }
-        if step == 0 {
-            split.release(1).unwrap();
+        if i == 0 {
+            kv.release(1);
         }
     }
     for r in [0, 2, 3] {
@@ -500,17 +515,18 @@ fn ragged_prefill_group_matches_rows_prefilled_alone() {
 
 /// Speculative decoding in the runner: rows verify drafts of 0-3 tokens, some
 /// right, some wrong at a varying position, so rows keep different numbers of
-/// tokens per step (rejected columns become holes in the batch cache) while
-/// others join (merging into a cache with holes) and leave (filtering it).
-/// Every row's tokens and log-probs equal plain one-token decoding's.
+/// tokens per step (the pool truncates what was rejected: no holes) while
+/// others join and leave. Every row's tokens and log-probs equal plain
+/// one-token decoding's.
 #[test]
 fn drafts_with_partial_acceptance_match_plain_decoding() {
     let dir = tempfile::tempdir().unwrap();
     let md = fixture(dir.path(), false);
     let rs = rows();
-    let want = drive(&mut BatchRunner::new(load(&md)), &rs, |_| false);
+    let want = drive(&mut new_runner(&md), &rs, |_| false);
 
-    let mut runner = BatchRunner::new(load(&md));
+    let mut runner = new_runner(&md);
+    let mut kv = Kv::for_runner(&runner);
     let mut out: Trace = rs.iter().map(|_| (vec![], vec![])).collect();
     let mut active: Vec<usize> = vec![];
     let (mut step, mut drafted, mut accepted, mut partial) = (0, 0, 0, 0);
@@ -520,7 +536,7 @@ fn drafts_with_partial_acceptance_match_plain_decoding() {
                 active.push(i);
             }
         }
-        let steps: Vec<RowStep> = active
+        let mut steps: Vec<RowStep> = active
             .iter()
             .map(|&i| {
                 let (gen, ids) = (&out[i].0, &rs[i].ids);
@@ -530,7 +546,7 @@ fn drafts_with_partial_acceptance_match_plain_decoding() {
                         tokens: ids.clone(),
                         start_pos: 0,
                         want_logits: true,
-                        draft: 0,
+                        ..Default::default()
                     };
                 }
                 let g = gen.len();
@@ -547,10 +563,12 @@ fn drafts_with_partial_acceptance_match_plain_decoding() {
                     start_pos: ids.len() + g - 1,
                     want_logits: true,
                     draft: k,
+                    ..Default::default()
                 }
             })
             .collect();
-        let logits = runner.forward(&steps).expect("step");
+        let ops = kv.plan(&mut steps);
+        let logits = runner.forward(&ops, &steps).expect("step");
         assert_eq!(logits.counts.len(), steps.len());
         let mut at = 0;
         for ((s, &n), &row) in steps.iter().zip(&logits.counts).zip(&logits.rows) {
@@ -569,7 +587,7 @@ fn drafts_with_partial_acceptance_match_plain_decoding() {
                 }
             }
             if s.draft > 0 {
-                runner.keep(s.row, kept).unwrap();
+                kv.truncate(s.row, s.start_pos + kept);
                 drafted += s.draft;
                 accepted += kept - 1;
                 partial += usize::from(kept - 1 < s.draft);
@@ -577,16 +595,18 @@ fn drafts_with_partial_acceptance_match_plain_decoding() {
             at += n;
         }
         runner.commit().unwrap();
+        kv.commit();
         active.retain(|&i| {
             let done = out[i].0.len() >= rs[i].max_tokens;
             if done {
-                runner.release(i as u64).unwrap();
+                kv.release(i as u64);
             }
             !done
         });
         step += 1;
     }
-    assert_eq!(runner.num_rows(), 0);
+    assert_eq!(kv.rows(), 0);
+    assert_eq!(kv.pool.stats().groups[0].used, 0);
     assert!(
         accepted > 20 && partial > 10,
         "{drafted} drafted, {accepted} accepted, {partial} partial"

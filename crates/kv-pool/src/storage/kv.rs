@@ -363,6 +363,20 @@ impl KvStorage {
         self.read(layer, step)
     }
 
+    /// One layer's dense K and V pool arrays, `[num_blocks, kv_heads,
+    /// block_size, head_dim]`, for attention kernels that read the pool in
+    /// place through the step's block table instead of gathering it. The same
+    /// rule as for [`read`](Self::read) applies: use them only in this step's
+    /// graph (after this layer's [`write`](Self::write)) and never keep a
+    /// clone, or the next write cannot update the pool in place.
+    pub fn dense_arrays(&self, layer: usize) -> Result<(&Array, &Array), StorageError> {
+        let l = self.layer_index(layer)?;
+        match (&self.layers[l].k, &self.layers[l].v) {
+            (Stored::Dense(k), Stored::Dense(v)) => Ok((k, v)),
+            _ => Err(StorageError::BadRow("dense_arrays of quantized storage")),
+        }
+    }
+
     /// Gathers one layer's quantized K and V without dequantizing (for
     /// attention that consumes quantized operands directly).
     pub fn read_quantized(

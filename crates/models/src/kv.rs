@@ -1,0 +1,482 @@
+//! The KV cache protocol a model's attention layers go through, over kv-pool's
+//! paged storage.
+//!
+//! [`PagedKv`] owns the storage: one `weft_kv_pool::storage::KvStorage` per
+//! layer group (today every Llama-family layer is full attention: one group),
+//! sized from a memory budget, and the [`KvGroups`] the scheduler's pool must
+//! mirror so that every block it accounts for exists. The scheduler hands each
+//! row's block tables down with the step; [`PagedKv::step`] turns one forward's
+//! rows into a [`KvStep`], the one object a layer talks to:
+//! [`KvStep::attend`] writes the layer's new K/V into the rows' slots and
+//! returns attention over each row's context, and [`KvStep::offsets`] gives
+//! the per-row RoPE positions. How attention reads the pool is the step's
+//! business, chosen once per forward:
+//!
+//! * decode rows on a CUDA GPU: Weft's paged decode kernel reads K/V in place
+//!   through the block table ([`crate::paged_attention`]);
+//! * a prefill group whose rows all start at 0: causal attention over the
+//!   forward's own K/V (nothing older exists), while the pool is written for
+//!   later steps;
+//! * anything else (decode on the CPU, chunks continuing a row, rows after a
+//!   prefix hit): the rows' blocks gathered into a padded layout with a mask.
+//!
+//! A new layer kind (sliding window, SSM rows) is a new group and a new arm
+//! here; `BatchRunner` never sees it.
+
+use std::cell::RefCell;
+
+use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{ops, Array, Dtype};
+use weft_kv_pool::storage::{KvStorage, KvStorageConfig, RowStep as RowWrite, StepLayout};
+use weft_kv_pool::{AttentionKind, GroupSpec, KvGroups, RowBlocks, StorageOp};
+
+use crate::cpu_kernels::{self, Kernels};
+use crate::error::{ModelError, Result};
+use crate::paged_attention::PagedAttention;
+
+/// How much memory the KV pool takes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvMemory {
+    /// Exactly this many bytes (rounded down to whole blocks).
+    Bytes(u64),
+    /// This fraction of the device memory still free after the weights are
+    /// loaded (MLX's memory limit minus what it has allocated).
+    FreeFraction(f64),
+    /// Exactly this many blocks.
+    Blocks(u32),
+}
+
+/// The storage's shape: what `PagedKv::new` needs of a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub layers: usize,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype: Dtype,
+}
+
+impl KvShape {
+    /// Bytes of K plus V of one token over all layers.
+    pub fn bytes_per_token(&self) -> u64 {
+        let el = if self.dtype == Dtype::Float32 { 4 } else { 2 };
+        2 * self.layers as u64 * u64::from(self.kv_heads) * u64::from(self.head_dim) * el
+    }
+}
+
+/// Device memory MLX may still allocate: its memory limit (on a CUDA GPU at
+/// most the device's total memory) minus what it holds now.
+pub fn free_device_memory() -> Result<u64> {
+    let mut limit = 0usize;
+    let mut active = 0usize;
+    let mut cache = 0usize;
+    // SAFETY: plain out-parameter calls.
+    let rc = unsafe {
+        mlx_sys::mlx_get_memory_limit(&mut limit)
+            | mlx_sys::mlx_get_active_memory(&mut active)
+            | mlx_sys::mlx_get_cache_memory(&mut cache)
+    };
+    if rc != 0 {
+        return Err(ModelError::Invalid("MLX memory queries failed".into()));
+    }
+    Ok(limit.saturating_sub(active + cache) as u64)
+}
+
+/// One forward's attention mode (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Kernel,
+    Fresh,
+    Gather,
+}
+
+/// The model's KV storage and the layout its pool must mirror.
+pub struct PagedKv {
+    groups: KvGroups,
+    /// One storage per group; a `RefCell` because the lockstep forwards of
+    /// one step (see `LlamaModel::forward_interleaved`) each write it between
+    /// their awaits.
+    storage: Vec<RefCell<KvStorage>>,
+    /// Group of each layer.
+    layer_group: Vec<usize>,
+    kernel: Option<PagedAttention>,
+    kernels: Kernels,
+    shape: KvShape,
+}
+
+impl PagedKv {
+    /// Allocates (and materializes, so the memory is really taken) storage of
+    /// `memory` for a model of `shape` in `block_size`-token blocks; with
+    /// `gpu_kernel`, decode attention runs Weft's CUDA kernel.
+    pub fn new(
+        shape: KvShape,
+        block_size: u32,
+        memory: KvMemory,
+        kernels: Kernels,
+        gpu_kernel: bool,
+    ) -> Result<Self> {
+        let per_block = shape.bytes_per_token() * u64::from(block_size);
+        let blocks = match memory {
+            KvMemory::Blocks(n) => u64::from(n),
+            KvMemory::Bytes(b) => b / per_block.max(1),
+            KvMemory::FreeFraction(f) => {
+                if !(f > 0.0 && f < 1.0) {
+                    return Err(ModelError::Invalid(format!(
+                        "KV memory fraction {f} must be in (0, 1)"
+                    )));
+                }
+                (free_device_memory()? as f64 * f) as u64 / per_block.max(1)
+            }
+        };
+        // The flat slot count must fit MLX's i32 shapes.
+        let max_blocks = (i32::MAX as u64) / u64::from(block_size.max(1));
+        let blocks = blocks.min(max_blocks) as u32;
+        if blocks < 2 {
+            return Err(ModelError::Invalid(format!(
+                "KV memory {memory:?} holds {blocks} blocks of {block_size} tokens ({per_block} bytes each); \
+                 at least 2 are needed"
+            )));
+        }
+        let groups = KvGroups::new(block_size).group(GroupSpec::new(AttentionKind::Full, blocks));
+        let cfg = KvStorageConfig::dense(
+            0,
+            shape.layers,
+            blocks,
+            block_size,
+            shape.kv_heads,
+            shape.head_dim,
+            shape.dtype,
+        );
+        let storage = KvStorage::new(cfg).map_err(storage_err)?;
+        mlx_rs::transforms::eval(storage.arrays())?;
+        Ok(Self {
+            groups,
+            storage: vec![RefCell::new(storage)],
+            layer_group: vec![0; shape.layers],
+            kernel: if gpu_kernel {
+                Some(PagedAttention::new()?)
+            } else {
+                None
+            },
+            kernels,
+            shape,
+        })
+    }
+
+    /// The block layout the scheduler's pool must be built from.
+    pub fn groups(&self) -> &KvGroups {
+        &self.groups
+    }
+
+    /// What the storage holds per token and in all.
+    pub fn shape(&self) -> KvShape {
+        self.shape
+    }
+
+    /// Bytes of all storage.
+    pub fn bytes(&self) -> u64 {
+        self.storage
+            .iter()
+            .map(|s| s.borrow().config().bytes_per_layer() * s.borrow().config().layers as u64)
+            .sum()
+    }
+
+    /// Whether decode attention runs the paged GPU kernel.
+    pub fn uses_kernel(&self) -> bool {
+        self.kernel.is_some()
+    }
+
+    /// Applies a step's storage operations (copy-on-write copies) before its
+    /// forward writes anything.
+    pub fn apply(&self, ops: &[StorageOp]) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        for s in &self.storage {
+            s.borrow_mut().apply(ops).map_err(storage_err)?;
+        }
+        Ok(())
+    }
+
+    /// Every pool array, to evaluate with a step's outputs.
+    pub fn arrays(&self) -> Vec<Array> {
+        // Handles are reference-counted views of the same buffers; they are
+        // dropped right after evaluation, before the next write.
+        self.storage
+            .iter()
+            .flat_map(|s| s.borrow().arrays().cloned().collect::<Vec<_>>())
+            .collect()
+    }
+
+    /// Plans one forward over `rows`: `(block tables per group, start, new
+    /// tokens)` in batch order. `decode` says the rows decode (one token and a
+    /// short draft each) rather than prefill.
+    pub fn step(&self, rows: &[(&[RowBlocks], usize, usize)], decode: bool) -> Result<KvStep<'_>> {
+        let bs = self.groups.block_size as usize;
+        let mut layouts = Vec::with_capacity(self.groups.groups.len());
+        for (g, spec) in self.groups.groups.iter().enumerate() {
+            let writes = rows
+                .iter()
+                .map(|(tables, start, tokens)| {
+                    let t = tables.get(g).ok_or_else(|| {
+                        ModelError::Invalid(format!("a row has no block table for KV group {g}"))
+                    })?;
+                    Ok(RowWrite {
+                        table: t.as_table(bs),
+                        start: *start,
+                        tokens: *tokens,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            layouts.push(StepLayout::new(&writes, spec.kind, 1).map_err(storage_err)?);
+        }
+        let starts: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
+        let ntok: Vec<i32> = rows.iter().map(|r| r.2 as i32).collect();
+        let b = rows.len() as i32;
+        let mode = if decode && self.kernel.is_some() {
+            Mode::Kernel
+        } else if rows.iter().all(|r| r.1 == 0) {
+            Mode::Fresh
+        } else {
+            Mode::Gather
+        };
+        let t = ntok.iter().copied().max().unwrap_or(1);
+        let kernel_inputs = if mode == Mode::Kernel {
+            let l = &layouts[0];
+            let nb = l.blocks_per_row() as i32;
+            Some(KernelInputs {
+                table: Array::from_slice(l.block_table(), &[b, nb]),
+                start: Array::from_slice(&starts, &[b]),
+                ntok: Array::from_slice(&ntok, &[b]),
+                max_keys: rows.iter().map(|r| r.1 + r.2).max().unwrap_or(1),
+            })
+        } else {
+            None
+        };
+        let uniform = ntok.iter().all(|&n| n == t);
+        Ok(KvStep {
+            kv: self,
+            offsets: Array::from_slice(&starts, &[b]),
+            last: (!uniform).then(|| {
+                let idx: Vec<i32> = ntok.iter().map(|n| n - 1).collect();
+                Array::from_slice(&idx, &[b, 1, 1])
+            }),
+            masks: layouts.iter().map(|_| None).collect(),
+            fresh_mask: None,
+            layouts,
+            mode,
+            t,
+            kernel_inputs,
+        })
+    }
+}
+
+struct KernelInputs {
+    table: Array,
+    start: Array,
+    ntok: Array,
+    max_keys: usize,
+}
+
+/// One forward's view of the KV cache (see the module docs).
+pub struct KvStep<'a> {
+    kv: &'a PagedKv,
+    layouts: Vec<StepLayout>,
+    offsets: Array,
+    /// Per row, the index of its last token when rows have different token
+    /// counts (right padding); `None` when all have `t`.
+    last: Option<Array>,
+    /// Per group, the gather-mode mask in the form the kernels take, built at
+    /// the first layer that needs it.
+    masks: Vec<Option<Mask>>,
+    fresh_mask: Option<Mask>,
+    mode: Mode,
+    t: i32,
+    kernel_inputs: Option<KernelInputs>,
+}
+
+#[derive(Clone)]
+enum Mask {
+    /// Boolean, for MLX's SDPA.
+    Bool(Array),
+    /// Additive 0 / -inf, for Weft's CPU attention.
+    Additive(Array),
+    Causal,
+}
+
+impl KvStep<'_> {
+    /// Rows in the forward.
+    pub fn batch(&self) -> usize {
+        self.layouts.first().map_or(0, |l| l.batch())
+    }
+
+    /// Tokens per row in the forward's input (the longest row's).
+    pub fn step_tokens(&self) -> i32 {
+        self.t
+    }
+
+    /// `[B]` RoPE offset of each row's first new token (its committed length).
+    pub fn offsets(&self) -> &Array {
+        &self.offsets
+    }
+
+    /// `[B, 1, 1]` index of each row's last token, when rows are ragged.
+    pub fn last_index(&self) -> Option<&Array> {
+        self.last.as_ref()
+    }
+
+    /// Writes layer `layer`'s new K/V (`[B, kv_heads, T, head_dim]`, after
+    /// RoPE) into the rows' slots and returns attention of `q`
+    /// (`[B, heads, T, head_dim]`) over each row's context, `[B, heads, T,
+    /// head_dim]`.
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+    ) -> Result<Array> {
+        let g = *self
+            .kv
+            .layer_group
+            .get(layer)
+            .ok_or_else(|| ModelError::Invalid(format!("layer {layer} has no KV group")))?;
+        let layout = &self.layouts[g];
+        let mut storage = self.kv.storage[g].borrow_mut();
+        storage.write(layer, layout, k, v).map_err(storage_err)?;
+        match self.mode {
+            Mode::Kernel => {
+                let (kp, vp) = storage.dense_arrays(layer).map_err(storage_err)?;
+                let ki = self
+                    .kernel_inputs
+                    .as_ref()
+                    .ok_or_else(|| ModelError::Invalid("kernel inputs missing".into()))?;
+                let kernel = self
+                    .kv
+                    .kernel
+                    .as_ref()
+                    .ok_or_else(|| ModelError::Invalid("paged kernel missing".into()))?;
+                let qs = ops::multiply(q, Array::from_f32(scale).as_dtype(q.dtype())?)?;
+                kernel.decode(
+                    &qs,
+                    kp,
+                    vp,
+                    &ki.table,
+                    &ki.start,
+                    &ki.ntok,
+                    ki.max_keys,
+                )
+            }
+            Mode::Fresh => {
+                drop(storage);
+                let t = self.t;
+                let kernels = self.kv.kernels;
+                let mask = self
+                    .fresh_mask
+                    .get_or_insert_with(|| fresh_mask(kernels, t))
+                    .clone();
+                attention(kernels, q, k, v, scale, &mask)
+            }
+            Mode::Gather => {
+                let (kr, vr) = storage.read(layer, layout).map_err(storage_err)?;
+                drop(storage);
+                let kernels = self.kv.kernels;
+                let mask = match &self.masks[g] {
+                    Some(m) => m.clone(),
+                    None => {
+                        let m = gather_mask(kernels, self.layouts[g].mask(), q.dtype(), self.t)?;
+                        self.masks[g] = Some(m.clone());
+                        m
+                    }
+                };
+                attention(kernels, q, &kr, &vr, scale, &mask)
+            }
+        }
+    }
+}
+
+fn fresh_mask(kernels: Kernels, t: i32) -> Mask {
+    match kernels {
+        Kernels::Stock => Mask::Causal,
+        Kernels::CpuTuned => {
+            let n = t as usize;
+            let bias: Vec<f32> = (0..n * n)
+                .map(|i| {
+                    if i % n <= i / n {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect();
+            Mask::Additive(Array::from_slice(&bias, &[t, t]))
+        }
+    }
+}
+
+/// Query runs this long go through Weft's CPU attention in blocks that assume
+/// the queries are the last columns of the keys, which a gathered layout with
+/// rows at different starts does not give; MLX's SDPA takes those.
+const TUNED_GATHER_MAX_T: i32 = 128;
+
+fn gather_mask(kernels: Kernels, m: &Array, dtype: Dtype, t: i32) -> Result<Mask> {
+    Ok(match kernels {
+        Kernels::Stock => Mask::Bool(m.clone()),
+        Kernels::CpuTuned if t >= TUNED_GATHER_MAX_T => Mask::Bool(m.clone()),
+        Kernels::CpuTuned => {
+            // [B, 1, T, L] -> additive [B, 1, 1, T, L].
+            let zero = Array::from_f32(0.0).as_dtype(dtype)?;
+            let ninf = Array::from_f32(f32::NEG_INFINITY).as_dtype(dtype)?;
+            let s = m.shape();
+            let a = ops::select(m, &zero, &ninf)?.reshape(&[s[0], 1, 1, s[2], s[3]])?;
+            Mask::Additive(a)
+        }
+    })
+}
+
+fn attention(
+    kernels: Kernels,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Array> {
+    let t = q.dim(2);
+    Ok(match (kernels, mask) {
+        (Kernels::CpuTuned, Mask::Additive(m)) => {
+            // A single query of an unpadded fresh prefill needs no mask.
+            let m = (t > 1 || m.ndim() != 2).then_some(m);
+            cpu_kernels::attention(q, k, v, scale, m)?
+        }
+        (_, Mask::Causal) if t == 1 => {
+            fast::scaled_dot_product_attention(q, k, v, scale, None, None)?
+        }
+        (_, Mask::Causal) => fast::scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            scale,
+            ScaledDotProductAttentionMask::Causal,
+            None,
+        )?,
+        (_, Mask::Bool(m)) | (_, Mask::Additive(m)) => {
+            fast::scaled_dot_product_attention(q, k, v, scale, m, None)?
+        }
+    })
+}
+
+/// Takes each row's last real position out of `[B, T, X]` hidden states.
+pub fn last_positions(h: &Array, last: Option<&Array>) -> Result<Array> {
+    let t = h.dim(1);
+    match last {
+        None if t > 1 => Ok(h.try_index((.., t - 1.., ..))?),
+        None => Ok(h.clone()),
+        Some(idx) => Ok(h.take_along_axis(idx, 1)?),
+    }
+}
+
+fn storage_err(e: weft_kv_pool::storage::StorageError) -> ModelError {
+    ModelError::Invalid(format!("KV storage: {e}"))
+}

@@ -1,0 +1,363 @@
+//! Decode attention straight over the paged KV pool, as a custom CUDA kernel.
+//!
+//! Gathering every row's blocks into a padded `[B, kv_heads, L, head_dim]`
+//! layout and running masked SDPA over it costs far more than the attention
+//! itself on a GPU (measured on an H200, `benches/paged_attention_probe.py`:
+//! at 256 rows of 2K context, 7.5 ms per layer against 0.4 ms for SDPA over a
+//! dense cache). This kernel reads K and V where they are: one warp per
+//! (row, query head, query position, context split) walks the row's block
+//! table, keeps an online softmax in registers and writes a partial result;
+//! the splits (chosen so that rows x heads x splits fill the GPU) are then
+//! combined with a handful of MLX ops. Query heads that share a KV head are
+//! neighbouring warps of one thread block, so they read the same K/V lines
+//! through L1.
+//!
+//! It is compiled once per (head_dim, block_size, kv_heads, dtype) by MLX's
+//! NVRTC path (`mlx_fast_cuda_kernel`); batch size, context and splits are
+//! runtime values, so a serving run compiles it once.
+//!
+//! Queries of a row see the keys `0 ..= start + t` (`start` is the row's
+//! length before the step, `t` the query's index in the step); queries past a
+//! row's `tokens` (padding of a ragged decode step) repeat its last query.
+
+use std::ffi::CString;
+
+use mlx_rs::{ops, Array, Dtype};
+
+use crate::error::{ModelError, Result};
+
+const SOURCE: &str = r#"
+    const int B = q_shape[0];
+    const int HQ = q_shape[1];
+    const int TQ = q_shape[2];
+    const int MAXB = table_shape[1];
+    const int S = gridDim.y;
+    const int s = blockIdx.y;
+    const int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (w >= B * HQ * TQ) {
+        return;
+    }
+    const int t = w % TQ;
+    const int hq = (w / TQ) % HQ;
+    const int b = w / (TQ * HQ);
+    const int h = hq / (HQ / KVH);
+    const int nt = ntok[b];
+    const int tq = t < nt ? t : nt - 1;
+    const int len = start[b] + tq + 1;
+    const int chunk = ((MAXB * BS + S - 1) / S + BS - 1) / BS * BS;
+    const int k0 = s * chunk;
+    const int k1 = min(len, k0 + chunk);
+    constexpr int E = HD / 32;
+    float qv[E];
+    float acc[E];
+    const size_t qbase = ((size_t)(b * HQ + hq) * TQ + t) * HD + lane * E;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        qv[e] = static_cast<float>(q[qbase + e]);
+        acc[e] = 0.f;
+    }
+    float m = -inf;
+    float l = 0.f;
+    const int* row_table = table + (size_t)b * MAXB;
+    constexpr int U = 4;
+    int i = k0;
+    for (; i + U <= k1; i += U) {
+        float dot[U];
+        size_t base[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int key = i + u;
+            const int blk = row_table[key / BS];
+            base[u] = (((size_t)blk * KVH + h) * BS + key % BS) * HD + lane * E;
+            float d = 0.f;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                d += qv[e] * static_cast<float>(k_pool[base[u] + e]);
+            }
+            dot[u] = d;
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+            }
+        }
+        float mn = m;
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            mn = fmaxf(mn, dot[u]);
+        }
+        const float c = __expf(m - mn);
+        l *= c;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            acc[e] *= c;
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const float p = __expf(dot[u] - mn);
+            l += p;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                acc[e] += p * static_cast<float>(v_pool[base[u] + e]);
+            }
+        }
+        m = mn;
+    }
+    for (; i < k1; ++i) {
+        const int blk = row_table[i / BS];
+        const size_t base = (((size_t)blk * KVH + h) * BS + i % BS) * HD + lane * E;
+        float d = 0.f;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            d += qv[e] * static_cast<float>(k_pool[base + e]);
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            d += __shfl_xor_sync(0xffffffffu, d, o);
+        }
+        const float mn = fmaxf(m, d);
+        const float c = __expf(m - mn);
+        const float p = __expf(d - mn);
+        l = l * c + p;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            acc[e] = acc[e] * c + p * static_cast<float>(v_pool[base + e]);
+        }
+        m = mn;
+    }
+    const size_t part = (size_t)w * S + s;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        o_part[part * HD + lane * E + e] = acc[e];
+    }
+    if (lane == 0) {
+        m_part[part] = m;
+        l_part[part] = l;
+    }
+"#;
+
+/// Warps one thread block runs (neighbouring query heads of one KV head).
+const WARPS_PER_BLOCK: i32 = 4;
+/// Aim for at least this many warps in flight (an H200 has 132 SMs).
+const TARGET_WARPS: usize = 4096;
+/// Fewest keys a context split should cover.
+const MIN_SPLIT_KEYS: usize = 128;
+/// Most splits of one row's context.
+const MAX_SPLITS: usize = 64;
+
+/// The compiled kernel; lives on the engine thread with the model.
+pub struct PagedAttention {
+    kernel: mlx_sys::mlx_fast_cuda_kernel,
+}
+
+impl Drop for PagedAttention {
+    fn drop(&mut self) {
+        // SAFETY: created by mlx_fast_cuda_kernel_new, freed once here.
+        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.kernel) };
+    }
+}
+
+fn strings(names: &[&str]) -> Result<mlx_sys::mlx_vector_string> {
+    // SAFETY: the vector is created here and returned to the caller, who frees
+    // it; every appended C string outlives its append (MLX copies it).
+    unsafe {
+        let v = mlx_sys::mlx_vector_string_new();
+        for n in names {
+            let c = CString::new(*n).map_err(|e| ModelError::Invalid(e.to_string()))?;
+            mlx_sys::mlx_vector_string_append_value(v, c.as_ptr());
+        }
+        Ok(v)
+    }
+}
+
+fn mlx_dtype(d: Dtype) -> mlx_sys::mlx_dtype {
+    match d {
+        Dtype::Float32 => mlx_sys::mlx_dtype__MLX_FLOAT32,
+        Dtype::Float16 => mlx_sys::mlx_dtype__MLX_FLOAT16,
+        _ => mlx_sys::mlx_dtype__MLX_BFLOAT16,
+    }
+}
+
+/// How many context splits a decode step of `warps` warps (rows x query
+/// heads x query positions) over at most `keys` keys per row should use.
+pub fn splits_for(warps: usize, keys: usize) -> usize {
+    let by_occupancy = TARGET_WARPS.div_ceil(warps.max(1));
+    let by_length = keys.div_ceil(MIN_SPLIT_KEYS).max(1);
+    by_occupancy.min(by_length).clamp(1, MAX_SPLITS)
+}
+
+impl PagedAttention {
+    /// Builds the kernel object (compilation happens at the first use).
+    pub fn new() -> Result<Self> {
+        let inputs = strings(&["q", "k_pool", "v_pool", "table", "start", "ntok"])?;
+        let outputs = strings(&["o_part", "m_part", "l_part"])?;
+        let name = CString::new("weft_paged_decode").expect("static name");
+        let source = CString::new(SOURCE).expect("static source");
+        let header = CString::new("").expect("static header");
+        // SAFETY: all arguments are live for the call; the vectors are freed
+        // after it (MLX copied them).
+        let kernel = unsafe {
+            let k = mlx_sys::mlx_fast_cuda_kernel_new(
+                name.as_ptr(),
+                inputs,
+                outputs,
+                source.as_ptr(),
+                header.as_ptr(),
+                true,
+                0,
+            );
+            mlx_sys::mlx_vector_string_free(inputs);
+            mlx_sys::mlx_vector_string_free(outputs);
+            k
+        };
+        if kernel.ctx.is_null() {
+            return Err(ModelError::Invalid(
+                "mlx_fast_cuda_kernel_new returned null".into(),
+            ));
+        }
+        Ok(Self { kernel })
+    }
+
+    /// Attention of `q` `[B, HQ, T, D]` (already scaled) over each row's
+    /// paged context. `k_pool`/`v_pool` are `[num_blocks, KVH, BS, D]`,
+    /// `table` `[B, max_blocks]` int32, `start` and `ntok` `[B]` int32 (the
+    /// row's length before the step and its tokens in the step; T >= every
+    /// `ntok`). `max_keys` bounds `start + ntok` over the batch (it sizes the
+    /// splits). Returns `[B, HQ, T, D]` in `q`'s dtype.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        &self,
+        q: &Array,
+        k_pool: &Array,
+        v_pool: &Array,
+        table: &Array,
+        start: &Array,
+        ntok: &Array,
+        max_keys: usize,
+    ) -> Result<Array> {
+        let qs = q.shape();
+        let ps = k_pool.shape();
+        if qs.len() != 4 || ps.len() != 4 || qs[3] != ps[3] || qs[3] % 32 != 0 || qs[3] > 256 {
+            return Err(ModelError::Invalid(format!(
+                "paged decode: q {qs:?} / pool {ps:?} (head_dim must match, be a multiple of 32, at most 256)"
+            )));
+        }
+        let (b, hq, t, d) = (qs[0], qs[1], qs[2], qs[3]);
+        let (kvh, bs) = (ps[1], ps[2]);
+        if hq % kvh != 0 {
+            return Err(ModelError::Invalid(format!(
+                "paged decode: {hq} query heads over {kvh} KV heads"
+            )));
+        }
+        let warps = (b * hq * t) as usize;
+        let s = splits_for(warps, max_keys) as i32;
+        let threads = 32 * WARPS_PER_BLOCK;
+        let grid_x = (warps.div_ceil(WARPS_PER_BLOCK as usize) as i32) * threads;
+        let o_shape = [b, hq, t, s, d];
+        let ml_shape = [b, hq, t, s];
+        let dtype = q.dtype();
+        let (hd_n, bs_n, kvh_n, dt_n) = (
+            CString::new("HD").expect("static"),
+            CString::new("BS").expect("static"),
+            CString::new("KVH").expect("static"),
+            CString::new("DT").expect("static"),
+        );
+        let ins = [q, k_pool, v_pool, table, start, ntok];
+        let ptrs: Vec<mlx_sys::mlx_array> = ins.iter().map(|a| a.as_ptr()).collect();
+        // SAFETY: every handle is live for the call; the config and vectors
+        // are freed before returning; outputs are taken over by `Array`s.
+        let outs = unsafe {
+            let cfg = mlx_sys::mlx_fast_cuda_kernel_config_new();
+            mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+                cfg,
+                o_shape.as_ptr(),
+                o_shape.len(),
+                mlx_sys::mlx_dtype__MLX_FLOAT32,
+            );
+            for _ in 0..2 {
+                mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+                    cfg,
+                    ml_shape.as_ptr(),
+                    ml_shape.len(),
+                    mlx_sys::mlx_dtype__MLX_FLOAT32,
+                );
+            }
+            mlx_sys::mlx_fast_cuda_kernel_config_set_grid(cfg, grid_x, s, 1);
+            mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(cfg, threads, 1, 1);
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg, hd_n.as_ptr(), d);
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg, bs_n.as_ptr(), bs);
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg, kvh_n.as_ptr(), kvh);
+            // Part of the compiled kernel's cache key: the source's pointer
+            // types follow the inputs' dtype.
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                cfg,
+                dt_n.as_ptr(),
+                mlx_dtype(dtype),
+            );
+            let inputs = mlx_sys::mlx_vector_array_new_data(ptrs.as_ptr(), ptrs.len());
+            let mut outputs = mlx_sys::mlx_vector_array_new();
+            let stream = mlx_rs::Stream::thread_local_or_default();
+            let rc = mlx_sys::mlx_fast_cuda_kernel_apply(
+                &mut outputs,
+                self.kernel,
+                inputs,
+                cfg,
+                stream.as_ptr(),
+            );
+            mlx_sys::mlx_vector_array_free(inputs);
+            mlx_sys::mlx_fast_cuda_kernel_config_free(cfg);
+            if rc != 0 {
+                mlx_sys::mlx_vector_array_free(outputs);
+                return Err(ModelError::Invalid(
+                    "mlx_fast_cuda_kernel_apply failed (paged decode attention)".into(),
+                ));
+            }
+            let n = mlx_sys::mlx_vector_array_size(outputs);
+            let mut v = Vec::with_capacity(n);
+            for i in 0..n {
+                let mut a = mlx_sys::mlx_array_new();
+                mlx_sys::mlx_vector_array_get(&mut a, outputs, i);
+                v.push(Array::from_ptr(a));
+            }
+            mlx_sys::mlx_vector_array_free(outputs);
+            v
+        };
+        let [o, m, l]: [Array; 3] = outs
+            .try_into()
+            .map_err(|_| ModelError::Invalid("paged decode: expected 3 outputs".into()))?;
+        combine(&o, &m, &l, s)?.as_dtype(dtype).map_err(Into::into)
+    }
+}
+
+/// Merges per-split partial softmax results: `o` `[B, HQ, T, S, D]` (sums of
+/// `p * v`), `m` and `l` `[B, HQ, T, S]` (running max and sum of `p`).
+fn combine(o: &Array, m: &Array, l: &Array, splits: i32) -> Result<Array> {
+    if splits == 1 {
+        let o = o.squeeze_axes(&[3])?;
+        let l = l.squeeze_axes(&[3])?.expand_dims_axes(&[-1])?;
+        return Ok(ops::divide(&o, &l)?);
+    }
+    let mx = m.max_axes(&[-1], true)?;
+    let w = ops::exp(&ops::subtract(m, &mx)?)?;
+    let denom = ops::multiply(&w, l)?.sum_axes(&[-1], false)?;
+    let num = ops::multiply(o, &w.expand_dims_axes(&[-1])?)?.sum_axes(&[3], false)?;
+    Ok(ops::divide(&num, &denom.expand_dims_axes(&[-1])?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_fill_the_gpu_but_not_past_the_context() {
+        // 256 rows x 32 heads already fill it.
+        assert_eq!(splits_for(256 * 32, 8192), 1);
+        // One row of 8K context: split, but each split keeps >= 128 keys.
+        assert_eq!(splits_for(32, 8192), 64);
+        assert_eq!(splits_for(32, 512), 4);
+        assert_eq!(splits_for(32, 1), 1);
+    }
+}
