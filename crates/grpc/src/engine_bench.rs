@@ -82,10 +82,22 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         decode_prefill_tokens: args.decode_prefill_tokens,
         speculate: args.speculate,
         speculate_step_tokens: args.speculate_step_tokens,
-        kv_total_blocks: (args.streams * (args.prompt_tokens + args.gen_tokens)).div_ceil(16) + 64,
         ..SchedulerConfig::default()
     };
-    let (engine, _tok, served) = runtime::start_engine(&dir, opts, config)?;
+    // Room for every stream's whole context (16-token blocks, each row's last
+    // one partial), as the peer's dense cache has.
+    let per_row = (args.prompt_tokens + args.gen_tokens).div_ceil(16) + 1;
+    let blocks = args.streams.max(1) * per_row + 64;
+    let (engine, _tok, served) = runtime::start_engine(
+        &dir,
+        opts,
+        config,
+        runtime::KvSpec {
+            block_size: 16,
+            memory: weft_models::KvMemory::Blocks(u32::try_from(blocks)?),
+            max_batch_rows: args.streams,
+        },
+    )?;
     let vocab = served.vocab_size as u32;
     // Distinct prompts: no prefix sharing between streams.
     let prompts: Vec<Vec<u32>> = (0..args.streams)

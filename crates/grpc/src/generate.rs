@@ -145,7 +145,18 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         speculate_step_tokens: crate::server::config::DEFAULT_SPECULATE_STEP_TOKENS,
         ..SchedulerConfig::default()
     };
-    let (engine, tokenizer, _served) = runtime::start_engine(&dir, opts, config)?;
+    let (engine, tokenizer, _served) = runtime::start_engine(
+        &dir,
+        opts,
+        config,
+        runtime::KvSpec {
+            block_size: weft_models::DEFAULT_BLOCK_SIZE,
+            // One request: its prompt and output, whatever their length, up
+            // to the CPU's default budget.
+            memory: weft_models::KvMemory::Bytes(crate::server::config::DEFAULT_CPU_KV_BYTES),
+            max_batch_rows: 1,
+        },
+    )?;
     let text = if args.chat {
         tokenizer.apply_chat_template(
             &[ChatMessage {

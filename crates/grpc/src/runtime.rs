@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use weft_models::{BatchRunner, LoadOptions, RowStep, Tokenizer};
+use weft_models::{BatchRunner, KvMemory, LoadOptions, RowBlocks, RowStep, StorageOp, Tokenizer};
 use weft_scheduler::{
     Detokenizer, Engine, Logits, Model, ModelError, ModelInfo, RowId, RowInput, SchedulerConfig,
 };
@@ -13,6 +13,8 @@ use weft_scheduler::{
 pub struct MlxModel {
     runner: BatchRunner,
     info: ModelInfo,
+    /// The step's rows in the runner's form, reused across steps.
+    steps: Vec<RowStep>,
 }
 
 impl MlxModel {
@@ -22,9 +24,24 @@ impl MlxModel {
             vocab_size: c.vocab_size as usize,
             max_context: c.max_position_embeddings as usize,
             eos_token_ids,
+            kv: runner.kv_groups().clone(),
         };
-        Self { runner, info }
+        Self {
+            runner,
+            info,
+            steps: Vec::new(),
+        }
     }
+}
+
+/// How the KV pool is sized and what its startup log reports.
+#[derive(Debug, Clone, Copy)]
+pub struct KvSpec {
+    pub block_size: u32,
+    pub memory: KvMemory,
+    /// Rows a step may hold: the log says how much context each gets when
+    /// that many share the pool.
+    pub max_batch_rows: usize,
 }
 
 fn failed(e: weft_models::ModelError) -> ModelError {
@@ -39,18 +56,23 @@ impl Model for MlxModel {
         self.info.clone()
     }
 
-    fn forward(&mut self, batch: &[RowInput]) -> Result<Logits, ModelError> {
-        let steps: Vec<RowStep> = batch
-            .iter()
-            .map(|r| RowStep {
-                row: r.row,
-                tokens: r.tokens.clone(),
-                start_pos: r.start_pos,
-                want_logits: r.want_logits,
-                draft: r.draft,
-            })
-            .collect();
-        let out = self.runner.forward(&steps).map_err(failed)?;
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Logits, ModelError> {
+        let steps = &mut self.steps;
+        if steps.len() < batch.len() {
+            steps.resize_with(batch.len(), RowStep::default);
+        }
+        for (s, r) in steps.iter_mut().zip(batch) {
+            s.row = r.row;
+            s.tokens.clone_from(&r.tokens);
+            s.start_pos = r.start_pos;
+            s.want_logits = r.want_logits;
+            s.draft = r.draft;
+            s.blocks.clone_from(&r.blocks);
+        }
+        let out = self
+            .runner
+            .forward(ops, &steps[..batch.len()])
+            .map_err(failed)?;
         Ok(Logits {
             data: out.data,
             rows: out.rows,
@@ -66,33 +88,13 @@ impl Model for MlxModel {
         true
     }
 
-    fn keep(&mut self, row: RowId, tokens: usize) -> Result<(), ModelError> {
-        self.runner.keep(row, tokens).map_err(failed)
-    }
-
     fn rollback(&mut self) {
         self.runner.rollback();
     }
 
-    fn prefix_len(&self, tenant: &str, tokens: &[u32]) -> usize {
-        self.runner.prefix_len(tenant, tokens)
-    }
-
-    fn attach_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) -> usize {
-        self.runner.attach_prefix(row, tenant, tokens)
-    }
-
-    fn offer_prefix(&mut self, row: RowId, tenant: &str, tokens: &[u32]) {
-        if let Err(e) = self.runner.offer_prefix(row, tenant, tokens) {
-            tracing::warn!(row, error = %e, "prefix not cached");
-        }
-    }
-
-    fn release_row(&mut self, row: RowId) {
-        if let Err(e) = self.runner.release(row) {
-            tracing::error!(row, error = %e, "releasing a row's cache failed");
-        }
-    }
+    /// Attention rows keep nothing beyond their KV blocks, which the
+    /// scheduler's pool releases.
+    fn release_row(&mut self, _row: RowId) {}
 }
 
 /// The tokenizer as the scheduler's detokenizer.
@@ -140,6 +142,7 @@ pub fn start_engine(
     dir: &Path,
     opts: LoadOptions,
     config: SchedulerConfig,
+    kv: KvSpec,
 ) -> anyhow::Result<(Engine, Arc<Tokenizer>, ServedModel)> {
     let tokenizer = Arc::new(Tokenizer::load(dir)?);
     let model_config = weft_models::ModelConfig::load(dir)?;
@@ -177,8 +180,10 @@ pub fn start_engine(
         config,
         move || -> anyhow::Result<MlxModel> {
             let loaded = weft_models::load(&dir_owned, opts)?;
-            let mut runner = BatchRunner::new(loaded.model);
+            let context = loaded.model.config.max_position_embeddings as u64;
+            let mut runner = BatchRunner::with_memory(loaded.model, kv.block_size, kv.memory)?;
             runner.set_lanes(opts.lanes());
+            log_kv(&runner, kv.max_batch_rows, context);
             warm_up(&mut runner)?;
             Ok(MlxModel::new(runner, eos))
         },
@@ -187,28 +192,51 @@ pub fn start_engine(
     Ok((engine, tokenizer, served))
 }
 
-/// One throwaway prefill and decode so the first request does not pay for
+/// The startup line operators size a deployment by: blocks, bytes, block
+/// size and what that holds in rows x context.
+fn log_kv(runner: &BatchRunner, max_rows: usize, context: u64) {
+    let g = runner.kv_groups();
+    let blocks = g.groups.iter().map(|s| u64::from(s.num_blocks)).min().unwrap_or(0);
+    let tokens = blocks * u64::from(g.block_size);
+    let rows = max_rows.max(1) as u64;
+    tracing::info!(
+        kv_blocks = blocks,
+        kv_block_size = g.block_size,
+        kv_bytes = runner.kv().bytes(),
+        kv_bytes_per_token = runner.kv().shape().bytes_per_token(),
+        kv_tokens = tokens,
+        paged_decode_kernel = runner.kv().uses_kernel(),
+        "KV pool: {tokens} tokens = {rows} rows x {} tokens each, or {} rows at the model's full context of {context}",
+        tokens / rows,
+        tokens / context.max(1),
+    );
+}
+
+/// One throwaway prefill and decode (blocks from a private pool over the
+/// same storage, given back after) so the first request does not pay for
 /// MLX's first-use setup.
 fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
-    let row = u64::MAX;
-    let steps = [RowStep {
-        row,
-        tokens: vec![1, 2, 3, 4],
-        start_pos: 0,
-        want_logits: true,
-        draft: 0,
-    }];
-    runner.forward(&steps)?;
-    runner.commit()?;
-    let steps = [RowStep {
-        row,
-        tokens: vec![5],
-        start_pos: 4,
-        want_logits: true,
-        draft: 0,
-    }];
-    runner.forward(&steps)?;
-    runner.commit()?;
-    runner.release(row)?;
+    use weft_scheduler::kv_pool::{KvPool, OwnerId, SeqSpec};
+    let mut pool = KvPool::new(runner.kv_groups().clone())?;
+    let seq = pool.allocate(SeqSpec::new(OwnerId(0)))?;
+    let mut start = 0;
+    for tokens in [vec![1u32, 2, 3, 4], vec![5]] {
+        pool.begin()?;
+        pool.append(seq, tokens.len())?;
+        let mut b = RowBlocks::default();
+        b.copy_from(&pool.table(seq, 0)?);
+        let steps = [RowStep {
+            row: u64::MAX,
+            start_pos: start,
+            want_logits: true,
+            draft: 0,
+            blocks: vec![b],
+            tokens,
+        }];
+        runner.forward(pool.step_ops(), &steps)?;
+        runner.commit()?;
+        pool.commit()?;
+        start += steps[0].tokens.len();
+    }
     Ok(())
 }

@@ -110,15 +110,16 @@ pub struct ServeArgs {
     /// [default: 8].
     #[arg(long, env = "WEFT_SPECULATE_STEP_TOKENS", value_name = "TOKENS")]
     pub speculate_step_tokens: Option<usize>,
-    /// KV cache size in blocks [default: from --kv-memory, else 4096].
+    /// KV cache size in blocks (instead of --kv-memory).
     #[arg(long, env = "WEFT_KV_BLOCKS", conflicts_with = "kv_memory")]
     pub kv_blocks: Option<usize>,
-    /// Tokens per KV block [default: 16].
+    /// Tokens per KV block, a power of two [default: 16].
     #[arg(long, env = "WEFT_KV_BLOCK_SIZE")]
     pub kv_block_size: Option<usize>,
-    /// KV cache memory budget, e.g. 2GiB or 512MiB; sets --kv-blocks from the
-    /// model's per-token KV size at the compute dtype.
-    #[arg(long, env = "WEFT_KV_MEMORY", value_name = "BYTES")]
+    /// Memory the paged KV pool takes, allocated at startup: a size (2GiB,
+    /// 512MiB) or a fraction of the device memory still free once the weights
+    /// are loaded (0.9 or 90%) [default: 0.9 on a GPU, 1GiB on the CPU].
+    #[arg(long, env = "WEFT_KV_MEMORY", value_name = "BYTES|FRACTION")]
     pub kv_memory: Option<String>,
     /// max_tokens of requests that leave it 0 [default: 256].
     #[arg(long, env = "WEFT_DEFAULT_MAX_TOKENS")]
@@ -165,6 +166,36 @@ struct FileConfig {
 pub enum KvSize {
     Blocks(usize),
     Bytes(u64),
+    /// A fraction of the device memory free after the weights load.
+    Fraction(f64),
+    /// The device's default: [`DEFAULT_GPU_KV_FRACTION`] on a GPU,
+    /// [`DEFAULT_CPU_KV_BYTES`] on the CPU.
+    Auto,
+}
+
+/// Share of the free device memory the KV pool takes on a GPU by default
+/// (vLLM's gpu-memory-utilization plays the same role).
+pub const DEFAULT_GPU_KV_FRACTION: f64 = 0.9;
+/// KV pool of the CPU by default: 1 GiB.
+pub const DEFAULT_CPU_KV_BYTES: u64 = 1 << 30;
+
+/// `--kv-memory`: a byte size, or a fraction written as 0.9 or 90%.
+pub fn parse_kv_memory(s: &str) -> anyhow::Result<KvSize> {
+    let t = s.trim();
+    let frac = if let Some(p) = t.strip_suffix('%') {
+        Some(p.trim().parse::<f64>().map(|v| v / 100.0))
+    } else if t.contains('.') && t.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        Some(t.parse::<f64>())
+    } else {
+        None
+    };
+    match frac {
+        Some(Ok(f)) if f > 0.0 && f < 1.0 => Ok(KvSize::Fraction(f)),
+        Some(_) => bail!(
+            "--kv-memory {s:?}: a fraction must be between 0 and 1 (exclusive), e.g. 0.9 or 90%"
+        ),
+        None => Ok(KvSize::Bytes(parse_bytes(t)?)),
+    }
 }
 
 /// Resolved settings.
@@ -227,12 +258,12 @@ impl Settings {
             .unwrap_or(2048 + max_batch_rows);
         let kv_size = match (args.kv_blocks, &args.kv_memory) {
             (Some(b), _) => KvSize::Blocks(b),
-            (None, Some(m)) => KvSize::Bytes(parse_bytes(m)?),
+            (None, Some(m)) => parse_kv_memory(m)?,
             (None, None) => match (file.kv_blocks, &file.kv_memory) {
                 (Some(_), Some(_)) => bail!("config: give kv_blocks or kv_memory, not both"),
                 (Some(b), None) => KvSize::Blocks(b),
-                (None, Some(m)) => KvSize::Bytes(parse_bytes(m)?),
-                (None, None) => KvSize::Blocks(4096),
+                (None, Some(m)) => parse_kv_memory(m)?,
+                (None, None) => KvSize::Auto,
             },
         };
         let drain = args
@@ -328,6 +359,12 @@ impl Settings {
         if let KvSize::Blocks(0) | KvSize::Bytes(0) = self.kv_size {
             bail!("the KV cache must be larger than 0 (--kv-blocks / --kv-memory)");
         }
+        if !self.kv_block_size.is_power_of_two() || self.kv_block_size > 1024 {
+            bail!(
+                "--kv-block-size {} must be a power of two up to 1024 (16 or 32 in practice)",
+                self.kv_block_size
+            );
+        }
         self.compute.load_options()?;
         Ok(())
     }
@@ -346,18 +383,23 @@ impl Settings {
         Ok(())
     }
 
-    /// KV blocks for a model whose one token of KV takes `bytes_per_token`.
-    pub fn kv_blocks(&self, bytes_per_token: u64) -> usize {
-        match self.kv_size {
-            KvSize::Blocks(b) => b,
-            KvSize::Bytes(n) => {
-                let per_block = bytes_per_token.max(1) * self.kv_block_size as u64;
-                usize::try_from(n / per_block).unwrap_or(usize::MAX).max(1)
-            }
-        }
+    /// The KV pool's memory on `device`.
+    pub fn kv_memory(&self, device: weft_models::Device) -> anyhow::Result<weft_models::KvMemory> {
+        use weft_models::KvMemory;
+        Ok(match self.kv_size {
+            KvSize::Blocks(b) => KvMemory::Blocks(
+                u32::try_from(b).map_err(|_| anyhow::anyhow!("--kv-blocks {b} is too large"))?,
+            ),
+            KvSize::Bytes(n) => KvMemory::Bytes(n),
+            KvSize::Fraction(f) => KvMemory::FreeFraction(f),
+            KvSize::Auto => match device {
+                weft_models::Device::Gpu => KvMemory::FreeFraction(DEFAULT_GPU_KV_FRACTION),
+                weft_models::Device::Cpu => KvMemory::Bytes(DEFAULT_CPU_KV_BYTES),
+            },
+        })
     }
 
-    pub fn scheduler_config(&self, kv_blocks: usize) -> SchedulerConfig {
+    pub fn scheduler_config(&self) -> SchedulerConfig {
         SchedulerConfig {
             max_batch_rows: self.max_batch_rows,
             max_step_tokens: self.max_step_tokens,
@@ -366,8 +408,6 @@ impl Settings {
             speculate: self.speculate,
             speculate_step_tokens: self.speculate_step_tokens,
             max_waiting: self.max_waiting,
-            kv_block_size: self.kv_block_size,
-            kv_total_blocks: kv_blocks,
             coalesce_gap: self.coalesce,
             coalesce_max: self.coalesce * 5,
             ..SchedulerConfig::default()
@@ -435,7 +475,16 @@ mod tests {
         );
         assert_eq!(s.model, "");
         assert_eq!(s.drain_timeout, DEFAULT_DRAIN_TIMEOUT);
-        assert_eq!(s.kv_size, KvSize::Blocks(4096));
+        assert_eq!(s.kv_size, KvSize::Auto);
+        use weft_models::{Device, KvMemory};
+        assert_eq!(
+            s.kv_memory(Device::Gpu).unwrap(),
+            KvMemory::FreeFraction(DEFAULT_GPU_KV_FRACTION)
+        );
+        assert_eq!(
+            s.kv_memory(Device::Cpu).unwrap(),
+            KvMemory::Bytes(DEFAULT_CPU_KV_BYTES)
+        );
         assert!(s.check_exposure().is_ok());
         let cpu = weft_models::Device::detect() == weft_models::Device::Cpu;
         assert_eq!(
@@ -444,19 +493,19 @@ mod tests {
         );
         let s = Settings::resolve(args("--decode-prefill-tokens 2000")).unwrap();
         assert_eq!(s.decode_prefill_tokens, Some(2000));
-        assert_eq!(s.scheduler_config(64).decode_prefill_tokens, Some(2000));
+        assert_eq!(s.scheduler_config().decode_prefill_tokens, Some(2000));
     }
 
     #[test]
     fn speculation_defaults_flags_and_file() {
-        let c = Settings::resolve(args("")).unwrap().scheduler_config(64);
+        let c = Settings::resolve(args("")).unwrap().scheduler_config();
         assert_eq!(
             (c.speculate, c.speculate_step_tokens),
             (DEFAULT_SPECULATE, DEFAULT_SPECULATE_STEP_TOKENS)
         );
         let c = Settings::resolve(args("--speculate 0 --speculate-step-tokens 32"))
             .unwrap()
-            .scheduler_config(64);
+            .scheduler_config();
         assert_eq!((c.speculate, c.speculate_step_tokens), (0, 32));
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("weft.toml");
@@ -529,9 +578,24 @@ mod tests {
     fn units() {
         assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
         assert_eq!(parse_bytes("1.5G").unwrap(), 1_500_000_000);
-        let mut s = Settings::resolve(args("--kv-memory 1MiB --kv-block-size 16")).unwrap();
-        assert_eq!(s.kv_blocks(1024), 64);
-        s.kv_size = KvSize::Blocks(7);
-        assert_eq!(s.kv_blocks(1024), 7);
+        let s = Settings::resolve(args("--kv-memory 1MiB --kv-block-size 16")).unwrap();
+        assert_eq!(s.kv_size, KvSize::Bytes(1 << 20));
+        for (text, f) in [("0.9", 0.9), ("85%", 0.85), (" 50 % ", 0.5)] {
+            assert_eq!(parse_kv_memory(text).unwrap(), KvSize::Fraction(f), "{text}");
+        }
+        for bad in ["1.5", "0.0", "100%", "0%", "-3%", "lots"] {
+            assert!(parse_kv_memory(bad).is_err(), "{bad}");
+        }
+        let s = Settings::resolve(args("--kv-memory 80%")).unwrap();
+        assert_eq!(
+            s.kv_memory(weft_models::Device::Cpu).unwrap(),
+            weft_models::KvMemory::FreeFraction(0.8)
+        );
+        assert!(Settings::resolve(args("--kv-block-size 24")).is_err());
+        let s = Settings::resolve(args("--kv-blocks 7")).unwrap();
+        assert_eq!(
+            s.kv_memory(weft_models::Device::Cpu).unwrap(),
+            weft_models::KvMemory::Blocks(7)
+        );
     }
 }

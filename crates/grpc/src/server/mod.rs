@@ -271,18 +271,8 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
 fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result<(Engine, Ready)> {
     let dir = crate::runtime::resolve_model(&s.model, true)?;
     let opts = s.compute.load_options()?;
-    let cfg = weft_models::ModelConfig::load(&dir)?;
-    let dtype_bytes: u64 = match opts.policy().dtype {
-        mlx_rs::Dtype::Float32 => 4,
-        _ => 2,
-    };
-    let bytes_per_token = 2
-        * cfg.num_layers.max(1) as u64
-        * cfg.num_kv_heads.max(1) as u64
-        * cfg.head_dim.max(1) as u64
-        * dtype_bytes;
-    let blocks = s.kv_blocks(bytes_per_token);
-    let mut sc = s.scheduler_config(blocks);
+    let kv_memory = s.kv_memory(weft_models::Device::detect())?;
+    let mut sc = s.scheduler_config();
     if let Ok(spec) = std::env::var(FAULT_ENV) {
         sc.faults = parse_faults(&spec)?;
         warn!(spec = %spec, "{FAULT_ENV} is set: injecting engine step failures (testing only)");
@@ -299,15 +289,22 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
     }
     info!(
         dir = %dir.display(),
-        kv_blocks = blocks,
+        kv_memory = ?kv_memory,
         kv_block_size = s.kv_block_size,
-        kv_tokens = blocks * s.kv_block_size,
-        kv_bytes = (blocks * s.kv_block_size) as u64 * bytes_per_token,
         max_batch_rows = s.max_batch_rows,
         blas = crate::blas::active().as_deref().unwrap_or("none"),
         "loading the model"
     );
-    let (engine, tokenizer, model) = crate::runtime::start_engine(&dir, opts, sc)?;
+    let (engine, tokenizer, model) = crate::runtime::start_engine(
+        &dir,
+        opts,
+        sc,
+        crate::runtime::KvSpec {
+            block_size: s.kv_block_size as u32,
+            memory: kv_memory,
+            max_batch_rows: s.max_batch_rows,
+        },
+    )?;
     let ready = Ready {
         engine: engine.handle(),
         tokenizer,
