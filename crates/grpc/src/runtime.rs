@@ -196,7 +196,12 @@ pub fn start_engine(
 /// size and what that holds in rows x context.
 fn log_kv(runner: &BatchRunner, max_rows: usize, context: u64) {
     let g = runner.kv_groups();
-    let blocks = g.groups.iter().map(|s| u64::from(s.num_blocks)).min().unwrap_or(0);
+    let blocks = g
+        .groups
+        .iter()
+        .map(|s| u64::from(s.num_blocks))
+        .min()
+        .unwrap_or(0);
     let tokens = blocks * u64::from(g.block_size);
     let rows = max_rows.max(1) as u64;
     tracing::info!(

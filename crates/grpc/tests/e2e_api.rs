@@ -680,6 +680,7 @@ async fn metrics_families() {
         "weft_requests_waiting",
         "weft_kv_blocks_used",
         "weft_kv_blocks_free",
+        "weft_kv_blocks_cached",
         "weft_kv_usage_ratio",
         "weft_requests_finished_total",
         "weft_serving",
@@ -725,8 +726,12 @@ async fn metrics_families() {
     assert!(ttft_count >= 1.0 && ttft_sum > 0.0 && ttft_sum / ttft_count < 60.0);
     assert_eq!(metric(&text, "weft_serving", &[]), Some(1.0));
     let total = metric(&text, "weft_kv_blocks_used", &[]).unwrap()
-        + metric(&text, "weft_kv_blocks_free", &[]).unwrap();
-    assert_eq!(total, 4096.0);
+        + metric(&text, "weft_kv_blocks_free", &[]).unwrap()
+        + metric(&text, "weft_kv_blocks_cached", &[]).unwrap();
+    // The CPU's default pool: 1 GiB of 16-token blocks of the default model's
+    // f32 K/V (30 layers x 3 KV heads x 64 dims x K and V x 4 bytes a token).
+    let per_block = 30 * 3 * 64 * 2 * 4 * 16;
+    assert_eq!(total, ((1u64 << 30) / per_block) as f64);
     // Other paths are 404.
     let r = reqwest::get(format!("http://{}/nope", s.metrics_addr))
         .await

@@ -1441,7 +1441,9 @@ impl KvPool {
                     self.state_mut(index).tokens.truncate(old_len);
                 }
                 SeqUndo::TablePop { index, group, old } => {
-                    self.state_mut(index).tables[group as usize].blocks.push(old);
+                    self.state_mut(index).tables[group as usize]
+                        .blocks
+                        .push(old);
                 }
                 SeqUndo::TokensTruncated { index, removed } => {
                     self.state_mut(index).tokens.extend(removed);

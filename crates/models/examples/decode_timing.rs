@@ -23,7 +23,8 @@ fn env_num(name: &str, default: usize) -> usize {
 fn plan(pool: &mut KvPool, seqs: &[SeqId], steps: &mut [RowStep]) -> Vec<weft_models::StorageOp> {
     pool.begin().expect("begin");
     for (s, &q) in steps.iter_mut().zip(seqs) {
-        pool.append_tokens(q, &s.tokens).expect("KV pool large enough");
+        pool.append_tokens(q, &s.tokens)
+            .expect("KV pool large enough");
         let mut b = RowBlocks::default();
         b.copy_from(&pool.table(q, 0).expect("live"));
         s.blocks = vec![b];
@@ -33,7 +34,10 @@ fn plan(pool: &mut KvPool, seqs: &[SeqId], steps: &mut [RowStep]) -> Vec<weft_mo
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let dir = std::path::PathBuf::from(args.get(1).ok_or("usage: decode_timing <model dir> [batch] [prompt] [steps]")?);
+    let dir = std::path::PathBuf::from(
+        args.get(1)
+            .ok_or("usage: decode_timing <model dir> [batch] [prompt] [steps]")?,
+    );
     let b: usize = args.get(2).map_or(Ok(32), |s| s.parse())?;
     let p: usize = args.get(3).map_or(Ok(64), |s| s.parse())?;
     let steps: usize = args.get(4).map_or(Ok(10), |s| s.parse())?;
@@ -50,7 +54,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?
     .model;
     let per_row = (p + 8 + (steps + 1) * dt).div_ceil(16) + 1;
-    let mut runner = BatchRunner::with_memory(m, 16, KvMemory::Blocks((b * per_row + 16) as u32))?;
+    // POOL_BLOCKS: a larger pool than the rows need (a step's cost must not grow with it).
+    let blocks = env_num("POOL_BLOCKS", b * per_row + 16);
+    let mut runner = BatchRunner::with_memory(m, 16, KvMemory::Blocks(blocks as u32))?;
     if std::env::var_os("TWO_LANES").is_some() {
         runner.set_lanes(Lanes::cpu(2));
     }
@@ -125,7 +131,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     times.sort_by(|a, b| a.total_cmp(b));
     println!(
         "decode B={b}{}: median {:.2} ms/step, p90 {:.2} ms ({:.1} tok/s over {n} steps)",
-        if leave > 0 { format!(" (-{leave} rows/step)") } else { String::new() },
+        if leave > 0 {
+            format!(" (-{leave} rows/step)")
+        } else {
+            String::new()
+        },
         times[n / 2],
         times[(n * 9 / 10).min(n - 1)],
         rows_done as f64 * dt as f64 * 1e3 / times.iter().sum::<f64>()

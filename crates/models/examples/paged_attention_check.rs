@@ -122,7 +122,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let g = run_gather()?.as_dtype(Dtype::Float32)?;
             let diff = ops::abs(&ops::subtract(&a, &g)?)?.max(None)?;
             diff.eval()?;
-            let diff = diff.item::<f32>();
+            let diff = diff.item_cast::<f32>();
             let time = |f: &dyn Fn() -> Result<Array, Box<dyn std::error::Error>>| -> Result<f64, Box<dyn std::error::Error>> {
                 for _ in 0..3 {
                     f()?.eval()?;
@@ -142,7 +142,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 tg / tk
             );
             if !diff.is_finite() || diff > 2e-2 {
-                return Err(format!("kernel differs from gather+SDPA by {diff} at {b} rows x {ctx}").into());
+                return Err(format!(
+                    "kernel differs from gather+SDPA by {diff} at {b} rows x {ctx}"
+                )
+                .into());
             }
         }
     }

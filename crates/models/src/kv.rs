@@ -128,8 +128,8 @@ impl PagedKv {
                 (free_device_memory()? as f64 * f) as u64 / per_block.max(1)
             }
         };
-        // The flat slot count must fit MLX's i32 shapes.
-        let max_blocks = (i32::MAX as u64) / u64::from(block_size.max(1));
+        // The flat slot count, null block included, must fit MLX's i32 shapes.
+        let max_blocks = (i32::MAX as u64) / u64::from(block_size.max(1)) - 1;
         let blocks = blocks.min(max_blocks) as u32;
         if blocks < 2 {
             return Err(ModelError::Invalid(format!(
@@ -138,10 +138,12 @@ impl PagedKv {
             )));
         }
         let groups = KvGroups::new(block_size).group(GroupSpec::new(AttentionKind::Full, blocks));
+        // One block more than the pool hands out: the null block, which
+        // padding rows of a bucketed step write and read (never a real row's).
         let cfg = KvStorageConfig::dense(
             0,
             shape.layers,
-            blocks,
+            blocks + 1,
             block_size,
             shape.kv_heads,
             shape.head_dim,
@@ -179,6 +181,12 @@ impl PagedKv {
             .iter()
             .map(|s| s.borrow().config().bytes_per_layer() * s.borrow().config().layers as u64)
             .sum()
+    }
+
+    /// The reserved block padding rows point at: the storage's last, which
+    /// the pool (sized by [`groups`](Self::groups)) never hands out.
+    pub fn null_block(&self) -> u32 {
+        self.groups.groups.first().map_or(0, |g| g.num_blocks)
     }
 
     /// Whether decode attention runs the paged GPU kernel.
@@ -358,15 +366,7 @@ impl KvStep<'_> {
                     .as_ref()
                     .ok_or_else(|| ModelError::Invalid("paged kernel missing".into()))?;
                 let qs = ops::multiply(q, Array::from_f32(scale).as_dtype(q.dtype())?)?;
-                kernel.decode(
-                    &qs,
-                    kp,
-                    vp,
-                    &ki.table,
-                    &ki.start,
-                    &ki.ntok,
-                    ki.max_keys,
-                )
+                kernel.decode(&qs, kp, vp, &ki.table, &ki.start, &ki.ntok, ki.max_keys)
             }
             Mode::Fresh => {
                 drop(storage);

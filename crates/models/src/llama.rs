@@ -5,10 +5,10 @@ use std::future::Future;
 use mlx_rs::fast;
 use mlx_rs::{ops, Array, Dtype};
 
-use crate::kv::{self, KvShape, KvStep};
 use crate::config::{Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
 use crate::error::{ModelError, Result};
+use crate::kv::{self, KvShape, KvStep};
 use crate::linear::{Linear, WeightPolicy};
 use crate::weights::Weights;
 

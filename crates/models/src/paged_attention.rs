@@ -57,7 +57,7 @@ const SOURCE: &str = r#"
         qv[e] = static_cast<float>(q[qbase + e]);
         acc[e] = 0.f;
     }
-    float m = -inf;
+    float m = __int_as_float(0xff800000);
     float l = 0.f;
     const int* row_table = table + (size_t)b * MAXB;
     constexpr int U = 4;

@@ -16,8 +16,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::{ops, Array, Dtype};
+use mlx_rs::{Array, Dtype};
 use weft_kv_pool::{KvGroups, RowBlocks, StorageOp};
 
 use crate::error::{ModelError, Result};
@@ -209,9 +208,33 @@ impl BatchRunner {
             let tokens = right_padded(&g);
             jobs.push((g, lane, tokens, false));
         }
+        // On the GPU a decode batch is padded to a bucket of sizes with rows
+        // that read and write only the null block: a batch that shrinks or
+        // grows by a row then reuses the shapes (and the matmul plans MLX's
+        // CUDA backend builds per shape) of the steps before it.
+        let padding: Vec<RowStep> = if self.kv.uses_kernel() && !decode.is_empty() {
+            let null = RowBlocks {
+                offset: 0,
+                blocks: vec![self.kv.null_block()],
+            };
+            (decode.len()..decode_bucket(decode.len()))
+                .map(|_| RowStep {
+                    row: RowId::MAX,
+                    tokens: vec![0],
+                    start_pos: 0,
+                    want_logits: false,
+                    draft: 0,
+                    blocks: vec![null.clone(); groups_needed],
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         if !decode.is_empty() {
-            let tokens = right_padded(&decode);
-            jobs.push((decode, plan.decode_lane, tokens, true));
+            let mut rows = decode;
+            rows.extend(padding.iter());
+            let tokens = right_padded(&rows);
+            jobs.push((rows, plan.decode_lane, tokens, true));
         }
         let kv = &self.kv;
         let mut steps_kv: Vec<KvStep<'_>> = jobs
@@ -237,10 +260,14 @@ impl BatchRunner {
             // forwards of one step run one after the other, each evaluated.
             for ((_, lane, tokens, dec), kvs) in jobs.iter().zip(steps_kv.iter_mut()) {
                 let last_only = !*dec || tokens.dim(1) == 1;
-                let mut one =
-                    self.model
-                        .forward_interleaved(vec![(*lane, tokens, kvs, last_only)], &self.lanes, hook)?;
-                let o = one.pop().ok_or_else(|| ModelError::Invalid("a forward returned no logits".into()))?;
+                let mut one = self.model.forward_interleaved(
+                    vec![(*lane, tokens, kvs, last_only)],
+                    &self.lanes,
+                    hook,
+                )?;
+                let o = one
+                    .pop()
+                    .ok_or_else(|| ModelError::Invalid("a forward returned no logits".into()))?;
                 let mut pending = kv.arrays();
                 pending.push(o.clone());
                 mlx_rs::transforms::eval(pending.iter())?;
@@ -250,7 +277,9 @@ impl BatchRunner {
             let batch: Vec<(usize, &Array, &mut KvStep<'_>, bool)> = jobs
                 .iter()
                 .zip(steps_kv.iter_mut())
-                .map(|((_, lane, tokens, dec), kvs)| (*lane, tokens, kvs, !*dec || tokens.dim(1) == 1))
+                .map(|((_, lane, tokens, dec), kvs)| {
+                    (*lane, tokens, kvs, !*dec || tokens.dim(1) == 1)
+                })
                 .collect();
             outs = self.model.forward_interleaved(batch, &self.lanes, hook)?;
         }
@@ -258,51 +287,51 @@ impl BatchRunner {
         if outs.len() != jobs.len() {
             return Err(ModelError::Invalid("a forward returned no logits".into()));
         }
-        let mut outputs: HashMap<RowId, Array> = HashMap::new();
-        for ((rows, _, _, dec), l) in jobs.iter().zip(&outs) {
-            for (i, s) in rows.iter().enumerate() {
-                if !s.want_logits {
-                    continue;
-                }
-                let a = if *dec && l.dim(1) > 1 {
-                    l.try_index((i as i32, 0..1 + s.draft as i32, ..))?
-                } else {
-                    l.try_index((i as i32, 0, ..))?
-                };
-                outputs.insert(s.row, a);
-            }
-        }
-        let rows: Vec<RowId> = steps
-            .iter()
-            .filter(|s| s.want_logits)
-            .map(|s| s.row)
-            .collect();
         let vocab = self.model.config.vocab_size as usize;
-        if rows.is_empty() {
-            mlx_rs::transforms::eval(kv.arrays().iter())?;
-            return Ok(StepLogits {
-                rows,
-                counts: vec![],
-                vocab,
-                data: vec![],
-            });
+        // Each forward's logits come to the host whole, as `[rows x T', V]`
+        // f32 (one array per forward, its shape fixed by the bucket), and the
+        // wanted positions are picked out here: per-row slices would be one
+        // MLX op per row and a concatenation of a different shape every step.
+        let mut host = Vec::with_capacity(outs.len());
+        for l in &outs {
+            host.push(l.reshape(&[-1, vocab as i32])?.as_dtype(Dtype::Float32)?);
         }
-        let parts: Vec<Array> = rows
-            .iter()
-            .map(|r| {
-                let a = outputs
-                    .remove(r)
-                    .ok_or_else(|| ModelError::Invalid("missing logits".into()))?;
-                Ok(a.reshape(&[-1, vocab as i32])?)
-            })
-            .collect::<Result<_>>()?;
-        let counts = parts.iter().map(|a| a.dim(0) as usize).collect();
-        let all = ops::concatenate(&parts, 0)?.as_dtype(Dtype::Float32)?;
         let mut pending = kv.arrays();
-        pending.push(all.clone());
+        pending.extend(host.iter().cloned());
         mlx_rs::transforms::eval(pending.iter())?;
         drop(pending);
-        let data = all.as_slice::<f32>().to_vec();
+        // Where each wanted row's first position sits: (forward, first row of
+        // the flat [rows x T', V] array).
+        let mut at: HashMap<RowId, (usize, usize)> = HashMap::new();
+        for (j, ((rows, _, _, _), l)) in jobs.iter().zip(&outs).enumerate() {
+            let per_row = l.dim(1) as usize;
+            for (i, s) in rows.iter().enumerate() {
+                if s.want_logits {
+                    at.insert(s.row, (j, i * per_row));
+                }
+            }
+        }
+        let mut rows = Vec::new();
+        let mut counts = Vec::new();
+        let wanted: usize = steps
+            .iter()
+            .filter(|s| s.want_logits)
+            .map(|s| if s.decodes() { 1 + s.draft } else { 1 })
+            .sum();
+        let mut data = Vec::with_capacity(wanted * vocab);
+        let flats: Vec<&[f32]> = host.iter().map(|h| h.as_slice::<f32>()).collect();
+        for s in steps.iter().filter(|s| s.want_logits) {
+            let &(j, first) = at
+                .get(&s.row)
+                .ok_or_else(|| ModelError::Invalid("missing logits".into()))?;
+            let n = if s.decodes() { 1 + s.draft } else { 1 };
+            let part = flats[j]
+                .get(first * vocab..(first + n) * vocab)
+                .ok_or_else(|| ModelError::Invalid("logits shorter than the step".into()))?;
+            data.extend_from_slice(part);
+            rows.push(s.row);
+            counts.push(n);
+        }
         Ok(StepLogits {
             rows,
             counts,
@@ -323,6 +352,17 @@ impl BatchRunner {
     pub fn rollback(&mut self) {
         self.open = false;
     }
+}
+
+/// Decode batch sizes on the GPU: powers of two up to 8, then four sizes per
+/// doubling (10, 12, 14, 16, 20, 24, 28, 32, 40, ...), so padding costs at
+/// most a quarter of a step and a changing batch meets few distinct shapes.
+pub fn decode_bucket(rows: usize) -> usize {
+    if rows <= 8 {
+        return rows.next_power_of_two();
+    }
+    let step = (1usize << (usize::BITS - 1 - rows.leading_zeros())) / 4;
+    rows.div_ceil(step) * step
 }
 
 /// `[rows, T]` token ids, each row right-padded with 0 to the longest (padding
@@ -478,6 +518,22 @@ mod tests {
 
     fn rows_of(g: &[&RowStep]) -> Vec<RowId> {
         g.iter().map(|s| s.row).collect()
+    }
+
+    #[test]
+    fn decode_buckets_pad_by_at_most_a_quarter() {
+        let got: Vec<usize> = [1, 2, 3, 5, 8, 9, 12, 13, 16, 17, 33, 100, 128, 129, 255]
+            .iter()
+            .map(|&n| decode_bucket(n))
+            .collect();
+        assert_eq!(
+            got,
+            vec![1, 2, 4, 8, 8, 10, 12, 14, 16, 20, 40, 112, 128, 160, 256]
+        );
+        for n in 9..2000 {
+            let b = decode_bucket(n);
+            assert!(b >= n && (b - n) * 4 <= n, "{n} -> {b}");
+        }
     }
 
     #[test]

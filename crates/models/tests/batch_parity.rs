@@ -397,7 +397,11 @@ fn prefix_reuse_matches_a_cold_prefill() {
     one(&mut warm, &mut kv, 7, shared.clone(), 0);
     kv.release(7);
     assert_eq!(kv.pool.stats().groups[0].cached, 2);
-    assert_eq!(kv.start_with_prefix(3, 2, &second), 0, "cross-tenant prefix hit");
+    assert_eq!(
+        kv.start_with_prefix(3, 2, &second),
+        0,
+        "cross-tenant prefix hit"
+    );
     kv.release(3);
     let n = kv.start_with_prefix(2, 1, &second);
     assert_eq!(n, 32, "block-aligned reuse of the 40 shared tokens");

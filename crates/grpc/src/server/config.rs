@@ -581,7 +581,11 @@ mod tests {
         let s = Settings::resolve(args("--kv-memory 1MiB --kv-block-size 16")).unwrap();
         assert_eq!(s.kv_size, KvSize::Bytes(1 << 20));
         for (text, f) in [("0.9", 0.9), ("85%", 0.85), (" 50 % ", 0.5)] {
-            assert_eq!(parse_kv_memory(text).unwrap(), KvSize::Fraction(f), "{text}");
+            assert_eq!(
+                parse_kv_memory(text).unwrap(),
+                KvSize::Fraction(f),
+                "{text}"
+            );
         }
         for bad in ["1.5", "0.0", "100%", "0%", "-3%", "lots"] {
             assert!(parse_kv_memory(bad).is_err(), "{bad}");

@@ -123,6 +123,18 @@ impl Server {
         s
     }
 
+    /// Starts a server with extra environment and waits until it serves.
+    pub async fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let s = Self::spawn_env(extra, env);
+        s.wait_serving().await;
+        s
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
     pub fn stdout(&self) -> Vec<String> {
         self.lines.lock().unwrap().clone()
     }

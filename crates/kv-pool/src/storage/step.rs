@@ -85,7 +85,11 @@ pub struct StepLayout {
     write_offsets: Array,
     write_select: Option<Array>,
     read_blocks: Array,
-    mask: Array,
+    valid_blocks: Vec<usize>,
+    /// Built at the first [`mask`](StepLayout::mask) call: attention that
+    /// reads the pool through the block table (a paged kernel) never needs it,
+    /// and at hundreds of rows of long context it is megabytes of host work.
+    mask: std::cell::OnceCell<Array>,
 }
 
 impl StepLayout {
@@ -186,30 +190,16 @@ impl StepLayout {
         }
         let ragged = n != b * t;
 
-        let mut mask = Vec::with_capacity(b * t * l);
-        for i in 0..b {
-            let base = first_block[i] * bs;
-            let valid = valid_blocks[i] * bs;
-            for q in 0..t {
-                let p = starts[i] + q.min(tokens[i] - 1);
-                for c in 0..l {
-                    let a = base + c;
-                    let in_window = match kind {
-                        AttentionKind::Full => true,
-                        AttentionKind::SlidingWindow { window } => p - a.min(p) < window as usize,
-                    };
-                    mask.push(c < valid && a <= p && in_window);
-                }
-            }
-        }
-
-        let (bi, ti, li, ni, nbi) = (to_i32(b)?, to_i32(t)?, to_i32(l)?, to_i32(n)?, to_i32(nb)?);
+        let (bi, ni, nbi) = (to_i32(b)?, to_i32(n)?, to_i32(nb)?);
+        to_i32(t)?;
+        to_i32(l)?;
         Ok(Self {
             kind,
             block_size: bs,
             t,
             read_blocks: Array::from_slice(&block_table, &[bi, 1, nbi]),
-            mask: Array::from_slice(&mask, &[bi, 1, ti, li]),
+            valid_blocks,
+            mask: std::cell::OnceCell::new(),
             write_blocks: Array::from_slice(&wb, &[ni]),
             write_offsets: Array::from_slice(&wo, &[ni]),
             write_select: ragged.then(|| Array::from_slice(&select, &[ni])),
@@ -306,7 +296,30 @@ impl StepLayout {
 
     /// Boolean attention mask `[B, 1, T, L]` over the padded read layout.
     pub fn mask(&self) -> &Array {
-        &self.mask
+        self.mask.get_or_init(|| self.build_mask())
+    }
+
+    fn build_mask(&self) -> Array {
+        let (b, t, bs) = (self.batch(), self.t, self.block_size);
+        let l = self.blocks_per_row * bs;
+        let mut mask = Vec::with_capacity(b * t * l);
+        for i in 0..b {
+            let base = self.first_block[i] * bs;
+            let valid = self.valid_blocks[i] * bs;
+            for q in 0..t {
+                let p = self.starts[i] + q.min(self.tokens[i] - 1);
+                for c in 0..l {
+                    let a = base + c;
+                    let in_window = match self.kind {
+                        AttentionKind::Full => true,
+                        AttentionKind::SlidingWindow { window } => p - a.min(p) < window as usize,
+                    };
+                    mask.push(c < valid && a <= p && in_window);
+                }
+            }
+        }
+        // Each dimension was checked to fit an i32 when the layout was built.
+        Array::from_slice(&mask, &[b as i32, 1, t as i32, l as i32])
     }
 
     pub(crate) fn max_block(&self) -> u32 {

@@ -85,7 +85,9 @@ pub fn greedy(model: &LlamaModel, ids: &[u32], n: usize) -> (Vec<f32>, Vec<u32>)
     let run = |tokens: &[u32], start: usize, decode: bool| -> Array {
         let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
         let t = Array::from_slice(&ids, &[1, ids.len() as i32]);
-        let mut step = kv.step(&[(&table[..], start, tokens.len())], decode).unwrap();
+        let mut step = kv
+            .step(&[(&table[..], start, tokens.len())], decode)
+            .unwrap();
         let l = model.forward(&t, &mut step, true).unwrap();
         drop(step);
         let mut pending = kv.arrays();
@@ -139,7 +141,12 @@ impl Kv {
                     q
                 }
             };
-            assert_eq!(self.pool.sequence(seq).unwrap().len, s.start_pos, "row {}", s.row);
+            assert_eq!(
+                self.pool.sequence(seq).unwrap().len,
+                s.start_pos,
+                "row {}",
+                s.row
+            );
             self.pool.append_tokens(seq, &s.tokens).unwrap();
             let t = self.pool.table(seq, 0).unwrap();
             let mut b = RowBlocks::default();
@@ -196,7 +203,11 @@ pub fn runner(model: LlamaModel, blocks: u32) -> BatchRunner {
 }
 
 /// One step through the pool and the runner, committed.
-pub fn step(runner: &mut BatchRunner, kv: &mut Kv, steps: &mut [RowStep]) -> weft_models::StepLogits {
+pub fn step(
+    runner: &mut BatchRunner,
+    kv: &mut Kv,
+    steps: &mut [RowStep],
+) -> weft_models::StepLogits {
     let ops = kv.plan(steps);
     let l = runner.forward(&ops, steps).expect("step");
     runner.commit().unwrap();
