@@ -7,7 +7,7 @@
 #   bash benches/gpu_paged.sh            # here, after `cargo build --release -p weft-grpc -p weft-models --examples --bins`
 #   call 1: carry .gpu/a .gpustash/p1    bash .gpu/a/stash.sh && mkdir -p /root/ws && cp .gpustash/p1/* /root/ws/
 #   call 2: carry .gpu/b .gpustash/p2    bash .gpu/b/env.sh bash .gpustash/p2/run.sh
-#           (STEPS=kernel,decode,engine picks parts; STREAMS=64,128,256)
+#           (STEPS=kernel,decode,donate,engine picks parts; STREAMS=64,128,256)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.gpustash/' .git/info/exclude 2>/dev/null || echo '/.gpustash/' >> .git/info/exclude
@@ -41,6 +41,12 @@ if [[ $S == *decode* ]]; then
   /root/decode_timing $M 128 128 40 2>&1 | tee -a $O/gpu-paged.txt
   echo "== decode step, 128 rows, one row leaving per step" | tee -a $O/gpu-paged.txt
   LEAVE=1 /root/decode_timing $M 128 128 40 2>&1 | tee -a $O/gpu-paged.txt
+fi
+if [[ $S == *donate* ]]; then
+  # The same step with a pool ~100x larger: equal times mean writes update the
+  # pool in place (a copy of ~70 GB per step would take tens of ms).
+  echo "== decode step, 128 rows, pool of 200000 blocks (70 GB)" | tee -a $O/gpu-paged.txt
+  POOL_BLOCKS=200000 /root/decode_timing $M 128 128 40 2>&1 | tee -a $O/gpu-paged.txt
 fi
 if [[ $S == *engine* ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, prompt 128, gen 128" | tee -a $O/gpu-paged.txt

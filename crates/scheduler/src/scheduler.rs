@@ -448,7 +448,7 @@ impl<M: Model> Scheduler<M> {
             labels.push((n.clone(), TenantMetrics::new(n)));
         }
         labels.push(("other".into(), TenantMetrics::new("other")));
-        Ok(Self {
+        let mut s = Self {
             faults: cfg.faults.clone(),
             cfg,
             info,
@@ -473,7 +473,10 @@ impl<M: Model> Scheduler<M> {
             bufs: StepBufs::default(),
             stats: Stats::default(),
             metrics: EngineMetrics::new(),
-        })
+        };
+        // The pool's gauges from the start, before any step.
+        s.publish();
+        Ok(s)
     }
 
     pub(crate) fn detokenizer(&self) -> Arc<dyn Detokenizer> {
