@@ -288,50 +288,54 @@ impl BatchRunner {
             return Err(ModelError::Invalid("a forward returned no logits".into()));
         }
         let vocab = self.model.config.vocab_size as usize;
-        // Each forward's logits come to the host whole, as `[rows x T', V]`
-        // f32 (one array per forward, its shape fixed by the bucket), and the
-        // wanted positions are picked out here: per-row slices would be one
-        // MLX op per row and a concatenation of a different shape every step.
-        let mut host = Vec::with_capacity(outs.len());
-        for l in &outs {
-            host.push(l.reshape(&[-1, vocab as i32])?.as_dtype(Dtype::Float32)?);
-        }
-        let mut pending = kv.arrays();
-        pending.extend(host.iter().cloned());
-        mlx_rs::transforms::eval(pending.iter())?;
-        drop(pending);
-        // Where each wanted row's first position sits: (forward, first row of
-        // the flat [rows x T', V] array).
-        let mut at: HashMap<RowId, (usize, usize)> = HashMap::new();
-        for (j, ((rows, _, _, _), l)) in jobs.iter().zip(&outs).enumerate() {
+        // Flat position of each wanted row's first logits vector in the
+        // concatenation of every forward's `[rows x T', V]` logits.
+        let mut at: HashMap<RowId, usize> = HashMap::new();
+        let mut base = 0;
+        for ((rows, _, _, _), l) in jobs.iter().zip(&outs) {
             let per_row = l.dim(1) as usize;
             for (i, s) in rows.iter().enumerate() {
                 if s.want_logits {
-                    at.insert(s.row, (j, i * per_row));
+                    at.insert(s.row, base + i * per_row);
                 }
             }
+            base += rows.len() * per_row;
         }
         let mut rows = Vec::new();
         let mut counts = Vec::new();
-        let wanted: usize = steps
-            .iter()
-            .filter(|s| s.want_logits)
-            .map(|s| if s.decodes() { 1 + s.draft } else { 1 })
-            .sum();
-        let mut data = Vec::with_capacity(wanted * vocab);
-        let flats: Vec<&[f32]> = host.iter().map(|h| h.as_slice::<f32>()).collect();
+        let mut picks: Vec<i32> = Vec::new();
         for s in steps.iter().filter(|s| s.want_logits) {
-            let &(j, first) = at
+            let first = *at
                 .get(&s.row)
                 .ok_or_else(|| ModelError::Invalid("missing logits".into()))?;
             let n = if s.decodes() { 1 + s.draft } else { 1 };
-            let part = flats[j]
-                .get(first * vocab..(first + n) * vocab)
-                .ok_or_else(|| ModelError::Invalid("logits shorter than the step".into()))?;
-            data.extend_from_slice(part);
+            picks.extend((first..first + n).map(|p| p as i32));
             rows.push(s.row);
             counts.push(n);
         }
+        // One gather of the wanted positions on the device and one transfer
+        // of exactly those (padding rows and unwanted chunks stay behind);
+        // per-row slices would be an MLX op per row.
+        let flat: Vec<Array> = outs
+            .iter()
+            .map(|l| l.reshape(&[-1, vocab as i32]))
+            .collect::<std::result::Result<_, _>>()?;
+        let all = match flat.as_slice() {
+            [one] => one.clone(),
+            many => mlx_rs::ops::concatenate(many, 0)?,
+        };
+        let mut pending = kv.arrays();
+        let picked = if picks.is_empty() {
+            None
+        } else {
+            let idx = Array::from_slice(&picks, &[picks.len() as i32]);
+            let p = all.take_axis(&idx, 0)?.as_dtype(Dtype::Float32)?;
+            pending.push(p.clone());
+            Some(p)
+        };
+        mlx_rs::transforms::eval(pending.iter())?;
+        drop(pending);
+        let data = picked.map_or_else(Vec::new, |p| p.as_slice::<f32>().to_vec());
         Ok(StepLogits {
             rows,
             counts,
