@@ -14,6 +14,8 @@
 //!
 //! * decode rows on a CUDA GPU: Weft's paged decode kernel reads K/V in place
 //!   through the block table ([`crate::paged_attention`]);
+//! * decode rows on the CPU (f32): the same in Rust over the evaluated pool
+//!   ([`crate::host_attention`]);
 //! * a prefill group whose rows all start at 0: causal attention over the
 //!   forward's own K/V (nothing older exists), while the pool is written for
 //!   later steps;
@@ -86,6 +88,7 @@ pub fn free_device_memory() -> Result<u64> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Kernel,
+    Host,
     Fresh,
     Gather,
 }
@@ -243,16 +246,23 @@ impl PagedKv {
         let b = rows.len() as i32;
         let mode = if decode && self.kernel.is_some() {
             Mode::Kernel
+        } else if decode && self.kernel.is_none() && self.shape.dtype == Dtype::Float32 {
+            Mode::Host
         } else if rows.iter().all(|r| r.1 == 0) {
             Mode::Fresh
         } else {
             Mode::Gather
         };
         let t = ntok.iter().copied().max().unwrap_or(1);
-        let kernel_inputs = if mode == Mode::Kernel {
+        let kernel_inputs = if matches!(mode, Mode::Kernel | Mode::Host) {
             let l = &layouts[0];
             let nb = l.blocks_per_row() as i32;
             Some(KernelInputs {
+                host_table: if mode == Mode::Host {
+                    l.block_table().to_vec()
+                } else {
+                    Vec::new()
+                },
                 table: Array::from_slice(l.block_table(), &[b, nb]),
                 start: Array::from_slice(&starts, &[b]),
                 ntok: Array::from_slice(&ntok, &[b]),
@@ -280,6 +290,8 @@ impl PagedKv {
 }
 
 struct KernelInputs {
+    /// The block table on the host (CPU attention only).
+    host_table: Vec<i32>,
     table: Array,
     start: Array,
     ntok: Array,
@@ -367,6 +379,39 @@ impl KvStep<'_> {
                     .ok_or_else(|| ModelError::Invalid("paged kernel missing".into()))?;
                 let qs = ops::multiply(q, Array::from_f32(scale).as_dtype(q.dtype())?)?;
                 kernel.decode(&qs, kp, vp, &ki.table, &ki.start, &ki.ntok, ki.max_keys)
+            }
+            Mode::Host => {
+                let (kp, vp) = storage.dense_arrays(layer).map_err(storage_err)?;
+                let ki = self
+                    .kernel_inputs
+                    .as_ref()
+                    .ok_or_else(|| ModelError::Invalid("attention inputs missing".into()))?;
+                let qs = ops::multiply(q, Array::from_f32(scale))?;
+                // The layer's writes land, then the pool is read where it is.
+                mlx_rs::transforms::eval([kp, vp, &qs])?;
+                let (b, hq, t, hd) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
+                let ps = kp.shape();
+                let start: Vec<usize> = layout.starts().to_vec();
+                let ntok: Vec<usize> = layout.tokens().to_vec();
+                let d = crate::host_attention::Dims {
+                    rows: b as usize,
+                    heads: hq as usize,
+                    kv_heads: ps[1] as usize,
+                    t: t as usize,
+                    head_dim: hd as usize,
+                    block_size: ps[2] as usize,
+                    table_width: layout.blocks_per_row(),
+                };
+                let out = crate::host_attention::decode(
+                    qs.as_slice::<f32>(),
+                    kp.as_slice::<f32>(),
+                    vp.as_slice::<f32>(),
+                    &ki.host_table,
+                    &start,
+                    &ntok,
+                    d,
+                )?;
+                Ok(Array::from_slice(&out, &[b, hq, t, hd]))
             }
             Mode::Fresh => {
                 drop(storage);

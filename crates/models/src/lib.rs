@@ -6,6 +6,7 @@ pub mod config;
 pub mod cpu_gemm;
 pub mod cpu_kernels;
 pub mod error;
+pub mod host_attention;
 pub mod kv;
 pub mod lanes;
 pub mod linear;
