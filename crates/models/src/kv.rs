@@ -254,15 +254,10 @@ impl PagedKv {
             Mode::Gather
         };
         let t = ntok.iter().copied().max().unwrap_or(1);
-        let kernel_inputs = if matches!(mode, Mode::Kernel | Mode::Host) {
+        let kernel_inputs = if mode == Mode::Kernel {
             let l = &layouts[0];
             let nb = l.blocks_per_row() as i32;
             Some(KernelInputs {
-                host_table: if mode == Mode::Host {
-                    l.block_table().to_vec()
-                } else {
-                    Vec::new()
-                },
                 table: Array::from_slice(l.block_table(), &[b, nb]),
                 start: Array::from_slice(&starts, &[b]),
                 ntok: Array::from_slice(&ntok, &[b]),
@@ -290,8 +285,6 @@ impl PagedKv {
 }
 
 struct KernelInputs {
-    /// The block table on the host (CPU attention only).
-    host_table: Vec<i32>,
     table: Array,
     start: Array,
     ntok: Array,
@@ -382,17 +375,11 @@ impl KvStep<'_> {
             }
             Mode::Host => {
                 let (kp, vp) = storage.dense_arrays(layer).map_err(storage_err)?;
-                let ki = self
-                    .kernel_inputs
-                    .as_ref()
-                    .ok_or_else(|| ModelError::Invalid("attention inputs missing".into()))?;
                 let qs = ops::multiply(q, Array::from_f32(scale))?;
                 // The layer's writes land, then the pool is read where it is.
                 mlx_rs::transforms::eval([kp, vp, &qs])?;
                 let (b, hq, t, hd) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
                 let ps = kp.shape();
-                let start: Vec<usize> = layout.starts().to_vec();
-                let ntok: Vec<usize> = layout.tokens().to_vec();
                 let d = crate::host_attention::Dims {
                     rows: b as usize,
                     heads: hq as usize,
@@ -406,9 +393,9 @@ impl KvStep<'_> {
                     qs.as_slice::<f32>(),
                     kp.as_slice::<f32>(),
                     vp.as_slice::<f32>(),
-                    &ki.host_table,
-                    &start,
-                    &ntok,
+                    layout.block_table(),
+                    layout.starts(),
+                    layout.tokens(),
                     d,
                 )?;
                 Ok(Array::from_slice(&out, &[b, hq, t, hd]))
