@@ -4,10 +4,40 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use weft_models::{BatchRunner, KvMemory, LoadOptions, RowBlocks, RowStep, StorageOp, Tokenizer};
-use weft_scheduler::{
-    Detokenizer, Engine, Logits, Model, ModelError, ModelInfo, RowId, RowInput, SchedulerConfig,
+use weft_models::{
+    BatchRunner, KvMemory, LoadOptions, RowBlocks, RowStep, SampleRow, StorageOp, Tokenizer,
 };
+use weft_scheduler::sampling::{uniform, HostSampler};
+use weft_scheduler::{
+    Detokenizer, Engine, Model, ModelError, ModelInfo, RowId, RowInput, SchedulerConfig,
+    StepOutput, TokenLogprob,
+};
+
+/// Where a step's tokens are picked from its logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SampleOn {
+    /// On the device, by MLX ops over the logits where they were computed:
+    /// only ids and requested logprobs are transferred (the GPU default).
+    Device,
+    /// On the host, by the scheduler's sampler over logits copied out as f32
+    /// (the CPU default: there the copy is a memcpy and the host sampler's
+    /// candidate pruning beats a full sort).
+    Host,
+}
+
+impl SampleOn {
+    /// `WEFT_SAMPLE_ON` (`device`, `host` or `auto`/unset: device on a GPU).
+    pub fn from_env(gpu: bool) -> anyhow::Result<Self> {
+        match std::env::var("WEFT_SAMPLE_ON").ok().as_deref() {
+            None | Some("") | Some("auto") => Ok(if gpu { Self::Device } else { Self::Host }),
+            Some("device") => Ok(Self::Device),
+            Some("host") => Ok(Self::Host),
+            Some(other) => {
+                anyhow::bail!("WEFT_SAMPLE_ON={other:?}: expected device, host or auto")
+            }
+        }
+    }
+}
 
 /// `weft_models::BatchRunner` as the scheduler sees it.
 pub struct MlxModel {
@@ -15,10 +45,31 @@ pub struct MlxModel {
     info: ModelInfo,
     /// The step's rows in the runner's form, reused across steps.
     steps: Vec<RowStep>,
+    sample_on: SampleOn,
+    host: HostSampler,
+    /// Device sampling parameters of the rows that want logits, reused.
+    sampling: Vec<SampleRow>,
 }
 
 impl MlxModel {
     pub fn new(runner: BatchRunner, eos_token_ids: Vec<u32>) -> Self {
+        let gpu = runner.kv().uses_kernel();
+        Self::with_sampling(
+            runner,
+            eos_token_ids,
+            if gpu {
+                SampleOn::Device
+            } else {
+                SampleOn::Host
+            },
+        )
+    }
+
+    pub fn with_sampling(
+        runner: BatchRunner,
+        eos_token_ids: Vec<u32>,
+        sample_on: SampleOn,
+    ) -> Self {
         let c = &runner.model().config;
         let info = ModelInfo {
             vocab_size: c.vocab_size as usize,
@@ -30,8 +81,41 @@ impl MlxModel {
             runner,
             info,
             steps: Vec::new(),
+            sample_on,
+            host: HostSampler::default(),
+            sampling: Vec::new(),
         }
     }
+
+    pub fn sample_on(&self) -> SampleOn {
+        self.sample_on
+    }
+}
+
+/// The contract's sampling parameters of a row as the device sampler takes them.
+fn fill_sample_row(r: &RowInput, out: &mut SampleRow) {
+    let s = &r.sampling;
+    let p = &s.params;
+    out.temperature = p.temperature;
+    out.top_k = p.top_k;
+    out.top_p = p.top_p;
+    out.min_p = p.min_p;
+    out.repetition_penalty = p.repetition_penalty;
+    out.presence_penalty = p.presence_penalty;
+    out.frequency_penalty = p.frequency_penalty;
+    out.seen.clear();
+    if p.has_penalties() {
+        out.seen.extend(s.seen.iter().map(|t| (t.id, t.generated)));
+    }
+    out.uniforms.clear();
+    let n = r.positions() as u64;
+    if p.is_greedy() {
+        out.uniforms.extend((0..n).map(|_| 0.0));
+    } else {
+        out.uniforms
+            .extend((0..n).map(|j| uniform(s.seed, s.index + j)));
+    }
+    out.logprobs = s.logprobs;
 }
 
 /// How the KV pool is sized and what its startup log reports.
@@ -56,7 +140,7 @@ impl Model for MlxModel {
         self.info.clone()
     }
 
-    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Logits, ModelError> {
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
         let steps = &mut self.steps;
         if steps.len() < batch.len() {
             steps.resize_with(batch.len(), RowStep::default);
@@ -69,15 +153,45 @@ impl Model for MlxModel {
             s.draft = r.draft;
             s.blocks.clone_from(&r.blocks);
         }
-        let out = self
-            .runner
-            .forward(ops, &steps[..batch.len()])
-            .map_err(failed)?;
-        Ok(Logits {
-            data: out.data,
-            rows: out.rows,
-            vocab: out.vocab,
-        })
+        let steps = &steps[..batch.len()];
+        match self.sample_on {
+            SampleOn::Host => {
+                let out = self.runner.forward(ops, steps).map_err(failed)?;
+                self.host.sample(&out.data, out.vocab, batch)
+            }
+            SampleOn::Device => {
+                let wanted = batch.iter().filter(|r| r.want_logits);
+                let n = wanted.clone().count();
+                if self.sampling.len() < n {
+                    self.sampling.resize_with(n, SampleRow::default);
+                }
+                for (r, s) in wanted.zip(self.sampling.iter_mut()) {
+                    fill_sample_row(r, s);
+                }
+                let out = self
+                    .runner
+                    .forward_sampled(ops, steps, &self.sampling[..n])
+                    .map_err(failed)?;
+                let logprobs = out
+                    .picked
+                    .logprobs
+                    .into_iter()
+                    .zip(&out.picked.tokens)
+                    .map(|(lp, &id)| {
+                        lp.map(|lp| TokenLogprob {
+                            id,
+                            logprob: lp.logprob,
+                            top: lp.top,
+                        })
+                    })
+                    .collect();
+                Ok(StepOutput {
+                    rows: out.rows,
+                    tokens: out.picked.tokens,
+                    logprobs,
+                })
+            }
+        }
     }
 
     fn commit(&mut self) -> Result<(), ModelError> {
@@ -185,7 +299,12 @@ pub fn start_engine(
             runner.set_lanes(opts.lanes());
             log_kv(&runner, kv.max_batch_rows, context);
             warm_up(&mut runner)?;
-            Ok(MlxModel::new(runner, eos))
+            let gpu = runner.kv().uses_kernel();
+            Ok(MlxModel::with_sampling(
+                runner,
+                eos,
+                SampleOn::from_env(gpu)?,
+            ))
         },
         Arc::new(TokenizerDetok(tokenizer.clone())),
     )?;

@@ -14,6 +14,7 @@ pub mod llama;
 pub mod loader;
 pub mod paged_attention;
 pub mod runner;
+pub mod sampler;
 pub mod tokenizer;
 pub mod weights;
 
@@ -25,6 +26,7 @@ pub use lanes::Lanes;
 pub use linear::WeightPolicy;
 pub use llama::LlamaModel;
 pub use loader::{load, Device, LoadOptions, LoadedModel};
-pub use runner::{BatchRunner, RowId, RowStep, StepLogits, DEFAULT_BLOCK_SIZE};
+pub use runner::{BatchRunner, RowId, RowStep, StepLogits, StepPicks, DEFAULT_BLOCK_SIZE};
+pub use sampler::{PickLogprobs, Picked, SampleRow};
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use weft_kv_pool::{KvGroups, RowBlocks, StorageOp};

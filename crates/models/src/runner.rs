@@ -23,6 +23,7 @@ use crate::error::{ModelError, Result};
 use crate::kv::{KvMemory, KvStep, PagedKv};
 use crate::lanes::{self, Lanes};
 use crate::llama::LlamaModel;
+use crate::sampler::{self, Picked, SampleRow};
 
 pub type RowId = u64;
 
@@ -67,6 +68,26 @@ impl StepLogits {
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
+}
+
+/// Picked tokens of the rows that asked for logits, in step order, sampled
+/// on the device ([`BatchRunner::forward_sampled`]).
+#[derive(Debug, Clone)]
+pub struct StepPicks {
+    pub rows: Vec<RowId>,
+    /// Positions each of `rows` has in `picked` (1 + its draft).
+    pub counts: Vec<usize>,
+    pub picked: Picked,
+}
+
+/// A step's wanted logits on the device, with the arrays its evaluation must
+/// also produce (the pool's updated storage).
+struct Wanted {
+    rows: Vec<RowId>,
+    counts: Vec<usize>,
+    /// `[sum(counts), vocab]`; None when no row wants logits.
+    logits: Option<Array>,
+    pending: Vec<Array>,
 }
 
 pub struct BatchRunner {
@@ -143,17 +164,88 @@ impl BatchRunner {
     /// row's tokens, their K/V written where their tables say. On error the
     /// step is closed again before returning.
     pub fn forward(&mut self, ops: &[StorageOp], steps: &[RowStep]) -> Result<StepLogits> {
+        self.guarded(|r| {
+            let w = r.forward_wanted(ops, steps)?;
+            let mut pending = w.pending;
+            let logits = match w.logits {
+                Some(l) => Some(l.as_dtype(Dtype::Float32)?),
+                None => None,
+            };
+            pending.extend(logits.iter().cloned());
+            mlx_rs::transforms::eval(pending.iter())?;
+            drop(pending);
+            let data = logits.map_or_else(Vec::new, |p| p.as_slice::<f32>().to_vec());
+            Ok(StepLogits {
+                rows: w.rows,
+                counts: w.counts,
+                vocab: r.model.config.vocab_size as usize,
+                data,
+            })
+        })
+    }
+
+    /// Runs one step like [`forward`](Self::forward) and samples the wanted
+    /// positions on the device: `sampling` has one entry per row with
+    /// `want_logits`, in step order, covering its `1 + draft` positions. One
+    /// evaluation produces the pool's writes and the picks; only the picked
+    /// ids (and requested logprobs) are transferred.
+    pub fn forward_sampled(
+        &mut self,
+        ops: &[StorageOp],
+        steps: &[RowStep],
+        sampling: &[SampleRow],
+    ) -> Result<StepPicks> {
+        self.guarded(|r| {
+            let w = r.forward_wanted(ops, steps)?;
+            if sampling.len() != w.rows.len()
+                || sampling
+                    .iter()
+                    .zip(&w.counts)
+                    .any(|(s, &n)| s.uniforms.len() != n)
+            {
+                return Err(ModelError::Invalid(format!(
+                    "sampling for {} rows, {} rows want logits",
+                    sampling.len(),
+                    w.rows.len()
+                )));
+            }
+            let mut pending = w.pending;
+            let picks = match &w.logits {
+                Some(l) => {
+                    let p = sampler::sample(l, sampling)?;
+                    pending.extend(p.arrays());
+                    Some(p)
+                }
+                None => None,
+            };
+            mlx_rs::transforms::eval(pending.iter())?;
+            drop(pending);
+            let picked = match picks {
+                Some(p) => p.read()?,
+                None => Picked::default(),
+            };
+            Ok(StepPicks {
+                rows: w.rows,
+                counts: w.counts,
+                picked,
+            })
+        })
+    }
+
+    /// Runs `f` as the step's forward: refused inside an open step; on error
+    /// the step is closed again.
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if self.open {
             return Err(ModelError::Invalid(
                 "forward called inside an open step".into(),
             ));
         }
-        let result = self.forward_inner(ops, steps);
+        let result = f(self);
         self.open = result.is_ok();
         result
     }
 
-    fn forward_inner(&mut self, ops: &[StorageOp], steps: &[RowStep]) -> Result<StepLogits> {
+    fn forward_wanted(&mut self, ops: &[StorageOp], steps: &[RowStep]) -> Result<Wanted> {
         let groups_needed = self.kv.groups().groups.len();
         let mut seen = HashSet::new();
         for s in steps {
@@ -324,23 +416,17 @@ impl BatchRunner {
             [one] => one.clone(),
             many => mlx_rs::ops::concatenate(many, 0)?,
         };
-        let mut pending = kv.arrays();
-        let picked = if picks.is_empty() {
+        let logits = if picks.is_empty() {
             None
         } else {
             let idx = Array::from_slice(&picks, &[picks.len() as i32]);
-            let p = all.take_axis(&idx, 0)?.as_dtype(Dtype::Float32)?;
-            pending.push(p.clone());
-            Some(p)
+            Some(all.take_axis(&idx, 0)?)
         };
-        mlx_rs::transforms::eval(pending.iter())?;
-        drop(pending);
-        let data = picked.map_or_else(Vec::new, |p| p.as_slice::<f32>().to_vec());
-        Ok(StepLogits {
+        Ok(Wanted {
             rows,
             counts,
-            vocab,
-            data,
+            logits,
+            pending: kv.arrays(),
         })
     }
 

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use weft_scheduler::fake::{FakeConfig, FakeDetokenizer, FakeLogits, FakeModel};
 use weft_scheduler::{
-    Detokenizer, EventStream, Logits, Model, ModelError, ModelInfo, Request, RowId, RowInput,
-    Scheduler, SchedulerConfig, StorageOp,
+    Detokenizer, EventStream, Model, ModelError, ModelInfo, Request, RowId, RowInput, Scheduler,
+    SchedulerConfig, StepOutput, StorageOp,
 };
 
 /// Times every model call so the benchmark can subtract it.
@@ -34,7 +34,7 @@ impl Model for Timed {
     fn info(&self) -> ModelInfo {
         self.inner.info()
     }
-    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Logits, ModelError> {
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
         self.time(|m| m.forward(ops, batch))
     }
     fn commit(&mut self) -> Result<(), ModelError> {

@@ -23,8 +23,9 @@ use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 
 use crate::model::{
-    Detokenizer, KvGroups, Logits, Model, ModelError, ModelInfo, RowId, RowInput, StorageOp,
+    Detokenizer, KvGroups, Model, ModelError, ModelInfo, RowId, RowInput, StepOutput, StorageOp,
 };
+use crate::sampling::HostSampler;
 use crate::util::{mix64, IdBuild, IdMap};
 
 const HISTORY_SEED: u64 = 0x243f_6a88_85a3_08d3;
@@ -143,6 +144,9 @@ pub struct FakeModel {
     written: HashMap<u64, RowId, IdBuild>,
     stats: FakeStats,
     violations: Vec<String>,
+    sampler: HostSampler,
+    /// The logits the last successful forward sampled from.
+    last_logits: Vec<f32>,
 }
 
 /// Packs (group, block, offset) into one map key: offsets stay below the block size
@@ -170,6 +174,8 @@ impl FakeModel {
             written: HashMap::default(),
             stats: FakeStats::default(),
             violations: Vec::new(),
+            sampler: HostSampler::default(),
+            last_logits: Vec::new(),
         }
     }
 
@@ -381,7 +387,7 @@ impl Model for FakeModel {
         }
     }
 
-    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Logits, ModelError> {
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
         self.stats.forwards += 1;
         let call = self.stats.forwards;
         if self.staged.is_some() {
@@ -461,15 +467,14 @@ impl Model for FakeModel {
         for (i, &(h, last)) in self.states.iter().enumerate() {
             self.fill(h, last, &mut data[i * vocab..(i + 1) * vocab]);
         }
-        let rows = batch
-            .iter()
-            .filter(|r| r.want_logits)
-            .map(|r| r.row)
-            .collect();
+        // Sampling through the contract's host implementation, as any model whose
+        // logits live in host memory does.
+        let out = self.sampler.sample(&data, vocab, batch)?;
+        self.last_logits = data;
         self.stats.tokens += batch.iter().map(|r| r.tokens.len() as u64).sum::<u64>();
         self.stats.max_batch_rows = self.stats.max_batch_rows.max(batch.len());
         self.staged = Some(staged);
-        Ok(Logits { data, rows, vocab })
+        Ok(out)
     }
 
     fn commit(&mut self) -> Result<(), ModelError> {
@@ -549,6 +554,21 @@ mod tests {
             want_logits: true,
             draft: 0,
             blocks: vec![RowBlocks { offset: 0, blocks }],
+            sampling: Default::default(),
+        }
+    }
+
+    /// A forward's logits (what it sampled from).
+    struct Out {
+        data: Vec<f32>,
+    }
+
+    impl FakeModel {
+        fn fwd(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Out, ModelError> {
+            self.forward(ops, batch)?;
+            Ok(Out {
+                data: self.last_logits.clone(),
+            })
         }
     }
 
@@ -564,15 +584,13 @@ mod tests {
     #[test]
     fn logits_depend_on_exact_history_not_chunking() {
         let mut m = FakeModel::new(FakeConfig::default());
-        let a = m
-            .forward(&[], &[row(1, vec![1, 2, 3], 0, vec![0])])
-            .unwrap();
+        let a = m.fwd(&[], &[row(1, vec![1, 2, 3], 0, vec![0])]).unwrap();
         m.commit().unwrap();
-        let b = m.forward(&[], &[row(1, vec![4], 3, vec![0])]).unwrap();
+        let b = m.fwd(&[], &[row(1, vec![4], 3, vec![0])]).unwrap();
         m.commit().unwrap();
         let mut m2 = FakeModel::new(FakeConfig::default());
         let c = m2
-            .forward(&[], &[row(9, vec![1, 2, 3, 4], 0, vec![5])])
+            .fwd(&[], &[row(9, vec![1, 2, 3, 4], 0, vec![5])])
             .unwrap();
         assert_eq!(b.data, c.data);
         assert_ne!(a.data, b.data);
@@ -584,21 +602,21 @@ mod tests {
     #[test]
     fn staging_and_contract_checks() {
         let mut m = FakeModel::new(FakeConfig::default());
-        m.forward(&[], &[row(1, vec![1, 2], 0, vec![0])]).unwrap();
+        m.fwd(&[], &[row(1, vec![1, 2], 0, vec![0])]).unwrap();
         m.rollback();
         // Position 2 was never committed: rolled back, the row is unknown, and its
         // table holds no KV for the context it claims.
         assert!(matches!(
-            m.forward(&[], &[row(2, vec![3], 2, vec![3])]),
+            m.fwd(&[], &[row(2, vec![3], 2, vec![3])]),
             Err(ModelError::Contract(_))
         ));
-        m.forward(&[], &[row(1, vec![1, 2], 0, vec![0])]).unwrap();
-        assert!(m.forward(&[], &[row(1, vec![1, 2], 0, vec![0])]).is_err());
+        m.fwd(&[], &[row(1, vec![1, 2], 0, vec![0])]).unwrap();
+        assert!(m.fwd(&[], &[row(1, vec![1, 2], 0, vec![0])]).is_err());
         m.commit().unwrap();
         assert!(m.commit().is_err());
         // A known row at the wrong position, and a table too short for its tokens.
-        assert!(m.forward(&[], &[row(1, vec![3], 1, vec![0])]).is_err());
-        assert!(m.forward(&[], &[row(1, vec![3; 20], 2, vec![0])]).is_err());
+        assert!(m.fwd(&[], &[row(1, vec![3], 1, vec![0])]).is_err());
+        assert!(m.fwd(&[], &[row(1, vec![3; 20], 2, vec![0])]).is_err());
         assert_eq!(m.live_rows(), 1);
         m.release_row(1);
         assert_eq!(m.live_rows(), 0);
@@ -611,34 +629,26 @@ mod tests {
     fn prefix_blocks_continue_like_a_cold_prefill() {
         let mut m = FakeModel::new(small());
         let cold = m
-            .forward(&[], &[row(1, vec![1, 2, 3, 4, 5], 0, vec![0, 1, 2])])
+            .fwd(&[], &[row(1, vec![1, 2, 3, 4, 5], 0, vec![0, 1, 2])])
             .unwrap();
         m.commit().unwrap();
         // Row 2 shares blocks 0 and 1 (positions 0..4) and computes the rest itself.
-        let hit = m
-            .forward(&[], &[row(2, vec![5], 4, vec![0, 1, 3])])
-            .unwrap();
+        let hit = m.fwd(&[], &[row(2, vec![5], 4, vec![0, 1, 3])]).unwrap();
         m.commit().unwrap();
         assert_eq!(hit.data, cold.data);
         assert_eq!(m.stats().prefix_rows, 1);
         assert!(m.violations().is_empty(), "{:?}", m.violations());
         // Blocks in the wrong order: position 0 reads a slot holding position 2.
-        assert!(m
-            .forward(&[], &[row(3, vec![5], 4, vec![1, 0, 4])])
-            .is_err());
+        assert!(m.fwd(&[], &[row(3, vec![5], 4, vec![1, 0, 4])]).is_err());
         // A block nobody wrote.
-        assert!(m
-            .forward(&[], &[row(4, vec![5], 4, vec![0, 5, 4])])
-            .is_err());
+        assert!(m.fwd(&[], &[row(4, vec![5], 4, vec![0, 5, 4])]).is_err());
         assert_eq!(m.violations().len(), 2);
     }
 
     #[test]
     fn copy_block_ops_apply_before_writes() {
         let mut m = FakeModel::new(small());
-        let a = m
-            .forward(&[], &[row(1, vec![1, 2, 3], 0, vec![0, 1])])
-            .unwrap();
+        let a = m.fwd(&[], &[row(1, vec![1, 2, 3], 0, vec![0, 1])]).unwrap();
         m.commit().unwrap();
         // Copy-on-write of the partial block 1 into block 7, then row 2 (a fork of row
         // 1) writes position 3 there; row 1's block stays as it was.
@@ -647,10 +657,10 @@ mod tests {
             src: 1,
             dst: 7,
         };
-        let b = m.forward(&[op], &[row(2, vec![9], 3, vec![0, 7])]).unwrap();
+        let b = m.fwd(&[op], &[row(2, vec![9], 3, vec![0, 7])]).unwrap();
         m.commit().unwrap();
         assert_eq!(b.data, m.logits_for_history(&[1, 2, 3, 9]));
-        let c = m.forward(&[], &[row(1, vec![4], 3, vec![0, 1])]).unwrap();
+        let c = m.fwd(&[], &[row(1, vec![4], 3, vec![0, 1])]).unwrap();
         m.commit().unwrap();
         assert_eq!(c.data, m.logits_for_history(&[1, 2, 3, 4]));
         assert_ne!(a.data, c.data);
@@ -668,7 +678,7 @@ mod tests {
         };
         let mut m = FakeModel::with_faults(small(), faults);
         assert!(m
-            .forward(
+            .fwd(
                 &[],
                 &[row(1, vec![1, 2], 0, vec![0]), row(2, vec![1], 0, vec![1])]
             )
@@ -676,9 +686,9 @@ mod tests {
         assert!(m.has_staged());
         m.rollback();
         // What the failed forward wrote is garbage: a row reading it as context fails.
-        assert!(m.forward(&[], &[row(3, vec![3], 2, vec![0, 2])]).is_err());
+        assert!(m.fwd(&[], &[row(3, vec![3], 2, vec![0, 2])]).is_err());
         assert_eq!(m.violations().len(), 1);
-        m.forward(&[], &[row(1, vec![1], 0, vec![0])]).unwrap();
+        m.fwd(&[], &[row(1, vec![1], 0, vec![0])]).unwrap();
         assert!(m.commit().is_err());
         m.rollback();
         assert_eq!(m.live_rows(), 0);
@@ -687,17 +697,15 @@ mod tests {
     #[test]
     fn drafts_leave_the_committed_length_open_to_the_accepted_prefix() {
         let mut m = FakeModel::new(small());
-        m.forward(&[], &[row(1, vec![1, 2], 0, vec![0])]).unwrap();
+        m.fwd(&[], &[row(1, vec![1, 2], 0, vec![0])]).unwrap();
         m.commit().unwrap();
         let mut r = row(1, vec![3, 4, 5], 2, vec![0, 1, 2]);
         r.draft = 2;
-        let l = m.forward(&[], &[r]).unwrap();
+        let l = m.fwd(&[], &[r]).unwrap();
         assert_eq!(l.data.len(), 3 * 64);
         m.commit().unwrap();
         // The scheduler kept the decoded token and one draft token.
-        let next = m
-            .forward(&[], &[row(1, vec![7], 4, vec![0, 1, 2])])
-            .unwrap();
+        let next = m.fwd(&[], &[row(1, vec![7], 4, vec![0, 1, 2])]).unwrap();
         m.commit().unwrap();
         assert_eq!(next.data, m.logits_for_history(&[1, 2, 3, 4, 7]));
         assert!(m.violations().is_empty(), "{:?}", m.violations());

@@ -1,5 +1,6 @@
 //! Weft's scheduler: queueing, per-tenant fair share, admission, step planning with
-//! chunked prefill, preemption by recompute, host sampling, and the step transaction,
+//! chunked prefill, preemption by recompute, the sampling contract (and its host
+//! implementation), and the step transaction,
 //! run by one engine thread that owns the model.
 //!
 //! The crate knows no tensors. A model plugs in through [`Model`] and tells the scheduler
@@ -87,7 +88,7 @@ pub mod fault;
 pub mod metrics;
 pub mod model;
 pub mod request;
-mod sampling;
+pub mod sampling;
 pub mod scheduler;
 mod util;
 
@@ -95,8 +96,8 @@ pub use config::{SchedulerConfig, TenantLimits, VtcWeights};
 pub use engine::{Engine, EngineError, EngineHandle};
 pub use fault::{FaultPlan, FaultPoint};
 pub use model::{
-    Detokenizer, KvGroups, Logits, Model, ModelError, ModelInfo, RowBlocks, RowId, RowInput,
-    StorageOp,
+    Detokenizer, KvGroups, Model, ModelError, ModelInfo, RowBlocks, RowId, RowInput, RowSampling,
+    SeenToken, StepOutput, StorageOp,
 };
 pub use request::{
     Event, EventStream, FinishReason, Finished, Request, RequestKey, SamplingParams, StopMatch,

@@ -1,7 +1,9 @@
 //! The contract between the scheduler and a model implementation.
 //!
-//! The scheduler never sees tensors: it hands the model token ids, positions and each
-//! row's KV block tables, and gets host logits back. The scheduler owns the KV
+//! The scheduler never sees tensors: it hands the model token ids, positions, each
+//! row's KV block tables and how to sample it ([`RowSampling`]), and gets the picked
+//! token ids back ([`StepOutput`]) — the logits stay wherever the model computed them
+//! (on a GPU, only ids and requested logprobs cross to the host). The scheduler owns the KV
 //! *accounting* (a `weft_kv_pool::KvPool` built from [`ModelInfo::kv`]); the model owns
 //! the *storage* those blocks index, writes each step's K/V where the tables say and reads
 //! a row's context through them. The real MLX model (crate `weft-models`) implements
@@ -9,12 +11,14 @@
 
 pub use weft_kv_pool::{KvGroups, RowBlocks, StorageOp};
 
+use crate::request::{SamplingParams, TokenLogprob};
+
 /// Identifies one row (one residency of a request in the batch). A preempted request
 /// that resumes gets a fresh row id, so a model never sees an id come back.
 pub type RowId = u64;
 
 /// One row's share of a batched forward call.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RowInput {
     pub row: RowId,
     /// A prefill chunk, or the token to decode followed by a draft.
@@ -33,6 +37,56 @@ pub struct RowInput {
     /// already holding slots `start_pos .. start_pos + tokens.len()`: the forward writes
     /// this step's K/V there and reads the row's context `0 .. start_pos` through it.
     pub blocks: Vec<RowBlocks>,
+    /// How to pick this row's tokens (meaningful only with `want_logits`).
+    pub sampling: RowSampling,
+}
+
+impl RowInput {
+    /// Positions the row gets a token for when it wants logits: `1 + draft`.
+    pub fn positions(&self) -> usize {
+        1 + self.draft
+    }
+}
+
+/// How a row's next tokens are picked; every implementation of [`Model`] samples with
+/// exactly these semantics (the host reference is
+/// [`crate::sampling::HostSampler`]): penalties over `seen`, then greedy or a
+/// temperature draw restricted by top-k, top-p and min-p, the draw for the row's
+/// position `j` taken at [`crate::sampling::uniform`]`(seed, index + j)` — a function of
+/// the request alone, never of its batch neighbours.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RowSampling {
+    pub params: SamplingParams,
+    pub seed: u64,
+    /// Index (among the request's generated tokens) of the token the row's first
+    /// position picks.
+    pub index: u64,
+    /// Return the picked token's logprob and the `n` most likely at every position.
+    pub logprobs: Option<usize>,
+    /// Distinct tokens the penalties apply to; empty unless `params` has penalties.
+    /// Repetition applies to each, presence and frequency to those generated.
+    pub seen: Vec<SeenToken>,
+}
+
+/// One token a request has seen, for penalties.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeenToken {
+    pub id: u32,
+    pub in_prompt: bool,
+    /// Times it was generated so far.
+    pub generated: u32,
+}
+
+/// What one forward picked: for each row with `want_logits`, in input order, the token
+/// at each of its positions (`1 + draft`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOutput {
+    pub rows: Vec<RowId>,
+    /// One per position, rows concatenated.
+    pub tokens: Vec<u32>,
+    /// Empty when no row asked for logprobs; otherwise one per position (None for
+    /// rows that did not ask).
+    pub logprobs: Vec<Option<TokenLogprob>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,24 +98,6 @@ pub struct ModelInfo {
     /// block count, SSM state slots. The scheduler's pool mirrors it exactly, so every
     /// block it accounts for exists.
     pub kv: KvGroups,
-}
-
-/// Host logits of one forward call.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Logits {
-    /// Row-major `[positions, vocab]`: one position per row in `rows`, `1 + draft` for a
-    /// row with a draft.
-    pub data: Vec<f32>,
-    /// The rows that asked for logits, in input order.
-    pub rows: Vec<RowId>,
-    pub vocab: usize,
-}
-
-impl Logits {
-    pub fn row(&self, i: usize) -> Option<&[f32]> {
-        let start = i.checked_mul(self.vocab)?;
-        self.data.get(start..start.checked_add(self.vocab)?)
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -84,15 +120,15 @@ pub trait Model {
     /// One batched forward: first `ops` (the step's copy-on-write block copies and state
     /// slot resets, in order), then each row appends `tokens` (a prefill chunk, or the
     /// token to decode and a draft) at positions `start_pos..`, its K/V written into the
-    /// slots its `blocks` name. Returns, for each row with `want_logits`, the logits of
-    /// its last position (all `1 + draft` positions for a row with a draft), in input
-    /// order, as one flat `Vec<f32>` plus the row order.
+    /// slots its `blocks` name. Then, for each row with `want_logits`, it samples its
+    /// last position (all `1 + draft` positions for a row with a draft) as the row's
+    /// [`RowSampling`] says and returns the picked tokens in input order.
     ///
     /// KV writes are not staged: they land in slots past each row's committed length or
     /// in blocks this step allocated, which a rollback returns to the pool as dead data.
     /// Anything else the model keeps per row (recurrent state) is staged: nothing of it
     /// is visible until `commit()`, and `rollback()` drops it.
-    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Logits, ModelError>;
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError>;
     fn commit(&mut self) -> Result<(), ModelError>;
     /// Whether `forward` takes rows with a draft (speculative decoding).
     fn supports_drafts(&self) -> bool {

@@ -43,11 +43,11 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    pub(crate) fn is_greedy(&self) -> bool {
+    pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0 || self.top_k == 1
     }
 
-    pub(crate) fn has_penalties(&self) -> bool {
+    pub fn has_penalties(&self) -> bool {
         self.repetition_penalty != 1.0
             || self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0

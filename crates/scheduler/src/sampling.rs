@@ -1,4 +1,9 @@
-//! Per-row sampling on the host.
+//! Sampling: what a row's next token is, given its logits and its
+//! [`RowSampling`]. This is the host implementation of the sampling half of
+//! the model contract ([`crate::Model::forward`] returns picked tokens, not
+//! logits): the fake model and models whose logits already live in host memory
+//! call [`HostSampler`]; a GPU model samples on its device with the same
+//! semantics and the same random draws ([`uniform`]).
 //!
 //! Randomness is indexed, not streamed: the draw for generated token `i` of a request
 //! comes from a ChaCha8 stream seeded by the request seed at word position `2 * i`. That
@@ -6,11 +11,12 @@
 //! roll back, so a seeded request's tokens do not depend on the batch, on retries after
 //! a failed step, or on preemption.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 
+use crate::model::{ModelError, RowInput, RowSampling, SeenToken, StepOutput};
 use crate::request::{SamplingParams, TokenLogprob};
 
 /// Candidates whose scaled logit is this far below the best one have relative
@@ -18,103 +24,156 @@ use crate::request::{SamplingParams, TokenLogprob};
 /// changes no practical outcome (and determinism is unaffected).
 const CANDIDATE_WINDOW: f32 = 23.0;
 
-/// Tokens seen so far by one request, for penalties. Built lazily: requests without
+/// The uniform draw in `[0, 1)` that picks generated token `index` of a request seeded
+/// with `seed` (ignored by greedy rows). Every sampler implementation uses exactly this
+/// draw, so host and device pick from the same point of the same distribution.
+pub fn uniform(seed: u64, index: u64) -> f64 {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_word_pos(u128::from(index) * 2);
+    (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Tokens seen so far by one request, for penalties, kept in the form the sampling
+/// contract hands down ([`RowSampling::seen`]). Built lazily: requests without
 /// penalties never pay for it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct PenaltyState {
-    pub prompt: HashSet<u32>,
-    pub generated: HashMap<u32, u32>,
+    pub seen: Vec<SeenToken>,
+    ix: HashMap<u32, usize>,
 }
 
 impl PenaltyState {
     pub fn new(prompt: &[u32], generated: &[u32]) -> Self {
-        let mut s = Self {
-            prompt: prompt.iter().copied().collect(),
-            generated: HashMap::new(),
-        };
+        let mut s = Self::default();
+        for &t in prompt {
+            s.entry(t).in_prompt = true;
+        }
         for &t in generated {
             s.push(t);
         }
         s
     }
 
+    fn entry(&mut self, t: u32) -> &mut SeenToken {
+        let seen = &mut self.seen;
+        let i = *self.ix.entry(t).or_insert_with(|| {
+            seen.push(SeenToken {
+                id: t,
+                in_prompt: false,
+                generated: 0,
+            });
+            seen.len() - 1
+        });
+        &mut self.seen[i]
+    }
+
     pub fn push(&mut self, t: u32) {
-        *self.generated.entry(t).or_insert(0) += 1;
+        self.entry(t).generated += 1;
     }
 }
 
+/// Scratch buffers one sampler reuses across rows and steps.
 #[derive(Debug, Default)]
-pub(crate) struct Scratch {
+pub struct Scratch {
     work: Vec<f32>,
     cand: Vec<(u32, f32)>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Sampled {
-    pub token: u32,
-    pub logprob: Option<TokenLogprob>,
+/// Samples on the host: the contract's reference implementation.
+#[derive(Debug, Default)]
+pub struct HostSampler {
+    scratch: Scratch,
 }
 
-pub(crate) struct SampleCtx<'a> {
-    pub params: &'a SamplingParams,
-    pub penalties: Option<&'a PenaltyState>,
-    pub seed: u64,
-    /// Index of the token being generated (0 for the first).
-    pub index: u64,
-    pub logprobs: Option<usize>,
+impl HostSampler {
+    /// Picks every wanted position of `batch` from host `logits` (row-major
+    /// `[positions, vocab]`, in input order: one position per row with `want_logits`,
+    /// `1 + draft` for a row with a draft). A row's position `j` draws generated token
+    /// `sampling.index + j`.
+    pub fn sample(
+        &mut self,
+        logits: &[f32],
+        vocab: usize,
+        batch: &[RowInput],
+    ) -> Result<StepOutput, ModelError> {
+        let positions: usize = batch
+            .iter()
+            .filter(|r| r.want_logits)
+            .map(RowInput::positions)
+            .sum();
+        if vocab == 0 || logits.len() != positions * vocab {
+            return Err(ModelError::Contract(format!(
+                "{} logits for {positions} positions of vocabulary {vocab}",
+                logits.len()
+            )));
+        }
+        let any_logprobs = batch
+            .iter()
+            .any(|r| r.want_logits && r.sampling.logprobs.is_some());
+        let mut out = StepOutput::default();
+        let mut chunks = logits.chunks_exact(vocab);
+        for r in batch.iter().filter(|r| r.want_logits) {
+            out.rows.push(r.row);
+            for j in 0..r.positions() {
+                let lg = chunks
+                    .next()
+                    .ok_or_else(|| ModelError::Contract("logits shorter than the batch".into()))?;
+                let (t, lp) = sample_position(lg, &r.sampling, j as u64, &mut self.scratch)
+                    .map_err(|e| ModelError::Failed(format!("sampling row {}: {e}", r.row)))?;
+                out.tokens.push(t);
+                if any_logprobs {
+                    out.logprobs.push(lp);
+                }
+            }
+        }
+        Ok(out)
+    }
 }
 
-pub(crate) fn sample(
+/// Picks the token of one position from its logits: the row's `offset`-th position
+/// (generated token `s.index + offset`), with its logprobs if the row asks for them.
+pub fn sample_position(
     logits: &[f32],
-    ctx: &SampleCtx<'_>,
+    s: &RowSampling,
+    offset: u64,
     scratch: &mut Scratch,
-) -> Result<Sampled, String> {
+) -> Result<(u32, Option<TokenLogprob>), String> {
     if logits.is_empty() {
         return Err("empty logits".into());
     }
-    let p = ctx.params;
-    let penalized: &[f32] = match ctx.penalties {
-        Some(pen) if p.has_penalties() => {
-            scratch.work.clear();
-            scratch.work.extend_from_slice(logits);
-            apply_penalties(&mut scratch.work, p, pen);
-            &scratch.work
-        }
-        _ => logits,
+    let p = &s.params;
+    let penalized: &[f32] = if p.has_penalties() && !s.seen.is_empty() {
+        scratch.work.clear();
+        scratch.work.extend_from_slice(logits);
+        apply_penalties(&mut scratch.work, p, &s.seen);
+        &scratch.work
+    } else {
+        logits
     };
     let token = if p.is_greedy() {
         argmax(penalized).ok_or("logits are all NaN")?
     } else {
-        let mut rng = ChaCha8Rng::seed_from_u64(ctx.seed);
-        rng.set_word_pos(u128::from(ctx.index) * 2);
-        let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        let u = uniform(s.seed, s.index + offset);
         draw(penalized, p, u, &mut scratch.cand)?
     };
-    let logprob = match ctx.logprobs {
+    let logprob = match s.logprobs {
         Some(n) => Some(logprobs(logits, token, n)?),
         None => None,
     };
-    Ok(Sampled { token, logprob })
+    Ok((token, logprob))
 }
 
-fn apply_penalties(x: &mut [f32], p: &SamplingParams, pen: &PenaltyState) {
-    if p.repetition_penalty != 1.0 {
-        let r = p.repetition_penalty;
-        let seen = pen
-            .prompt
-            .iter()
-            .chain(pen.generated.keys().filter(|t| !pen.prompt.contains(t)));
-        for &t in seen {
-            if let Some(v) = x.get_mut(t as usize) {
-                *v = if *v > 0.0 { *v / r } else { *v * r };
-            }
+fn apply_penalties(x: &mut [f32], p: &SamplingParams, seen: &[SeenToken]) {
+    for t in seen {
+        let Some(v) = x.get_mut(t.id as usize) else {
+            continue;
+        };
+        if p.repetition_penalty != 1.0 {
+            let r = p.repetition_penalty;
+            *v = if *v > 0.0 { *v / r } else { *v * r };
         }
-    }
-    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-        for (&t, &c) in &pen.generated {
-            if let Some(v) = x.get_mut(t as usize) {
-                *v -= p.presence_penalty + p.frequency_penalty * c as f32;
-            }
+        if t.generated > 0 {
+            *v -= p.presence_penalty + p.frequency_penalty * t.generated as f32;
         }
     }
 }
@@ -260,14 +319,17 @@ fn logprobs(x: &[f32], token: u32, n: usize) -> Result<TokenLogprob, String> {
 mod tests {
     use super::*;
 
-    fn ctx<'a>(p: &'a SamplingParams, index: u64) -> SampleCtx<'a> {
-        SampleCtx {
-            params: p,
-            penalties: None,
+    fn ctx(p: &SamplingParams, index: u64) -> RowSampling {
+        RowSampling {
+            params: p.clone(),
             seed: 7,
             index,
-            logprobs: None,
+            ..Default::default()
         }
+    }
+
+    fn sample(logits: &[f32], s: &RowSampling, scratch: &mut Scratch) -> Result<u32, String> {
+        sample_position(logits, s, 0, scratch).map(|(t, _)| t)
     }
 
     #[test]
@@ -275,7 +337,7 @@ mod tests {
         let p = SamplingParams::default();
         let mut s = Scratch::default();
         let out = sample(&[0.0, f32::NAN, 3.0, 3.0, 1.0], &ctx(&p, 0), &mut s).unwrap();
-        assert_eq!(out.token, 2);
+        assert_eq!(out, 2);
         // Long enough for the lane path, with ties across lanes and a NaN.
         let mut v: Vec<f32> = (0..100).map(|i| (i % 13) as f32).collect();
         v[3] = f32::NAN;
@@ -324,15 +386,15 @@ mod tests {
         let logits: Vec<f32> = (0..64).map(|i| (i % 7) as f32 * 0.3).collect();
         let mut s = Scratch::default();
         let a: Vec<u32> = (0..50)
-            .map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap().token)
+            .map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap())
             .collect();
         let b: Vec<u32> = (0..50)
             .rev()
-            .map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap().token)
+            .map(|i| sample(&logits, &ctx(&p, i), &mut s).unwrap())
             .collect();
         let b: Vec<u32> = b.into_iter().rev().collect();
         assert_eq!(a, b);
-        let distinct: HashSet<u32> = a.iter().copied().collect();
+        let distinct: std::collections::HashSet<u32> = a.iter().copied().collect();
         assert!(distinct.len() > 3, "temperature 1 should spread: {a:?}");
     }
 
@@ -367,7 +429,7 @@ mod tests {
             ),
         ] {
             for i in 0..200 {
-                let t = sample(&logits, &ctx(&params, i), &mut s).unwrap().token;
+                let t = sample(&logits, &ctx(&params, i), &mut s).unwrap();
                 assert!(allowed.contains(&t), "{params:?} drew {t}");
             }
         }
@@ -382,39 +444,33 @@ mod tests {
             frequency_penalty: 0.1,
             ..Default::default()
         };
-        let c = SampleCtx {
-            params: &p,
-            penalties: Some(&pen),
-            seed: 0,
-            index: 0,
-            logprobs: None,
+        let c = RowSampling {
+            params: p.clone(),
+            seen: pen.seen.clone(),
+            ..Default::default()
         };
-        assert_eq!(sample(&logits, &c, &mut s).unwrap().token, 1);
+        assert_eq!(sample(&logits, &c, &mut s).unwrap(), 1);
         let p = SamplingParams {
             presence_penalty: 0.05,
             ..Default::default()
         };
-        let c = SampleCtx {
-            params: &p,
-            penalties: Some(&pen),
-            seed: 0,
-            index: 0,
-            logprobs: None,
+        let c = RowSampling {
+            params: p.clone(),
+            seen: pen.seen.clone(),
+            ..Default::default()
         };
-        assert_eq!(sample(&logits, &c, &mut s).unwrap().token, 0);
+        assert_eq!(sample(&logits, &c, &mut s).unwrap(), 0);
         let pen = PenaltyState::new(&[0], &[]);
         let p = SamplingParams {
             repetition_penalty: 1.2,
             ..Default::default()
         };
-        let c = SampleCtx {
-            params: &p,
-            penalties: Some(&pen),
-            seed: 0,
-            index: 0,
-            logprobs: None,
+        let c = RowSampling {
+            params: p.clone(),
+            seen: pen.seen.clone(),
+            ..Default::default()
         };
-        assert_eq!(sample(&logits, &c, &mut s).unwrap().token, 1);
+        assert_eq!(sample(&logits, &c, &mut s).unwrap(), 1);
     }
 
     #[test]

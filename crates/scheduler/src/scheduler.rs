@@ -27,10 +27,12 @@ use crate::draft::{self, Seq};
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::metrics::{EngineMetrics, TenantMetrics};
 use crate::model::{Detokenizer, Model, ModelInfo, RowId, RowInput};
+use crate::model::{RowSampling, StepOutput};
+use crate::request::TokenLogprob;
 use crate::request::{
     EventStream, FinishReason, Finished, Msg, Request, RequestKey, StopMatch, SubmitError, Usage,
 };
-use crate::sampling::{sample, PenaltyState, SampleCtx, Sampled, Scratch};
+use crate::sampling::PenaltyState;
 use crate::util::{mix64, IdMap};
 use weft_kv_pool::{AttentionKind, KvError, KvPool, OwnerId, PrefixStats, Salt, SeqId, SeqSpec};
 
@@ -180,14 +182,16 @@ impl Req {
         s.is_greedy() && !s.has_penalties() && self.r.stop_strings.is_empty()
     }
 
-    /// How to sample the generated token `offset` places after those already committed.
-    fn sample_ctx(&self, offset: usize) -> SampleCtx<'_> {
-        SampleCtx {
-            params: &self.r.sampling,
-            penalties: self.penalties.as_ref(),
-            seed: self.seed,
-            index: (self.generated.len() + offset) as u64,
-            logprobs: self.r.logprobs,
+    /// Fills `s` with how this request's next tokens are picked (its first position
+    /// is the generated token after those already committed).
+    fn fill_sampling(&self, s: &mut RowSampling) {
+        s.params.clone_from(&self.r.sampling);
+        s.seed = self.seed;
+        s.index = self.generated.len() as u64;
+        s.logprobs = self.r.logprobs;
+        match &self.penalties {
+            Some(p) => s.seen.clone_from(&p.seen),
+            None => s.seen.clear(),
         }
     }
 
@@ -323,6 +327,13 @@ struct Plan {
     probation: bool,
 }
 
+/// One picked token of a step, with its logprobs if the request asked.
+#[derive(Debug, Clone, PartialEq)]
+struct Sampled {
+    token: u32,
+    logprob: Option<TokenLogprob>,
+}
+
 /// Staged outcome of one row in one step, applied only after the model committed.
 struct RowCommit {
     /// The sampled token and, for requests the engine detokenizes, their text update.
@@ -350,6 +361,16 @@ struct StepBufs {
     label_sums: Vec<(usize, usize)>,
     /// Prompt ++ generated of a joiner (prefix lookup and allocation).
     joiner: Vec<u32>,
+}
+
+/// Position `i` of a step's output as a staged token.
+fn picked(out: &StepOutput, i: usize, key: RequestKey) -> Result<Sampled, String> {
+    let token = *out
+        .tokens
+        .get(i)
+        .ok_or_else(|| format!("no token for request {}", key.0))?;
+    let logprob = out.logprobs.get(i).cloned().flatten();
+    Ok(Sampled { token, logprob })
 }
 
 /// `ceil(tokens / 2^shift)`: blocks holding `tokens` tokens (block sizes are powers of
@@ -401,7 +422,6 @@ pub struct Scheduler<M: Model> {
     /// Counter of the tenant whose queue emptied last; lifts a tenant that becomes
     /// backlogged while nobody else is.
     last_departed: f64,
-    scratch: Scratch,
     bufs: StepBufs,
     stats: Stats,
     metrics: EngineMetrics,
@@ -469,7 +489,6 @@ impl<M: Model> Scheduler<M> {
             next_seq: 0,
             probation: VecDeque::new(),
             last_departed: 0.0,
-            scratch: Scratch::default(),
             bufs: StepBufs::default(),
             stats: Stats::default(),
             metrics: EngineMetrics::new(),
@@ -1267,6 +1286,7 @@ impl<M: Model> Scheduler<M> {
                 want_logits: false,
                 draft: 0,
                 blocks: Vec::new(),
+                sampling: RowSampling::default(),
             });
         }
         for (p, input) in rows.iter().zip(inputs.iter_mut()) {
@@ -1281,6 +1301,9 @@ impl<M: Model> Scheduler<M> {
             if let Some(r) = self.reqs.at(p.slot) {
                 r.extend_tokens(p.start, p.n - p.draft, &mut input.tokens);
                 input.tokens.extend_from_slice(&r.draft[..p.draft]);
+                if p.want_logits {
+                    r.fill_sampling(&mut input.sampling);
+                }
             }
             // Exactly the tokens the row feeds; a draft's rejected tail is truncated
             // after sampling.
@@ -1309,7 +1332,7 @@ impl<M: Model> Scheduler<M> {
         if self.faults.hit(FaultPoint::AfterPlan) {
             return Err("injected fault after planning".into());
         }
-        let logits = self
+        let out = self
             .model
             .forward(self.pool.step_ops(), &inputs[..rows.len()])
             .map_err(|e| e.to_string())?;
@@ -1321,15 +1344,22 @@ impl<M: Model> Scheduler<M> {
             .filter(|p| p.want_logits)
             .map(|p| 1 + p.draft)
             .sum();
-        if logits.vocab != self.info.vocab_size
-            || logits.rows != *wanted
-            || logits.data.len() != positions * logits.vocab
+        let wants_logprobs = rows
+            .iter()
+            .any(|p| p.want_logits && self.reqs.at(p.slot).is_some_and(|r| r.r.logprobs.is_some()));
+        if out.rows != *wanted
+            || out.tokens.len() != positions
+            || !(out.logprobs.len() == positions || (out.logprobs.is_empty() && !wants_logprobs))
+            || out
+                .tokens
+                .iter()
+                .any(|&t| t as usize >= self.info.vocab_size)
         {
             return Err(format!(
-                "model returned logits for rows {:?} (vocab {}, {} values), expected rows {:?} (vocab {})",
-                logits.rows,
-                logits.vocab,
-                logits.data.len(),
+                "model returned {} tokens ({} logprobs) for rows {:?}, expected {positions} tokens for rows {:?} (vocab {})",
+                out.tokens.len(),
+                out.logprobs.len(),
+                out.rows,
                 wanted,
                 self.info.vocab_size
             ));
@@ -1363,9 +1393,7 @@ impl<M: Model> Scheduler<M> {
             let Some(r) = self.reqs.at_mut(p.slot) else {
                 return Err(format!("request {} vanished during the step", p.key.0));
             };
-            let lg = logits.row(li).ok_or("logits shorter than the batch")?;
-            let s = sample(lg, &r.sample_ctx(0), &mut self.scratch)
-                .map_err(|e| format!("sampling request {}: {e}", p.key.0))?;
+            let s = picked(&out, li, p.key)?;
 
             if i == book_fault_at && self.faults.hit(FaultPoint::CommitBookkeeping) {
                 return Err("injected fault during commit bookkeeping".into());
@@ -1401,9 +1429,7 @@ impl<M: Model> Scheduler<M> {
             let mut prev = t;
             while finish.is_none() && more.len() < p.draft && r.draft[more.len()] == prev {
                 let j = more.len() + 1;
-                let lg = logits.row(li + j).ok_or("logits shorter than the batch")?;
-                let s = sample(lg, &r.sample_ctx(j), &mut self.scratch)
-                    .map_err(|e| format!("sampling request {}: {e}", p.key.0))?;
+                let s = picked(&out, li + j, p.key)?;
                 let last = r.generated.len() + j + 1 >= r.r.max_tokens;
                 prev = s.token;
                 finish = r.token_finish(s.token, last, &self.info.eos_token_ids);
@@ -1686,7 +1712,11 @@ impl<M: Model> Scheduler<M> {
             r.penalties
                 .as_ref()
                 .map(|p| {
-                    let mut g: Vec<_> = p.generated.iter().collect();
+                    let mut g: Vec<_> = p
+                        .seen
+                        .iter()
+                        .map(|t| (t.id, t.in_prompt, t.generated))
+                        .collect();
                     g.sort();
                     g
                 })

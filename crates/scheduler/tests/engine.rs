@@ -9,8 +9,8 @@ use std::time::Duration;
 use common::*;
 use weft_scheduler::fake::{FakeDetokenizer, FakeModel};
 use weft_scheduler::{
-    Engine, EngineError, Event, EventStream, FinishReason, Finished, Logits, Model, ModelError,
-    ModelInfo, Request, RowId, RowInput, StorageOp, SubmitError,
+    Engine, EngineError, Event, EventStream, FinishReason, Finished, Model, ModelError, ModelInfo,
+    Request, RowId, RowInput, StepOutput, StorageOp, SubmitError,
 };
 
 /// Not `Send` (holds an `Rc`), like an MLX-backed model: proves the engine builds and
@@ -24,7 +24,7 @@ impl Model for ThreadBound {
     fn info(&self) -> ModelInfo {
         self.inner.info()
     }
-    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<Logits, ModelError> {
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
         self.inner.forward(ops, batch)
     }
     fn commit(&mut self) -> Result<(), ModelError> {

@@ -238,7 +238,8 @@ fn unsupported_kv_layouts_are_typed_errors() {
     use std::sync::Arc;
     use weft_scheduler::fake::FakeDetokenizer;
     use weft_scheduler::{
-        KvGroups, Logits, Model, ModelError, ModelInfo, RowId, RowInput, SchedulerError, StorageOp,
+        KvGroups, Model, ModelError, ModelInfo, RowId, RowInput, SchedulerError, StepOutput,
+        StorageOp,
     };
     struct Layout(KvGroups);
     impl Model for Layout {
@@ -250,7 +251,7 @@ fn unsupported_kv_layouts_are_typed_errors() {
                 kv: self.0.clone(),
             }
         }
-        fn forward(&mut self, _: &[StorageOp], _: &[RowInput]) -> Result<Logits, ModelError> {
+        fn forward(&mut self, _: &[StorageOp], _: &[RowInput]) -> Result<StepOutput, ModelError> {
             Err(ModelError::Failed("unused".into()))
         }
         fn commit(&mut self) -> Result<(), ModelError> {
