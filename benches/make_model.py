@@ -7,6 +7,7 @@ model class; a tokenizer.json whose vocabulary fits (e.g. the default model's)
 is copied beside it.
 
 Usage: python3 benches/make_model.py OUT_DIR --tokenizer path/tokenizer.json [--layers 22]
+       [--q-bits 4 --q-group 64]   (then quantized by mlx-lm's quantizer: affine, as mlx_lm.convert -q)
 """
 
 import argparse
@@ -30,6 +31,8 @@ def main():
     ap.add_argument("--ffn", type=int, default=5632)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--q-bits", type=int, default=0, help="quantize (affine) to this many bits; 0: bf16")
+    ap.add_argument("--q-group", type=int, default=64)
     a = ap.parse_args()
     cfg = {
         "model_type": "llama",
@@ -57,6 +60,13 @@ def main():
         if v.ndim == 2:
             params[k] = (mx.random.normal(v.shape) * 0.02).astype(mx.bfloat16)
     mx.eval(params)
+    if a.q_bits:
+        import mlx.nn as nn
+        model.load_weights(list(params.items()))
+        nn.quantize(model, group_size=a.q_group, bits=a.q_bits)
+        params = dict(tree_flatten(model.parameters()))
+        mx.eval(params)
+        cfg["quantization"] = {"group_size": a.q_group, "bits": a.q_bits, "mode": "affine"}
     os.makedirs(a.out, exist_ok=True)
     mx.save_safetensors(os.path.join(a.out, "model.safetensors"), params)
     with open(os.path.join(a.out, "config.json"), "w") as f:

@@ -7,11 +7,13 @@
 //! prefill split over two CPU lanes; `DECODE_T=k` times verify steps of k
 //! tokens per row; `LEAVE=n` makes n rows finish after every decode step (the
 //! step cost while rows leave the batch); `RAGGED=1` gives rows prompts of
-//! `prompt + row % 8` tokens.
+//! `prompt + row % 8` tokens; `SAMPLE=host` copies the logits to the host
+//! instead of picking greedy tokens on the device (the default). Each step's
+//! graph build and evaluation wait are reported apart.
 use std::time::Instant;
 
 use weft_kv_pool::{KvPool, OwnerId, Salt, SeqId, SeqSpec};
-use weft_models::{load, BatchRunner, KvMemory, Lanes, LoadOptions, RowBlocks, RowStep};
+use weft_models::{load, BatchRunner, KvMemory, Lanes, LoadOptions, RowBlocks, RowStep, SampleRow};
 
 fn env_num(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -93,8 +95,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "prefill B={b} T={p}: {:.1} ms",
         t0.elapsed().as_secs_f64() * 1e3
     );
+    let host_sampling = std::env::var("SAMPLE").is_ok_and(|v| v == "host");
     let mut live: Vec<usize> = (0..b).collect();
     let mut times = vec![];
+    let (mut build, mut eval) = (vec![], vec![]);
     for step in 0..steps {
         if live.is_empty() {
             break;
@@ -116,10 +120,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let q: Vec<SeqId> = live.iter().map(|&r| seqs[r]).collect();
         let t = Instant::now();
         let ops = plan(&mut pool, &q, &mut batch);
-        runner.forward(&ops, &batch)?;
+        if host_sampling {
+            runner.forward(&ops, &batch)?;
+        } else {
+            let greedy: Vec<SampleRow> = batch
+                .iter()
+                .map(|_| SampleRow {
+                    uniforms: vec![0.0; dt],
+                    ..Default::default()
+                })
+                .collect();
+            runner.forward_sampled(&ops, &batch, &greedy)?;
+        }
         runner.commit()?;
         pool.commit()?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
+        build.push(runner.last_timing().build.as_secs_f64() * 1e3);
+        eval.push(runner.last_timing().eval.as_secs_f64() * 1e3);
         for _ in 0..leave.min(live.len()) {
             if let Some(r) = live.pop() {
                 pool.release(seqs[r])?;
@@ -139,6 +156,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         times[n / 2],
         times[(n * 9 / 10).min(n - 1)],
         rows_done as f64 * dt as f64 * 1e3 / times.iter().sum::<f64>()
+    );
+    build.sort_by(|a, b| a.total_cmp(b));
+    eval.sort_by(|a, b| a.total_cmp(b));
+    println!(
+        "  graph build median {:.2} ms, evaluation wait median {:.2} ms ({} sampling)",
+        build[n / 2],
+        eval[n / 2],
+        if host_sampling { "host" } else { "device" }
     );
     Ok(())
 }

@@ -26,7 +26,9 @@ pub use lanes::Lanes;
 pub use linear::WeightPolicy;
 pub use llama::LlamaModel;
 pub use loader::{load, Device, LoadOptions, LoadedModel};
-pub use runner::{BatchRunner, RowId, RowStep, StepLogits, StepPicks, DEFAULT_BLOCK_SIZE};
+pub use runner::{
+    BatchRunner, RowId, RowStep, StepLogits, StepPicks, StepTiming, DEFAULT_BLOCK_SIZE,
+};
 pub use sampler::{PickLogprobs, Picked, SampleRow};
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use weft_kv_pool::{KvGroups, RowBlocks, StorageOp};

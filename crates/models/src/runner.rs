@@ -101,6 +101,16 @@ pub struct BatchRunner {
     lanes_used: usize,
     /// A forward ran and neither `commit` nor `rollback` followed yet.
     open: bool,
+    timing: StepTiming,
+}
+
+/// Where the last forward's wall time went: building the graph on the host
+/// (everything before the evaluation was requested) and waiting for the
+/// evaluation (device work not overlapped by the build, plus transfers).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTiming {
+    pub build: std::time::Duration,
+    pub eval: std::time::Duration,
 }
 
 /// Tokens per KV block unless configured otherwise.
@@ -115,6 +125,7 @@ impl BatchRunner {
             lanes: Lanes::single(),
             lanes_used: 0,
             open: false,
+            timing: StepTiming::default(),
         }
     }
 
@@ -135,6 +146,11 @@ impl BatchRunner {
     /// [`Lanes`]); a runner starts with one.
     pub fn set_lanes(&mut self, lanes: Lanes) {
         self.lanes = lanes;
+    }
+
+    /// Build and evaluation time of the last forward.
+    pub fn last_timing(&self) -> StepTiming {
+        self.timing
     }
 
     /// How many lanes the last step ran on (1 unless it was split).
@@ -165,6 +181,7 @@ impl BatchRunner {
     /// step is closed again before returning.
     pub fn forward(&mut self, ops: &[StorageOp], steps: &[RowStep]) -> Result<StepLogits> {
         self.guarded(|r| {
+            let t0 = std::time::Instant::now();
             let w = r.forward_wanted(ops, steps)?;
             let mut pending = w.pending;
             let logits = match w.logits {
@@ -172,7 +189,12 @@ impl BatchRunner {
                 None => None,
             };
             pending.extend(logits.iter().cloned());
+            let t1 = std::time::Instant::now();
             mlx_rs::transforms::eval(pending.iter())?;
+            r.timing = StepTiming {
+                build: t1 - t0,
+                eval: t1.elapsed(),
+            };
             drop(pending);
             let data = logits.map_or_else(Vec::new, |p| p.as_slice::<f32>().to_vec());
             Ok(StepLogits {
@@ -196,6 +218,7 @@ impl BatchRunner {
         sampling: &[SampleRow],
     ) -> Result<StepPicks> {
         self.guarded(|r| {
+            let t0 = std::time::Instant::now();
             let w = r.forward_wanted(ops, steps)?;
             if sampling.len() != w.rows.len()
                 || sampling
@@ -218,11 +241,16 @@ impl BatchRunner {
                 }
                 None => None,
             };
+            let t1 = std::time::Instant::now();
             mlx_rs::transforms::eval(pending.iter())?;
             drop(pending);
             let picked = match picks {
                 Some(p) => p.read()?,
                 None => Picked::default(),
+            };
+            r.timing = StepTiming {
+                build: t1 - t0,
+                eval: t1.elapsed(),
             };
             Ok(StepPicks {
                 rows: w.rows,

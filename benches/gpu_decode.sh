@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Stages the GPU decode runs of issue 14 (device sampling, pipelined and
+# compiled decode) for the device machine, under .gpustash/d1 and d2
+# (git-ignored): the runner's decode step (graph build vs evaluation wait,
+# device vs host sampling) and Weft's engine vs mlx-lm's BatchGenerator on
+# the ~1.2B random Llama, bf16 and 4-bit, which the device makes itself
+# (benches/make_model.py: mlx-lm's model class and quantizer). MLX's CUDA
+# build travels as .gpu/a and .gpu/b (../shared/gpu/prepare.sh staging).
+#
+#   bash benches/gpu_decode.sh     # here, after `cargo build --release -p weft-grpc -p weft-models --examples --bins`
+#   call 1: carry .gpu/a .gpustash/d1    bash .gpu/a/stash.sh && mkdir -p /root/ws && cp .gpustash/d1/* /root/ws/
+#   call 2: carry .gpu/b .gpustash/d2    bash .gpu/b/env.sh bash .gpustash/d2/run.sh
+#           STEPS=decode,engine,q4,server picks parts; STREAMS=1,8,32,64,128,256
+#           (call 2 within the machine's idle window after call 1)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.gpustash/' .git/info/exclude 2>/dev/null || echo '/.gpustash/' >> .git/info/exclude
+M=$(target/release/weft pull)
+rm -rf .gpustash/d1 .gpustash/d2 && mkdir -p .gpustash/d1 .gpustash/d2
+for b in weft examples/decode_timing; do
+  n=$(basename $b)
+  strip -o .gpustash/$n target/release/$b
+  xz -T0 -6 -c .gpustash/$n > .gpustash/d1/$n.xz && rm .gpustash/$n
+done
+cp "$M/tokenizer.json" .gpustash/d1/
+cat > .gpustash/d2/run.sh <<'EOS'
+#!/usr/bin/env bash
+set -e
+W=/root/ws; O=${OUT:-/tmp}; R=$O/gpu-decode.txt
+for n in weft decode_timing; do
+  [ -x /root/$n ] || { xz -d -c $W/$n.xz > /root/$n && chmod +x /root/$n; }
+done
+nvidia-smi -L | tee -a $R
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a $R || true
+export WEFT_OPENBLAS=0 PYTHONUNBUFFERED=1
+M=/root/m12; Q=/root/m12q4
+S=${STEPS:-decode,engine}
+[ -f $M/model.safetensors ] || python3 benches/make_model.py $M --tokenizer $W/tokenizer.json
+if [[ $S == *q4* ]] && [ ! -f $Q/model.safetensors ]; then
+  python3 benches/make_model.py $Q --tokenizer $W/tokenizer.json --q-bits 4 --q-group 64
+fi
+if [[ $S == *decode* ]]; then
+  for b in ${DECODE_ROWS:-1 64 128 256}; do
+    echo "== runner decode step, $b rows, 1.2B bf16, device sampling" | tee -a $R
+    /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+  done
+  echo "== runner decode step, 128 rows, host sampling" | tee -a $R
+  SAMPLE=host /root/decode_timing $M 128 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+fi
+if [[ $S == *engine* ]]; then
+  echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, prompt 128, gen 128" | tee -a $R
+  python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
+    --streams ${STREAMS:-1,8,32,64,128,256} --gen-tokens 128 2>&1 | tail -22 | tee -a $R
+fi
+if [[ $S == *q4* ]]; then
+  echo "== engine vs mlx-lm BatchGenerator, 1.2B 4-bit (affine g64), prompt 128, gen 128" | tee -a $R
+  python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
+    --streams ${STREAMS:-1,8,32,64,128,256} --gen-tokens 128 2>&1 | tail -22 | tee -a $R
+fi
+EOS
+chmod +x .gpustash/d2/run.sh
+du -sb .gpustash/d1 .gpustash/d2
