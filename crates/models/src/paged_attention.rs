@@ -8,7 +8,8 @@
 //! (row, query head, query position, context split) walks the row's block
 //! table, keeps an online softmax in registers and writes a partial result;
 //! the splits (chosen so that rows x heads x splits fill the GPU) are then
-//! combined with a handful of MLX ops. Query heads that share a KV head are
+//! merged by a second small kernel, in the query's dtype (two launches per
+//! layer instead of a chain of MLX reductions). Query heads that share a KV head are
 //! neighbouring warps of one thread block, so they read the same K/V lines
 //! through L1.
 //!
@@ -22,7 +23,7 @@
 
 use std::ffi::CString;
 
-use mlx_rs::{ops, Array, Dtype};
+use mlx_rs::{Array, Dtype};
 
 use crate::error::{ModelError, Result};
 
@@ -139,6 +140,44 @@ const SOURCE: &str = r#"
     }
 "#;
 
+/// Merges the splits of every warp's partial result in one launch (instead
+/// of a chain of MLX reductions): one warp per (row, head, query), each lane
+/// `HD / 32` output elements, written in the query's dtype.
+const COMBINE_SOURCE: &str = r#"
+    const int W = m_part_shape[0];
+    const int S = m_part_shape[1];
+    const int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (w >= W) {
+        return;
+    }
+    constexpr int E = HD / 32;
+    float mx = __int_as_float(0xff800000);
+    for (int s = 0; s < S; ++s) {
+        mx = fmaxf(mx, m_part[(size_t)w * S + s]);
+    }
+    float acc[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        acc[e] = 0.f;
+    }
+    float den = 0.f;
+    for (int s = 0; s < S; ++s) {
+        const size_t part = (size_t)w * S + s;
+        const float c = __expf(m_part[part] - mx);
+        den += c * l_part[part];
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            acc[e] += c * o_part[part * HD + lane * E + e];
+        }
+    }
+    const float inv = 1.f / den;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        out[(size_t)w * HD + lane * E + e] = acc[e] * inv;
+    }
+"#;
+
 /// Warps one thread block runs (neighbouring query heads of one KV head).
 const WARPS_PER_BLOCK: i32 = 4;
 /// Aim for at least this many warps in flight (an H200 has 132 SMs).
@@ -150,13 +189,120 @@ const MAX_SPLITS: usize = 64;
 
 /// The compiled kernel; lives on the engine thread with the model.
 pub struct PagedAttention {
-    kernel: mlx_sys::mlx_fast_cuda_kernel,
+    kernel: Kernel,
+    combine: Kernel,
 }
 
-impl Drop for PagedAttention {
+/// One NVRTC kernel object.
+struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
+
+impl Drop for Kernel {
     fn drop(&mut self) {
         // SAFETY: created by mlx_fast_cuda_kernel_new, freed once here.
-        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.kernel) };
+        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.0) };
+    }
+}
+
+impl Kernel {
+    fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str) -> Result<Self> {
+        let ins = strings(inputs)?;
+        let outs = strings(outputs)?;
+        let name = CString::new(name).map_err(|e| ModelError::Invalid(e.to_string()))?;
+        let source = CString::new(source).map_err(|e| ModelError::Invalid(e.to_string()))?;
+        let header = CString::new("").expect("static header");
+        // SAFETY: all arguments are live for the call; the vectors are freed
+        // after it (MLX copied them).
+        let kernel = unsafe {
+            let k = mlx_sys::mlx_fast_cuda_kernel_new(
+                name.as_ptr(),
+                ins,
+                outs,
+                source.as_ptr(),
+                header.as_ptr(),
+                true,
+                0,
+            );
+            mlx_sys::mlx_vector_string_free(ins);
+            mlx_sys::mlx_vector_string_free(outs);
+            k
+        };
+        if kernel.ctx.is_null() {
+            return Err(ModelError::Invalid(
+                "mlx_fast_cuda_kernel_new returned null".into(),
+            ));
+        }
+        Ok(Self(kernel))
+    }
+
+    /// Launches the kernel over `inputs`: `outputs` are (shape, dtype), the
+    /// grid and block are in threads, `ints` and `dtype` are template
+    /// arguments (the dtype is part of the compiled kernel's cache key).
+    fn apply(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        grid: (i32, i32),
+        threads: i32,
+        ints: &[(&str, i32)],
+        dtype: (&str, Dtype),
+    ) -> Result<Vec<Array>> {
+        let names: Vec<CString> = ints
+            .iter()
+            .map(|(n, _)| CString::new(*n))
+            .chain(std::iter::once(CString::new(dtype.0)))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| ModelError::Invalid(e.to_string()))?;
+        let ptrs: Vec<mlx_sys::mlx_array> = inputs.iter().map(|a| a.as_ptr()).collect();
+        // SAFETY: every handle is live for the call; the config and vectors
+        // are freed before returning; outputs are taken over by `Array`s.
+        unsafe {
+            let cfg = mlx_sys::mlx_fast_cuda_kernel_config_new();
+            for (shape, dt) in outputs {
+                mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+                    cfg,
+                    shape.as_ptr(),
+                    shape.len(),
+                    mlx_dtype(*dt),
+                );
+            }
+            mlx_sys::mlx_fast_cuda_kernel_config_set_grid(cfg, grid.0, grid.1, 1);
+            mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(cfg, threads, 1, 1);
+            for ((_, v), n) in ints.iter().zip(&names) {
+                mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg, n.as_ptr(), *v);
+            }
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                cfg,
+                names[ints.len()].as_ptr(),
+                mlx_dtype(dtype.1),
+            );
+            let inputs = mlx_sys::mlx_vector_array_new_data(ptrs.as_ptr(), ptrs.len());
+            let mut outs = mlx_sys::mlx_vector_array_new();
+            let stream = mlx_rs::Stream::thread_local_or_default();
+            let rc = mlx_sys::mlx_fast_cuda_kernel_apply(
+                &mut outs,
+                self.0,
+                inputs,
+                cfg,
+                stream.as_ptr(),
+            );
+            mlx_sys::mlx_vector_array_free(inputs);
+            mlx_sys::mlx_fast_cuda_kernel_config_free(cfg);
+            if rc != 0 {
+                mlx_sys::mlx_vector_array_free(outs);
+                return Err(ModelError::Invalid(
+                    "mlx_fast_cuda_kernel_apply failed".into(),
+                ));
+            }
+            let n = mlx_sys::mlx_vector_array_size(outs);
+            let mut v = Vec::with_capacity(n);
+            for i in 0..n {
+                let mut a = mlx_sys::mlx_array_new();
+                mlx_sys::mlx_vector_array_get(&mut a, outs, i);
+                v.push(Array::from_ptr(a));
+            }
+            mlx_sys::mlx_vector_array_free(outs);
+            Ok(v)
+        }
     }
 }
 
@@ -190,35 +336,22 @@ pub fn splits_for(warps: usize, keys: usize) -> usize {
 }
 
 impl PagedAttention {
-    /// Builds the kernel object (compilation happens at the first use).
+    /// Builds the kernel objects (compilation happens at the first use).
     pub fn new() -> Result<Self> {
-        let inputs = strings(&["q", "k_pool", "v_pool", "table", "start", "ntok"])?;
-        let outputs = strings(&["o_part", "m_part", "l_part"])?;
-        let name = CString::new("weft_paged_decode").expect("static name");
-        let source = CString::new(SOURCE).expect("static source");
-        let header = CString::new("").expect("static header");
-        // SAFETY: all arguments are live for the call; the vectors are freed
-        // after it (MLX copied them).
-        let kernel = unsafe {
-            let k = mlx_sys::mlx_fast_cuda_kernel_new(
-                name.as_ptr(),
-                inputs,
-                outputs,
-                source.as_ptr(),
-                header.as_ptr(),
-                true,
-                0,
-            );
-            mlx_sys::mlx_vector_string_free(inputs);
-            mlx_sys::mlx_vector_string_free(outputs);
-            k
-        };
-        if kernel.ctx.is_null() {
-            return Err(ModelError::Invalid(
-                "mlx_fast_cuda_kernel_new returned null".into(),
-            ));
-        }
-        Ok(Self { kernel })
+        Ok(Self {
+            kernel: Kernel::new(
+                "weft_paged_decode",
+                &["q", "k_pool", "v_pool", "table", "start", "ntok"],
+                &["o_part", "m_part", "l_part"],
+                SOURCE,
+            )?,
+            combine: Kernel::new(
+                "weft_paged_combine",
+                &["o_part", "m_part", "l_part"],
+                &["out"],
+                COMBINE_SOURCE,
+            )?,
+        })
     }
 
     /// Attention of `q` `[B, HQ, T, D]` (already scaled) over each row's
@@ -259,92 +392,37 @@ impl PagedAttention {
         let o_shape = [b, hq, t, s, d];
         let ml_shape = [b, hq, t, s];
         let dtype = q.dtype();
-        let (hd_n, bs_n, kvh_n, dt_n) = (
-            CString::new("HD").expect("static"),
-            CString::new("BS").expect("static"),
-            CString::new("KVH").expect("static"),
-            CString::new("DT").expect("static"),
-        );
-        let ins = [q, k_pool, v_pool, table, start, ntok];
-        let ptrs: Vec<mlx_sys::mlx_array> = ins.iter().map(|a| a.as_ptr()).collect();
-        // SAFETY: every handle is live for the call; the config and vectors
-        // are freed before returning; outputs are taken over by `Array`s.
-        let outs = unsafe {
-            let cfg = mlx_sys::mlx_fast_cuda_kernel_config_new();
-            mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
-                cfg,
-                o_shape.as_ptr(),
-                o_shape.len(),
-                mlx_sys::mlx_dtype__MLX_FLOAT32,
-            );
-            for _ in 0..2 {
-                mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
-                    cfg,
-                    ml_shape.as_ptr(),
-                    ml_shape.len(),
-                    mlx_sys::mlx_dtype__MLX_FLOAT32,
-                );
-            }
-            mlx_sys::mlx_fast_cuda_kernel_config_set_grid(cfg, grid_x, s, 1);
-            mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(cfg, threads, 1, 1);
-            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg, hd_n.as_ptr(), d);
-            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg, bs_n.as_ptr(), bs);
-            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg, kvh_n.as_ptr(), kvh);
-            // Part of the compiled kernel's cache key: the source's pointer
-            // types follow the inputs' dtype.
-            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
-                cfg,
-                dt_n.as_ptr(),
-                mlx_dtype(dtype),
-            );
-            let inputs = mlx_sys::mlx_vector_array_new_data(ptrs.as_ptr(), ptrs.len());
-            let mut outputs = mlx_sys::mlx_vector_array_new();
-            let stream = mlx_rs::Stream::thread_local_or_default();
-            let rc = mlx_sys::mlx_fast_cuda_kernel_apply(
-                &mut outputs,
-                self.kernel,
-                inputs,
-                cfg,
-                stream.as_ptr(),
-            );
-            mlx_sys::mlx_vector_array_free(inputs);
-            mlx_sys::mlx_fast_cuda_kernel_config_free(cfg);
-            if rc != 0 {
-                mlx_sys::mlx_vector_array_free(outputs);
-                return Err(ModelError::Invalid(
-                    "mlx_fast_cuda_kernel_apply failed (paged decode attention)".into(),
-                ));
-            }
-            let n = mlx_sys::mlx_vector_array_size(outputs);
-            let mut v = Vec::with_capacity(n);
-            for i in 0..n {
-                let mut a = mlx_sys::mlx_array_new();
-                mlx_sys::mlx_vector_array_get(&mut a, outputs, i);
-                v.push(Array::from_ptr(a));
-            }
-            mlx_sys::mlx_vector_array_free(outputs);
-            v
-        };
-        let [o, m, l]: [Array; 3] = outs
+        let parts = self.kernel.apply(
+            &[q, k_pool, v_pool, table, start, ntok],
+            &[
+                (&o_shape, Dtype::Float32),
+                (&ml_shape, Dtype::Float32),
+                (&ml_shape, Dtype::Float32),
+            ],
+            (grid_x, s),
+            threads,
+            &[("HD", d), ("BS", bs), ("KVH", kvh)],
+            ("DT", dtype),
+        )?;
+        let [o, m, l]: [Array; 3] = parts
             .try_into()
             .map_err(|_| ModelError::Invalid("paged decode: expected 3 outputs".into()))?;
-        combine(&o, &m, &l, s)?.as_dtype(dtype).map_err(Into::into)
+        // The combine kernel reads the parts as [W, S, D] and [W, S].
+        let w_all = b * hq * t;
+        let m = m.reshape(&[w_all, s])?;
+        let l = l.reshape(&[w_all, s])?;
+        let out_shape = [b, hq, t, d];
+        let mut out = self.combine.apply(
+            &[&o, &m, &l],
+            &[(&out_shape, dtype)],
+            (grid_x, 1),
+            threads,
+            &[("HD", d)],
+            ("DT", dtype),
+        )?;
+        out.pop()
+            .ok_or_else(|| ModelError::Invalid("paged combine: no output".into()))
     }
-}
-
-/// Merges per-split partial softmax results: `o` `[B, HQ, T, S, D]` (sums of
-/// `p * v`), `m` and `l` `[B, HQ, T, S]` (running max and sum of `p`).
-fn combine(o: &Array, m: &Array, l: &Array, splits: i32) -> Result<Array> {
-    if splits == 1 {
-        let o = o.squeeze_axes(&[3])?;
-        let l = l.squeeze_axes(&[3])?.expand_dims_axes(&[-1])?;
-        return Ok(ops::divide(&o, &l)?);
-    }
-    let mx = m.max_axes(&[-1], true)?;
-    let w = ops::exp(&ops::subtract(m, &mx)?)?;
-    let denom = ops::multiply(&w, l)?.sum_axes(&[-1], false)?;
-    let num = ops::multiply(o, &w.expand_dims_axes(&[-1])?)?.sum_axes(&[3], false)?;
-    Ok(ops::divide(&num, &denom.expand_dims_axes(&[-1])?)?)
 }
 
 #[cfg(test)]
