@@ -102,10 +102,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let start = Array::from_slice(&starts, &[b as i32]);
             let ntok = Array::from_slice(&ntok, &[b as i32]);
             let max_keys = ctx + t;
-            let qs = ops::multiply(&q, Array::from_f32(scale).as_dtype(Dtype::Bfloat16)?)?;
+            let qscale = Array::from_slice(&[scale], &[1]);
             let run_kernel = || -> Result<Array, Box<dyn std::error::Error>> {
                 let (kp, vp) = storage.dense_arrays(0)?;
-                Ok(kernel.decode(&qs, kp, vp, &table, &start, &ntok, max_keys)?)
+                Ok(kernel.decode(&q, kp, vp, &table, &start, &ntok, &qscale, max_keys)?)
             };
             let run_gather = || -> Result<Array, Box<dyn std::error::Error>> {
                 let (k, v) = storage.read(0, &layout)?;

@@ -370,8 +370,17 @@ impl KvStep<'_> {
                     .kernel
                     .as_ref()
                     .ok_or_else(|| ModelError::Invalid("paged kernel missing".into()))?;
-                let qs = ops::multiply(q, Array::from_f32(scale).as_dtype(q.dtype())?)?;
-                kernel.decode(&qs, kp, vp, &ki.table, &ki.start, &ki.ntok, ki.max_keys)
+                let scale = Array::from_slice(&[scale], &[1]);
+                kernel.decode(
+                    q,
+                    kp,
+                    vp,
+                    &ki.table,
+                    &ki.start,
+                    &ki.ntok,
+                    &scale,
+                    ki.max_keys,
+                )
             }
             Mode::Host => {
                 let (kp, vp) = storage.dense_arrays(layer).map_err(storage_err)?;

@@ -2,8 +2,8 @@
 
 use std::future::Future;
 
-use mlx_rs::fast;
 use mlx_rs::error::Exception;
+use mlx_rs::fast;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{ops, Array, Dtype};
 
@@ -48,6 +48,37 @@ impl Proj {
                     out.push(p.forward_async(x).await?);
                 }
                 Ok(out)
+            }
+        }
+    }
+
+    /// The projections as `[B, T, heads, head_dim]` per part (`heads[i]`
+    /// heads each). A fused output is reshaped once and split along the head
+    /// axis, so the parts are views of it (no copy per part).
+    async fn forward_heads(&self, x: &Array, heads: &[i32], head_dim: i32) -> Result<Vec<Array>> {
+        let (b, t) = (x.dim(0), x.dim(1));
+        match self {
+            Proj::Fused { lin, .. } => {
+                let total: i32 = heads.iter().sum();
+                let y = lin
+                    .forward_async(x)
+                    .await?
+                    .reshape(&[b, t, total, head_dim])?;
+                let mut at = Vec::with_capacity(heads.len());
+                let mut acc = 0;
+                for h in &heads[..heads.len() - 1] {
+                    acc += h;
+                    at.push(acc);
+                }
+                Ok(y.split_at_indices(&at, 2)?)
+            }
+            Proj::Separate(_) => {
+                let parts = self.forward(x).await?;
+                parts
+                    .into_iter()
+                    .zip(heads)
+                    .map(|(p, &h)| Ok(p.reshape(&[b, t, h, head_dim])?))
+                    .collect()
             }
         }
     }
@@ -102,9 +133,8 @@ struct Rope {
 /// `silu(g) * u` as one compiled (shapeless) MLX function: one fused
 /// elementwise kernel per layer on the GPU instead of three.
 fn fused_silu_mul(g: &Array, u: &Array) -> Result<Array> {
-    type Fused = Box<
-        dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>,
-    >;
+    type Fused =
+        Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
     fn stock((g, u): (&Array, &Array)) -> std::result::Result<Array, Exception> {
         ops::multiply(ops::multiply(g, ops::sigmoid(g)?)?, u)
     }
@@ -396,22 +426,29 @@ impl LlamaModel {
     ) -> Result<Array> {
         let c = &self.config;
         let (b, t) = (x.dim(0), x.dim(1));
-        let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
-            let y = y.reshape(&[b, t, n, c.head_dim])?;
+        let heads = |y: Array, norm: &Option<Array>| -> Result<Array> {
             let y = match norm {
                 Some(w) => fast::rms_norm(&y, Some(w), c.rms_norm_eps)?,
                 None => y,
             };
             Ok(y.transpose_axes(&[0, 2, 1, 3])?)
         };
-        let mut qkv = attn.qkv.forward(x).await?.into_iter();
+        let mut qkv = attn
+            .qkv
+            .forward_heads(
+                x,
+                &[c.num_heads, c.num_kv_heads, c.num_kv_heads],
+                c.head_dim,
+            )
+            .await?
+            .into_iter();
         let mut next = || {
             qkv.next()
                 .ok_or_else(|| ModelError::Invalid("qkv split".into()))
         };
-        let q = heads(next()?, c.num_heads, &attn.q_norm)?;
-        let k = heads(next()?, c.num_kv_heads, &attn.k_norm)?;
-        let v = heads(next()?, c.num_kv_heads, &None)?;
+        let q = heads(next()?, &attn.q_norm)?;
+        let k = heads(next()?, &attn.k_norm)?;
+        let v = heads(next()?, &None)?;
         let q = self.rope.apply(&q, offsets)?;
         let k = self.rope.apply(&k, offsets)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();

@@ -53,9 +53,10 @@ const SOURCE: &str = r#"
     float qv[E];
     float acc[E];
     const size_t qbase = ((size_t)(b * HQ + hq) * TQ + t) * HD + lane * E;
+    const float qscale = scale[0];
     #pragma unroll
     for (int e = 0; e < E; ++e) {
-        qv[e] = static_cast<float>(q[qbase + e]);
+        qv[e] = static_cast<float>(q[qbase + e]) * qscale;
         acc[e] = 0.f;
     }
     float m = __int_as_float(0xff800000);
@@ -341,7 +342,7 @@ impl PagedAttention {
         Ok(Self {
             kernel: Kernel::new(
                 "weft_paged_decode",
-                &["q", "k_pool", "v_pool", "table", "start", "ntok"],
+                &["q", "k_pool", "v_pool", "table", "start", "ntok", "scale"],
                 &["o_part", "m_part", "l_part"],
                 SOURCE,
             )?,
@@ -354,7 +355,8 @@ impl PagedAttention {
         })
     }
 
-    /// Attention of `q` `[B, HQ, T, D]` (already scaled) over each row's
+    /// Attention of `q` `[B, HQ, T, D]`, scaled by `scale` (`[1]` f32) in the
+    /// kernel, over each row's
     /// paged context. `k_pool`/`v_pool` are `[num_blocks, KVH, BS, D]`,
     /// `table` `[B, max_blocks]` int32, `start` and `ntok` `[B]` int32 (the
     /// row's length before the step and its tokens in the step; T >= every
@@ -369,6 +371,7 @@ impl PagedAttention {
         table: &Array,
         start: &Array,
         ntok: &Array,
+        scale: &Array,
         max_keys: usize,
     ) -> Result<Array> {
         let qs = q.shape();
@@ -393,7 +396,7 @@ impl PagedAttention {
         let ml_shape = [b, hq, t, s];
         let dtype = q.dtype();
         let parts = self.kernel.apply(
-            &[q, k_pool, v_pool, table, start, ntok],
+            &[q, k_pool, v_pool, table, start, ntok, scale],
             &[
                 (&o_shape, Dtype::Float32),
                 (&ml_shape, Dtype::Float32),
