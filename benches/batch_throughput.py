@@ -103,6 +103,9 @@ def main():
         for side, d in (("weft", w), ("mlx-lm BatchGenerator", m)):
             print(f"| {n} | {side} | {d['generation_tok_per_s']:.1f} | {d['steady_decode_tok_per_s']:.1f} "
                   f"| {d['ttft_p50_ms']:.0f} | {d['ttft_max_ms']:.0f} |")
+        if "steps" in w:
+            print(f"| {n} | weft per step: {w['steps']} steps, {w['step_ms']:.2f} ms wall, forward {w['forward_ms']:.2f} ms "
+                  f"(build {w['build_ms']:.2f}, eval wait {w['eval_ms']:.2f}) | | | | |")
         print(f"| {n} | **weft / mlx-lm** | **{w['generation_tok_per_s'] / m['generation_tok_per_s']:.2f}x** "
               f"| **{w['steady_decode_tok_per_s'] / m['steady_decode_tok_per_s']:.2f}x** | | |")
 

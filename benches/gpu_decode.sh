@@ -10,14 +10,14 @@
 #   bash benches/gpu_decode.sh     # here, after `cargo build --release -p weft-grpc -p weft-models --examples --bins`
 #   call 1: carry .gpu/a .gpustash/d1    bash .gpu/a/stash.sh && mkdir -p /root/ws && cp .gpustash/d1/* /root/ws/
 #   call 2: carry .gpu/b .gpustash/d2    bash .gpu/b/env.sh bash .gpustash/d2/run.sh
-#           STEPS=decode,engine,q4,server picks parts; STREAMS=1,8,32,64,128,256
+#           STEPS=kernel,decode,engine,q4 picks parts; STREAMS=1,8,32,64,128,256
 #           (call 2 within the machine's idle window after call 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.gpustash/' .git/info/exclude 2>/dev/null || echo '/.gpustash/' >> .git/info/exclude
 M=$(target/release/weft pull)
 rm -rf .gpustash/d1 .gpustash/d2 && mkdir -p .gpustash/d1 .gpustash/d2
-for b in weft examples/decode_timing; do
+for b in weft examples/decode_timing examples/paged_attention_check; do
   n=$(basename $b)
   strip -o .gpustash/$n target/release/$b
   xz -T0 -6 -c .gpustash/$n > .gpustash/d1/$n.xz && rm .gpustash/$n
@@ -27,7 +27,7 @@ cat > .gpustash/d2/run.sh <<'EOS'
 #!/usr/bin/env bash
 set -e
 W=/root/ws; O=${OUT:-/tmp}; R=$O/gpu-decode.txt
-for n in weft decode_timing; do
+for n in weft decode_timing paged_attention_check; do
   [ -x /root/$n ] || { xz -d -c $W/$n.xz > /root/$n && chmod +x /root/$n; }
 done
 nvidia-smi -L | tee -a $R
@@ -38,6 +38,10 @@ S=${STEPS:-decode,engine}
 [ -f $M/model.safetensors ] || python3 benches/make_model.py $M --tokenizer $W/tokenizer.json
 if [[ $S == *q4* ]] && [ ! -f $Q/model.safetensors ]; then
   python3 benches/make_model.py $Q --tokenizer $W/tokenizer.json --q-bits 4 --q-group 64
+fi
+if [[ $S == *kernel* ]]; then
+  echo "== paged kernel vs gather+SDPA (max abs error, times)" | tee -a $R
+  /root/paged_attention_check 1,64,256 512,2048 20 2>&1 | tee -a $R
 fi
 if [[ $S == *decode* ]]; then
   for b in ${DECODE_ROWS:-1 64 128 256}; do

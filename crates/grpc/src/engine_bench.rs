@@ -67,6 +67,13 @@ pub struct EngineBenchReport {
     pub draft_tokens: u64,
     pub accepted_tokens: u64,
     pub openblas: Option<String>,
+    /// Of the reported round: engine steps, and per step the wall time, the
+    /// model's forward (all of it), its graph build and its evaluation wait.
+    pub steps: u64,
+    pub step_ms: f64,
+    pub forward_ms: f64,
+    pub build_ms: f64,
+    pub eval_ms: f64,
 }
 
 pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
@@ -124,8 +131,10 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
     }
     let mut last = None;
     let mut before = weft_scheduler::Stats::default();
+    let mut times_before = runtime::forward_times();
     for round in 0..args.rounds.max(1) {
         before = engine.stats();
+        times_before = runtime::forward_times();
         // A tenant per round: no prefix reuse from the round before.
         last = Some(one_round(
             &engine,
@@ -145,7 +154,16 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         anyhow::bail!("no round ran");
     };
     let after = engine.stats();
+    let t = runtime::forward_times();
+    let calls = (t.calls - times_before.calls).max(1) as f64;
+    let per = |a: u64, b: u64| (a - b) as f64 / calls / 1e6;
+    let steps = after.steps - before.steps;
     let report = EngineBenchReport {
+        steps,
+        step_ms: wall * 1e3 / steps.max(1) as f64,
+        forward_ms: per(t.total_ns, times_before.total_ns),
+        build_ms: per(t.build_ns, times_before.build_ns),
+        eval_ms: per(t.eval_ns, times_before.eval_ns),
         draft_tokens: after.draft_tokens - before.draft_tokens,
         accepted_tokens: after.accepted_tokens - before.accepted_tokens,
         streams: args.streams,

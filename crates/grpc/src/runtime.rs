@@ -39,6 +39,51 @@ impl SampleOn {
     }
 }
 
+/// Where the engine's forward calls spent their time, summed over the
+/// process (all models): `weft bench-engine` reports per-step means from
+/// two snapshots, and the same split goes to the
+/// `weft_forward_{build,eval,other}_seconds` histograms.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ForwardTimes {
+    pub calls: u64,
+    /// Host time building the step's graph (inputs, layers, sampler).
+    pub build_ns: u64,
+    /// Waiting for the evaluation (device time the build did not hide).
+    pub eval_ns: u64,
+    /// The whole `Model::forward`, conversions and host sampling included.
+    pub total_ns: u64,
+}
+
+static FORWARD: [std::sync::atomic::AtomicU64; 4] = [
+    std::sync::atomic::AtomicU64::new(0),
+    std::sync::atomic::AtomicU64::new(0),
+    std::sync::atomic::AtomicU64::new(0),
+    std::sync::atomic::AtomicU64::new(0),
+];
+
+/// A snapshot of the process's [`ForwardTimes`].
+pub fn forward_times() -> ForwardTimes {
+    let r = |i: usize| FORWARD[i].load(std::sync::atomic::Ordering::Relaxed);
+    ForwardTimes {
+        calls: r(0),
+        build_ns: r(1),
+        eval_ns: r(2),
+        total_ns: r(3),
+    }
+}
+
+fn record_forward(t: weft_models::StepTiming, total: std::time::Duration) {
+    use std::sync::atomic::Ordering::Relaxed;
+    FORWARD[0].fetch_add(1, Relaxed);
+    FORWARD[1].fetch_add(t.build.as_nanos() as u64, Relaxed);
+    FORWARD[2].fetch_add(t.eval.as_nanos() as u64, Relaxed);
+    FORWARD[3].fetch_add(total.as_nanos() as u64, Relaxed);
+    metrics::histogram!("weft_forward_build_seconds").record(t.build.as_secs_f64());
+    metrics::histogram!("weft_forward_eval_seconds").record(t.eval.as_secs_f64());
+    metrics::histogram!("weft_forward_other_seconds")
+        .record(total.saturating_sub(t.build + t.eval).as_secs_f64());
+}
+
 /// `weft_models::BatchRunner` as the scheduler sees it.
 pub struct MlxModel {
     runner: BatchRunner,
@@ -141,6 +186,7 @@ impl Model for MlxModel {
     }
 
     fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
+        let t0 = std::time::Instant::now();
         let steps = &mut self.steps;
         if steps.len() < batch.len() {
             steps.resize_with(batch.len(), RowStep::default);
@@ -153,7 +199,38 @@ impl Model for MlxModel {
             s.draft = r.draft;
             s.blocks.clone_from(&r.blocks);
         }
-        let steps = &steps[..batch.len()];
+        let out = self.forward_steps(ops, batch);
+        if out.is_ok() {
+            record_forward(self.runner.last_timing(), t0.elapsed());
+        }
+        out
+    }
+
+    fn commit(&mut self) -> Result<(), ModelError> {
+        self.runner.commit().map_err(failed)
+    }
+
+    fn supports_drafts(&self) -> bool {
+        true
+    }
+
+    fn rollback(&mut self) {
+        self.runner.rollback();
+    }
+
+    /// Attention rows keep nothing beyond their KV blocks, which the
+    /// scheduler's pool releases.
+    fn release_row(&mut self, _row: RowId) {}
+}
+
+impl MlxModel {
+    /// The forward of [`Model::forward`] once `self.steps` holds the batch.
+    fn forward_steps(
+        &mut self,
+        ops: &[StorageOp],
+        batch: &[RowInput],
+    ) -> Result<StepOutput, ModelError> {
+        let steps = &self.steps[..batch.len()];
         match self.sample_on {
             SampleOn::Host => {
                 let out = self.runner.forward(ops, steps).map_err(failed)?;
@@ -193,22 +270,6 @@ impl Model for MlxModel {
             }
         }
     }
-
-    fn commit(&mut self) -> Result<(), ModelError> {
-        self.runner.commit().map_err(failed)
-    }
-
-    fn supports_drafts(&self) -> bool {
-        true
-    }
-
-    fn rollback(&mut self) {
-        self.runner.rollback();
-    }
-
-    /// Attention rows keep nothing beyond their KV blocks, which the
-    /// scheduler's pool releases.
-    fn release_row(&mut self, _row: RowId) {}
 }
 
 /// The tokenizer as the scheduler's detokenizer.

@@ -446,6 +446,12 @@ impl BatchRunner {
         };
         let logits = if picks.is_empty() {
             None
+        } else if picks.len() as i32 == all.dim(0)
+            && picks.iter().enumerate().all(|(i, &p)| i as i32 == p)
+        {
+            // Every position is wanted, in order (a decode step without
+            // padding): no gather.
+            Some(all)
         } else {
             let idx = Array::from_slice(&picks, &[picks.len() as i32]);
             Some(all.take_axis(&idx, 0)?)

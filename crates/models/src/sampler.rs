@@ -94,8 +94,11 @@ pub struct Picked {
 
 /// The sampler's graph over one step's logits, not yet evaluated.
 pub struct PendingPicks {
-    /// `[positions]` int32: the picked token of every position.
+    /// `[positions]` integer ids: the picked token of every position.
     pub tokens: Array,
+    /// `tokens` as uint32, what is read back (converted in the graph, so the
+    /// read needs no second evaluation).
+    out: Array,
     logprobs: Option<PendingLogprobs>,
 }
 
@@ -106,7 +109,7 @@ type PendingLogprobs = (Vec<usize>, Vec<usize>, Array, Array, Array);
 impl PendingPicks {
     /// The arrays an evaluation must produce.
     pub fn arrays(&self) -> Vec<Array> {
-        let mut v = vec![self.tokens.clone()];
+        let mut v = vec![self.out.clone()];
         if let Some((_, _, lp, ids, vals)) = &self.logprobs {
             v.extend([lp.clone(), ids.clone(), vals.clone()]);
         }
@@ -115,22 +118,17 @@ impl PendingPicks {
 
     /// Reads the evaluated picks.
     pub fn read(self) -> Result<Picked> {
-        let tokens: Vec<u32> = self
-            .tokens
-            .as_dtype(Dtype::Uint32)?
-            .as_slice::<u32>()
-            .to_vec();
+        let tokens: Vec<u32> = self.out.as_slice::<u32>().to_vec();
         let mut logprobs = Vec::new();
         if let Some((at, ns, lp, ids, vals)) = self.logprobs {
             logprobs = vec![None; tokens.len()];
             let lp = lp.as_slice::<f32>();
             let width = ids.dim(1).max(0) as usize;
-            let ids = ids.as_dtype(Dtype::Uint32)?;
-            let ids = ids.as_slice::<u32>();
+            let ids = ids.as_slice::<i32>();
             let vals = vals.as_slice::<f32>();
             for (k, (&p, &n)) in at.iter().zip(&ns).enumerate() {
                 let mut top: Vec<(u32, f32)> = (0..width)
-                    .map(|j| (ids[k * width + j], vals[k * width + j]))
+                    .map(|j| (ids[k * width + j].max(0) as u32, vals[k * width + j]))
                     .collect();
                 // Best first, ties by id (as the host sampler orders them).
                 top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -159,6 +157,19 @@ pub fn sample(logits: &Array, rows: &[SampleRow]) -> Result<PendingPicks> {
         return Err(ModelError::Invalid("a sampled row has no positions".into()));
     }
     let vocab = logits.dim(1);
+    // Plain greedy rows only: the first maximum of the logits as they are
+    // (exact in any float dtype), nothing else in the graph.
+    if rows
+        .iter()
+        .all(|r| r.is_greedy() && !r.penalized() && r.logprobs.is_none())
+    {
+        let out = argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?;
+        return Ok(PendingPicks {
+            tokens: out.clone(),
+            out,
+            logprobs: None,
+        });
+    }
     let raw = if logits.dtype() == Dtype::Float32 {
         logits.clone()
     } else {
@@ -300,5 +311,10 @@ pub fn sample(logits: &Array, rows: &[SampleRow]) -> Result<PendingPicks> {
         let vals = ops::subtract(&xr.take_along_axis(&top, -1)?, &lse)?;
         Some((at, ns, lp, top, vals))
     };
-    Ok(PendingPicks { tokens, logprobs })
+    let out = tokens.as_dtype(Dtype::Uint32)?;
+    Ok(PendingPicks {
+        tokens,
+        out,
+        logprobs,
+    })
 }

@@ -123,6 +123,12 @@ fn greedy_with_and_without_penalties_equals_the_host() {
         .map(|_| row_of(&contract(&plain, 0, 0, &[], None), 1))
         .collect();
     let base = device(&data, vocab, &unpenalized);
+    // All plain greedy: the argmax-only graph, also equal to the host.
+    for i in 0..n {
+        let plain_row = contract(&plain, 0, 0, &[], None);
+        let (want, _) = host(&data[i * vocab..(i + 1) * vocab], &plain_row, 0);
+        assert_eq!(base.tokens[i], want, "plain row {i}");
+    }
     assert!(got.tokens.iter().zip(&base.tokens).any(|(a, b)| a != b));
 }
 
