@@ -8,6 +8,12 @@ use crate::cpu_gemm::PackedWeight;
 use crate::error::{ModelError, Result};
 use crate::weights::Weights;
 
+/// Input rows (tokens) from which a quantized layer computes through a
+/// dequantized copy of its weight instead of MLX's quantized matmul, whose
+/// cost grows with the batch (on an H200, 4-bit decode at 64 rows ran ~4x
+/// slower than bf16; benches/RESULTS.md, issue 14).
+pub const QMM_MAX_ROWS: usize = 16;
+
 /// How weights are held in memory for compute, and the kernels that use them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WeightPolicy {
@@ -247,6 +253,9 @@ impl Linear {
         }
     }
 
+    /// `x @ W^T (+ bias)`. A quantized layer multiplies quantized up to
+    /// [`QMM_MAX_ROWS`] input rows, and dequantizes into a transient dense
+    /// weight for wider inputs.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (y, bias) = match self {
             Linear::Dense { weight, bias } => (ops::matmul(x, weight.t())?, bias),
@@ -257,10 +266,24 @@ impl Linear {
                 bias,
                 group_size,
                 bits,
-            } => (
-                ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?,
-                bias,
-            ),
+            } => {
+                let rows = x.size() / x.dim(-1).max(1) as usize;
+                let y = if rows >= QMM_MAX_ROWS {
+                    // MLX's quantized matmul reads the weights once per few
+                    // rows: a wide batch is faster dequantized in the step (one
+                    // read of the packed weights, one dense matmul).
+                    let w = ops::dequantize(weight, scales, biases, *group_size, *bits)?;
+                    let w = if w.dtype() == x.dtype() {
+                        w
+                    } else {
+                        w.as_dtype(x.dtype())?
+                    };
+                    ops::matmul(x, w.t())?
+                } else {
+                    ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?
+                };
+                (y, bias)
+            }
             Linear::Host { weight, bias } => (host_matmul(weight, &x.contiguous()?)?, bias),
         };
         with_bias(y, bias)
