@@ -54,12 +54,12 @@ fi
 if [[ $S == *engine* ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, prompt 128, gen 128" | tee -a $R
   python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
-    --streams ${STREAMS:-1,8,32,64,128,256} --gen-tokens 128 2>&1 | tail -22 | tee -a $R
+    --streams ${STREAMS:-1,8,32,64,128,256} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
 if [[ $S == *q4* ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B 4-bit (affine g64), prompt 128, gen 128" | tee -a $R
   python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
-    --streams ${STREAMS:-1,8,32,64,128,256} --gen-tokens 128 2>&1 | tail -22 | tee -a $R
+    --streams ${Q_STREAMS:-${STREAMS:-1,8,32,64,128,256}} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
 EOS
 chmod +x .gpustash/d2/run.sh
