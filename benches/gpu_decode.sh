@@ -42,6 +42,8 @@ fi
 if [[ $S == *kernel* ]]; then
   echo "== paged kernel vs gather+SDPA (max abs error, times)" | tee -a $R
   /root/paged_attention_check 1,64,256 512,2048 20 2>&1 | tee -a $R
+  HEADS=9,3,64 /root/paged_attention_check 1,64 512,2048 10 2>&1 | tee -a $R
+  HEADS=16,8,128 DECODE_T=4 /root/paged_attention_check 1,64 512,2048 10 2>&1 | tee -a $R
 fi
 if [[ $S == *decode* ]]; then
   for b in ${DECODE_ROWS:-1 64 128 256}; do

@@ -14,9 +14,19 @@ use weft_kv_pool::storage::{KvStorage, KvStorageConfig, RowStep as RowWrite, Ste
 use weft_kv_pool::{AttentionKind, BlockTable};
 use weft_models::paged_attention::PagedAttention;
 
-const HQ: i32 = 32;
-const H: i32 = 4;
-const D: i32 = 64;
+/// Query heads, KV heads and head_dim: `HEADS=32,4,64` (the 1.2B model's, the
+/// default), e.g. `HEADS=9,3,64` (SmolLM2-135M) or `HEADS=16,8,128`.
+fn heads() -> (i32, i32, i32) {
+    let v: Vec<i32> = std::env::var("HEADS")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|x| x.trim().parse().ok())
+        .collect();
+    match v[..] {
+        [hq, h, d] => (hq, h, d),
+        _ => (32, 4, 64),
+    }
+}
 const BS: usize = 16;
 
 fn list(arg: Option<&String>, default: &[usize]) -> Vec<usize> {
@@ -26,6 +36,9 @@ fn list(arg: Option<&String>, default: &[usize]) -> Vec<usize> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    #[allow(non_snake_case)]
+    let (HQ, H, D) = heads();
+    println!("heads {HQ} / kv heads {H} / head_dim {D}");
     let rows = list(args.get(1), &[1, 64, 256]);
     let ctxs = list(args.get(2), &[512, 2048, 8192]);
     let reps: usize = args.get(3).map_or(Ok(20), |s| s.parse())?;

@@ -158,7 +158,9 @@ impl PagedKv {
             groups,
             storage: vec![RefCell::new(storage)],
             layer_group: vec![0; shape.layers],
-            kernel: if gpu_kernel {
+            // The kernel keeps 8 elements of a head per lane: head_dim 64,
+            // 128 or 256; other shapes attend by gather + SDPA.
+            kernel: if gpu_kernel && matches!(shape.head_dim, 64 | 128 | 256) {
                 Some(PagedAttention::new()?)
             } else {
                 None

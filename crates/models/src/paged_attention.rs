@@ -34,110 +34,132 @@ const SOURCE: &str = r#"
     const int MAXB = table_shape[1];
     const int S = gridDim.y;
     const int s = blockIdx.y;
+    constexpr int E = 8;
+    constexpr int L = HD / E;
+    constexpr int KPW = 32 / L;
+    const int GRP = HQ / KVH;
+    const int NCH = GRP / GQ;
     const int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (w >= B * HQ * TQ) {
+    if (w >= B * KVH * NCH * TQ) {
         return;
     }
     const int t = w % TQ;
-    const int hq = (w / TQ) % HQ;
-    const int b = w / (TQ * HQ);
-    const int h = hq / (HQ / KVH);
+    const int ch = (w / TQ) % NCH;
+    const int h = (w / (TQ * NCH)) % KVH;
+    const int b = w / (TQ * NCH * KVH);
+    const int hq0 = h * GRP + ch * GQ;
     const int nt = ntok[b];
     const int tq = t < nt ? t : nt - 1;
     const int len = start[b] + tq + 1;
     const int chunk = ((MAXB * BS + S - 1) / S + BS - 1) / BS * BS;
     const int k0 = s * chunk;
     const int k1 = min(len, k0 + chunk);
-    constexpr int E = HD / 32;
-    float qv[E];
-    float acc[E];
-    const size_t qbase = ((size_t)(b * HQ + hq) * TQ + t) * HD + lane * E;
+    const int sub = lane % L;
+    const int kg = lane / L;
     const float qscale = scale[0];
+    const float NEG = __int_as_float(0xff800000);
+    float qv[GQ][E];
+    float acc[GQ][E];
+    float m[GQ];
+    float l[GQ];
     #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        qv[e] = static_cast<float>(q[qbase + e]) * qscale;
-        acc[e] = 0.f;
+    for (int g = 0; g < GQ; ++g) {
+        const size_t qb = ((size_t)(b * HQ + hq0 + g) * TQ + t) * HD + sub * E;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            qv[g][e] = static_cast<float>(q[qb + e]) * qscale;
+            acc[g][e] = 0.f;
+        }
+        m[g] = NEG;
+        l[g] = 0.f;
     }
-    float m = __int_as_float(0xff800000);
-    float l = 0.f;
     const int* row_table = table + (size_t)b * MAXB;
-    constexpr int U = 4;
-    int i = k0;
-    for (; i + U <= k1; i += U) {
-        float dot[U];
-        size_t base[U];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int key = i + u;
+    for (int kb = k0; kb < k1; kb += KPW) {
+        const int key = kb + kg;
+        const bool valid = key < k1;
+        float kv[E];
+        size_t base = 0;
+        if (valid) {
             const int blk = row_table[key / BS];
-            base[u] = (((size_t)blk * KVH + h) * BS + key % BS) * HD + lane * E;
-            float d = 0.f;
+            base = (((size_t)blk * KVH + h) * BS + key % BS) * HD + sub * E;
             #pragma unroll
             for (int e = 0; e < E; ++e) {
-                d += qv[e] * static_cast<float>(k_pool[base[u] + e]);
+                kv[e] = static_cast<float>(k_pool[base + e]);
             }
-            dot[u] = d;
-        }
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
-            }
-        }
-        float mn = m;
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            mn = fmaxf(mn, dot[u]);
-        }
-        const float c = __expf(m - mn);
-        l *= c;
-        #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            acc[e] *= c;
-        }
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const float p = __expf(dot[u] - mn);
-            l += p;
+        } else {
             #pragma unroll
             for (int e = 0; e < E; ++e) {
-                acc[e] += p * static_cast<float>(v_pool[base[u] + e]);
+                kv[e] = 0.f;
             }
         }
-        m = mn;
+        float d[GQ];
+        #pragma unroll
+        for (int g = 0; g < GQ; ++g) {
+            float x = 0.f;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                x += qv[g][e] * kv[e];
+            }
+            d[g] = x;
+        }
+        #pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) {
+            #pragma unroll
+            for (int g = 0; g < GQ; ++g) {
+                d[g] += __shfl_xor_sync(0xffffffffu, d[g], o);
+            }
+        }
+        if (valid) {
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                kv[e] = static_cast<float>(v_pool[base + e]);
+            }
+            #pragma unroll
+            for (int g = 0; g < GQ; ++g) {
+                const float mn = fmaxf(m[g], d[g]);
+                const float c = __expf(m[g] - mn);
+                const float p = __expf(d[g] - mn);
+                l[g] = l[g] * c + p;
+                #pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    acc[g][e] = acc[g][e] * c + p * kv[e];
+                }
+                m[g] = mn;
+            }
+        }
     }
-    for (; i < k1; ++i) {
-        const int blk = row_table[i / BS];
-        const size_t base = (((size_t)blk * KVH + h) * BS + i % BS) * HD + lane * E;
-        float d = 0.f;
-        #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            d += qv[e] * static_cast<float>(k_pool[base + e]);
-        }
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            d += __shfl_xor_sync(0xffffffffu, d, o);
-        }
-        const float mn = fmaxf(m, d);
-        const float c = __expf(m - mn);
-        const float p = __expf(d - mn);
-        l = l * c + p;
-        #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            acc[e] = acc[e] * c + p * static_cast<float>(v_pool[base + e]);
-        }
-        m = mn;
-    }
-    const size_t part = (size_t)w * S + s;
     #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        o_part[part * HD + lane * E + e] = acc[e];
+    for (int o = L; o < 32; o <<= 1) {
+        #pragma unroll
+        for (int g = 0; g < GQ; ++g) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float mn = fmaxf(m[g], mo);
+            const float c1 = m[g] == NEG ? 0.f : __expf(m[g] - mn);
+            const float c2 = mo == NEG ? 0.f : __expf(mo - mn);
+            l[g] = l[g] * c1 + lo * c2;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float ao = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+                acc[g][e] = acc[g][e] * c1 + ao * c2;
+            }
+            m[g] = mn;
+        }
     }
-    if (lane == 0) {
-        m_part[part] = m;
-        l_part[part] = l;
+    if (kg == 0) {
+        #pragma unroll
+        for (int g = 0; g < GQ; ++g) {
+            const size_t part = ((size_t)(b * HQ + hq0 + g) * TQ + t) * S + s;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                o_part[part * HD + sub * E + e] = acc[g][e];
+            }
+            if (sub == 0) {
+                m_part[part] = m[g];
+                l_part[part] = l[g];
+            }
+        }
     }
 "#;
 
@@ -376,9 +398,9 @@ impl PagedAttention {
     ) -> Result<Array> {
         let qs = q.shape();
         let ps = k_pool.shape();
-        if qs.len() != 4 || ps.len() != 4 || qs[3] != ps[3] || qs[3] % 32 != 0 || qs[3] > 256 {
+        if qs.len() != 4 || ps.len() != 4 || qs[3] != ps[3] || !matches!(qs[3], 64 | 128 | 256) {
             return Err(ModelError::Invalid(format!(
-                "paged decode: q {qs:?} / pool {ps:?} (head_dim must match, be a multiple of 32, at most 256)"
+                "paged decode: q {qs:?} / pool {ps:?} (head_dim must match and be 64, 128 or 256)"
             )));
         }
         let (b, hq, t, d) = (qs[0], qs[1], qs[2], qs[3]);
@@ -388,7 +410,14 @@ impl PagedAttention {
                 "paged decode: {hq} query heads over {kvh} KV heads"
             )));
         }
-        let warps = (b * hq * t) as usize;
+        // Query heads a warp serves (all its KV head's, up to 8: each lane
+        // keeps 8 elements of each one's query and output in registers).
+        let group = hq / kvh;
+        let gq = (1..=group.min(8))
+            .rev()
+            .find(|g| group % g == 0)
+            .unwrap_or(1);
+        let warps = (b * kvh * (group / gq) * t) as usize;
         let s = splits_for(warps, max_keys) as i32;
         let threads = 32 * WARPS_PER_BLOCK;
         let grid_x = (warps.div_ceil(WARPS_PER_BLOCK as usize) as i32) * threads;
@@ -404,7 +433,7 @@ impl PagedAttention {
             ],
             (grid_x, s),
             threads,
-            &[("HD", d), ("BS", bs), ("KVH", kvh)],
+            &[("HD", d), ("BS", bs), ("KVH", kvh), ("GQ", gq)],
             ("DT", dtype),
         )?;
         let [o, m, l]: [Array; 3] = parts
@@ -415,10 +444,11 @@ impl PagedAttention {
         let m = m.reshape(&[w_all, s])?;
         let l = l.reshape(&[w_all, s])?;
         let out_shape = [b, hq, t, d];
+        let combine_x = ((w_all as usize).div_ceil(WARPS_PER_BLOCK as usize) as i32) * threads;
         let mut out = self.combine.apply(
             &[&o, &m, &l],
             &[(&out_shape, dtype)],
-            (grid_x, 1),
+            (combine_x, 1),
             threads,
             &[("HD", d)],
             ("DT", dtype),
