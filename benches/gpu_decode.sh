@@ -10,7 +10,9 @@
 #   bash benches/gpu_decode.sh     # here, after `cargo build --release -p weft-grpc -p weft-models --examples --bins`
 #   call 1: carry .gpu/a .gpustash/d1    bash .gpu/a/stash.sh && mkdir -p /root/ws && cp .gpustash/d1/* /root/ws/
 #   call 2: carry .gpu/b .gpustash/d2    bash .gpu/b/env.sh bash .gpustash/d2/run.sh
-#           STEPS=kernel,decode,engine,q4 picks parts; STREAMS=1,8,32,64,128,256
+#           STEPS=kernel,decode,engine,q4,server picks parts; STREAMS=1,8,32,64,128,256;
+#           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
+#           two requests per stream, prompt 128, 128 generated)
 #           (call 2 within the machine's idle window after call 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +64,40 @@ if [[ $S == *q4* ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B 4-bit (affine g64), prompt 128, gen 128" | tee -a $R
   python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
     --streams ${Q_STREAMS:-${STREAMS:-1,8,32,64,128,256}} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
+fi
+if [[ $S == *server* ]]; then
+  echo "== weft serve vs mlx_lm.server, 1.2B bf16, prompt 128, 128 generated, 2 requests per stream" | tee -a $R
+  up() { python3 - "$1" <<'PY'
+import sys, time, urllib.request
+for _ in range(240):
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=1); sys.exit(0)
+    except Exception:
+        time.sleep(0.5)
+sys.exit(1)
+PY
+  }
+  A="--prompt-tokens 128 --max-tokens 128 --warmup 2 --quiet"
+  for n in ${SERVER_STREAMS:-64 256}; do
+    /root/weft serve --model $M --listen 127.0.0.1:50551 --metrics-listen 127.0.0.1:50553 --max-batch-rows $n > $O/weft-serve-$n.log 2>&1 &
+    P=$!
+    up http://127.0.0.1:50553/metrics
+    for _ in $(seq 240); do grep -q "ready" $O/weft-serve-$n.log && break; sleep 0.5; done
+    /root/weft bench --target grpc://127.0.0.1:50551 -c $n -n $((2 * n)) $A --json $O/weft-$n.json > /dev/null
+    kill -TERM $P; wait $P || true
+    python3 -m mlx_lm.server --model $M --port 50552 > $O/mlx-server-$n.log 2>&1 &
+    P=$!
+    up http://127.0.0.1:50552/v1/models
+    /root/weft bench --target http://127.0.0.1:50552 --api openai -c $n -n $((2 * n)) $A --json $O/mlx-$n.json > /dev/null
+    kill $P; wait $P || true
+    for side in weft mlx; do
+      python3 -c "
+import json; d=json.load(open('$O/$side-$n.json'))['overall']
+print(json.dumps({'side': '$side', 'streams': $n, 'ok': d.get('ok'), 'errors': d.get('errors'),
+  'output_tok_s': round(d.get('output_tokens_per_s', 0), 1), 'ttft_p50_ms': d['ttft_ms']['p50'],
+  'ttft_p99_ms': d['ttft_ms']['p99'], 'itl_p50_ms': d['itl_ms']['p50'], 'itl_p99_ms': d['itl_ms']['p99']}))" | tee -a $R
+    done
+  done
 fi
 EOS
 chmod +x .gpustash/d2/run.sh

@@ -46,6 +46,8 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         .set_buckets_for_metric(Matcher::Full(m::E2E.into()), E2E_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(m::QUEUE_TIME.into()), E2E_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(m::STEP_DURATION.into()), STEP_BUCKETS)?
+        // The model's share of a step: graph build, evaluation wait, the rest.
+        .set_buckets_for_metric(Matcher::Prefix("weft_forward_".into()), STEP_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(m::BATCH_SIZE.into()), m::BATCH_BUCKETS)?;
     let recorder = b.build_recorder();
     let handle = recorder.handle();
