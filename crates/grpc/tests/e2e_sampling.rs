@@ -3,8 +3,9 @@
 //! backend, the same ops a GPU runs) against one that samples on the host
 //! (the contract's reference implementation). Greedy tokens, with and
 //! without penalties, are identical; seeded draws use the same random point,
-//! so they agree too; logprobs match; and a seeded request decodes the same
-//! alone and beside other requests.
+//! so they agree too; logprobs match; a seeded request decodes the same
+//! alone and beside other requests; and steps that fail after the device
+//! sampled (injected faults) roll back and retry without changing a stream.
 
 mod common;
 
@@ -118,4 +119,36 @@ async fn device_sampling_streams_what_host_sampling_streams() {
         }
     }
     assert_eq!(want[4].logprobs.len(), 12, "logprobs were asked for");
+    drop(dev);
+
+    // Steps failing after the forward (its KV writes and device picks done),
+    // during sampling bookkeeping and before commit roll back and retry: the
+    // streams are still exactly the fault-free ones (seeded draws included,
+    // their randomness being indexed by token, not by attempt).
+    let faulty = Server::start_env(
+        &[],
+        &[
+            ("WEFT_SAMPLE_ON", "device"),
+            (
+                "WEFT_TEST_FAULTS",
+                "after_forward:3,after_forward:8-9,sampling:14,commit_bookkeeping:18",
+            ),
+        ],
+    )
+    .await;
+    let retried = run_all(&faulty, true).await;
+    let rollbacks =
+        metric(&faulty.metrics().await, "weft_step_rollbacks_total", &[]).unwrap_or(0.0);
+    assert!(
+        rollbacks >= 5.0,
+        "faults were injected: {rollbacks} rollbacks"
+    );
+    for (i, (w, r)) in want.iter().zip(&retried).enumerate() {
+        assert!(r.status.is_none(), "request {i}: {:?}", r.status);
+        assert_eq!(
+            r.ids, w.ids,
+            "request {i}: a rolled-back step changed the stream"
+        );
+        assert_eq!(r.logprobs.len(), w.logprobs.len(), "request {i}");
+    }
 }
