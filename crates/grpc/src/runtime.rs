@@ -82,6 +82,8 @@ fn record_forward(t: weft_models::StepTiming, total: std::time::Duration) {
     metrics::histogram!("weft_forward_eval_seconds").record(t.eval.as_secs_f64());
     metrics::histogram!("weft_forward_other_seconds")
         .record(total.saturating_sub(t.build + t.eval).as_secs_f64());
+    // The engine thread's compiled-function traces (retraces recompile).
+    metrics::counter!("weft_compile_traces_total").absolute(weft_models::compile_traces());
 }
 
 /// `weft_models::BatchRunner` as the scheduler sees it.

@@ -676,6 +676,7 @@ async fn metrics_families() {
         "weft_forward_build_seconds_bucket",
         "weft_forward_eval_seconds_bucket",
         "weft_forward_other_seconds_bucket",
+        "weft_compile_traces_total",
         "weft_batch_size_bucket",
         "weft_prompt_tokens_total",
         "weft_generation_tokens_total",

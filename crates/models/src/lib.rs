@@ -24,7 +24,7 @@ pub use error::ModelError;
 pub use kv::{KvMemory, KvShape, KvStep, PagedKv};
 pub use lanes::Lanes;
 pub use linear::WeightPolicy;
-pub use llama::LlamaModel;
+pub use llama::{compile_traces, LlamaModel};
 pub use loader::{load, Device, LoadOptions, LoadedModel};
 pub use runner::{
     BatchRunner, RowId, RowStep, StepLogits, StepPicks, StepTiming, DEFAULT_BLOCK_SIZE,

@@ -130,12 +130,25 @@ struct Rope {
     freqs: Option<Array>,
 }
 
+thread_local! {
+    static TRACES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many times this thread traced a compiled function (MLX runs a compiled
+/// function's Rust body only to trace it). Shapeless functions trace once per
+/// thread; more means shapes or dtypes are forcing retraces (each a compile),
+/// which the engine exports as `weft_compile_traces_total`.
+pub fn compile_traces() -> u64 {
+    TRACES.with(|t| t.get())
+}
+
 /// `silu(g) * u` as one compiled (shapeless) MLX function: one fused
 /// elementwise kernel per layer on the GPU instead of three.
 fn fused_silu_mul(g: &Array, u: &Array) -> Result<Array> {
     type Fused =
         Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
     fn stock((g, u): (&Array, &Array)) -> std::result::Result<Array, Exception> {
+        TRACES.with(|t| t.set(t.get() + 1));
         ops::multiply(ops::multiply(g, ops::sigmoid(g)?)?, u)
     }
     thread_local! {

@@ -85,7 +85,15 @@ const DENSE_F32_TUNED: WeightPolicy = WeightPolicy {
 
 #[test]
 fn llama_gqa_matches_mlx_lm() {
+    // Prefills of 5, 1 and 17 tokens and single-token decodes: the compiled
+    // (shapeless) MLP activation traces once on this thread, never again.
+    let before = weft_models::compile_traces();
     check("llama", false, DENSE_F32);
+    assert_eq!(
+        weft_models::compile_traces() - before,
+        1,
+        "the compiled MLP activation retraced across shapes"
+    );
 }
 
 #[test]
