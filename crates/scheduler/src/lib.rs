@@ -22,7 +22,8 @@
 //!    most ahead in fair share, then newest). Then prefill chunks of running rows in the
 //!    same keep order, shrunk to the token budget and free memory. Then joiners, picked
 //!    by virtual token counter (smallest first) and priority within a tenant.
-//! 3. Transaction: append to the KV pool, forward, sample, stage text and finish
+//! 3. Transaction: append to the KV pool, forward (the model samples each row as its
+//!    `RowSampling` says and returns ids), stage text and finish
 //!    decisions, model commit and pool commit, then apply (infallible). Any failure before the model's commit rolls back
 //!    the model and the pool and leaves the scheduler untouched, because nothing in it
 //!    is written until the apply; the step is retried. After `max_step_retries`
@@ -68,7 +69,7 @@
 //!   is the hit at first admission.
 //! - A step is one pool transaction: `begin`, `append_tokens` of exactly what each row
 //!   feeds, the rows' tables into [`RowInput::blocks`], `forward(step_ops, rows)`,
-//!   sampling, `truncate` of rejected draft tokens, model commit, pool commit (which
+//!   the picked ids checked, `truncate` of rejected draft tokens, model commit, pool commit (which
 //!   files newly full blocks in the prefix cache). A failure rolls back with
 //!   `rollback_after_writes`, since the forward may already have written storage.
 //! - Preemption frees what a victim alone references (shared prefix blocks stay). A

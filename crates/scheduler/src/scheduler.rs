@@ -1270,7 +1270,8 @@ impl<M: Model> Scheduler<M> {
     }
 
     /// One try of the step, as one pool transaction: append every row's tokens, hand the
-    /// model the step's storage ops and the rows' block tables, forward, sample, take
+    /// model the step's storage ops, the rows' block tables and sampling, forward (the
+    /// model returns picked ids), take
     /// rejected draft tokens back, commit model then pool. Touches nothing but the
     /// model's and the pool's staged state until the model has committed; after that
     /// nothing can fail.
