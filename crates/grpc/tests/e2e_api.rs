@@ -335,6 +335,18 @@ async fn logprobs_and_stop_strings() {
         pb::FinishReason::Stop
     );
     assert_eq!(out.text, "");
+    // Usage counts the ids returned: the stop token is neither.
+    assert_eq!(out.usage.as_ref().map(|u| u.generated_tokens), Some(0));
+    // One token, then the second greedy token stops.
+    assert_ne!(
+        base.ids[0], base.ids[1],
+        "the greedy output starts with a repeat"
+    );
+    let mut r = text_req("The capital of France is", 6);
+    r.stop_token_ids = vec![base.ids[1]];
+    let out = c.generate(r).await.unwrap().into_inner();
+    assert_eq!(out.ids, base.ids[..1].to_vec());
+    assert_eq!(out.usage.as_ref().map(|u| u.generated_tokens), Some(1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -369,15 +369,26 @@ impl Settings {
         Ok(())
     }
 
-    /// The open (no tenant file) mode is only for loopback.
+    /// The open (no tenant file) mode is only for loopback: neither the API nor
+    /// the metrics listener binds anything else without one.
     pub fn check_exposure(&self) -> anyhow::Result<()> {
-        if self.tenants.is_none() && !self.listen.ip().is_loopback() {
+        if self.tenants.is_some() {
+            return Ok(());
+        }
+        if !self.listen.ip().is_loopback() {
             bail!(
                 "refusing to serve {} without a tenant file: anyone who can reach that address \
                  could use the server. Pass --tenants PATH (or WEFT_TENANTS) with API keys \
                  (`weft hash-key <key>` makes their hashes), or listen on a loopback address \
                  such as 127.0.0.1",
                 self.listen
+            );
+        }
+        if let Some(m) = self.metrics_listen.filter(|m| !m.ip().is_loopback()) {
+            bail!(
+                "refusing to expose metrics on {m} without a tenant file: the open mode is for \
+                 loopback only. Pass --tenants PATH (or WEFT_TENANTS), or give --metrics-listen \
+                 a loopback address such as 127.0.0.1:9464 (or off)"
             );
         }
         Ok(())
@@ -555,6 +566,17 @@ mod tests {
         let s = Settings::resolve(args("--listen 0.0.0.0:50051 --tenants t.toml")).unwrap();
         assert!(s.check_exposure().is_ok());
         let s = Settings::resolve(args("--listen [::1]:50051")).unwrap();
+        assert!(s.check_exposure().is_ok());
+        // The metrics listener too.
+        let s = Settings::resolve(args("--metrics-listen 0.0.0.0:9464")).unwrap();
+        let e = s.check_exposure().unwrap_err().to_string();
+        assert!(
+            e.contains("metrics on 0.0.0.0:9464 without a tenant file"),
+            "{e}"
+        );
+        let s = Settings::resolve(args("--metrics-listen 0.0.0.0:9464 --tenants t.toml")).unwrap();
+        assert!(s.check_exposure().is_ok());
+        let s = Settings::resolve(args("--metrics-listen off")).unwrap();
         assert!(s.check_exposure().is_ok());
     }
 

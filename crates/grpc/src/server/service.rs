@@ -331,11 +331,11 @@ struct Flow {
 
 impl Flow {
     /// Accounts for a delta and drops stop token ids from it (the contract:
-    /// a stop token id ends generation and is not returned). Returns false
-    /// when nothing is left to send.
+    /// a stop token id ends generation and is not returned, and
+    /// `usage.generated_tokens` counts the ids returned). Returns false when
+    /// nothing is left to send.
     fn on_delta(&mut self, d: &mut TokenDelta) -> bool {
         self.first_token.get_or_insert_with(Instant::now);
-        self.generated += d.ids.len();
         if !self.stop_ids.is_empty() && d.ids.iter().any(|i| self.stop_ids.contains(i)) {
             let keep: Vec<bool> = d.ids.iter().map(|i| !self.stop_ids.contains(i)).collect();
             let mut k = keep.iter();
@@ -345,6 +345,7 @@ impl Flow {
                 lps.retain(|_| *k.next().unwrap_or(&true));
             }
         }
+        self.generated += d.ids.len();
         !(d.ids.is_empty() && d.text.is_empty())
     }
 
