@@ -96,6 +96,8 @@ pub struct MlxModel {
     host: HostSampler,
     /// Device sampling parameters of the rows that want logits, reused.
     sampling: Vec<SampleRow>,
+    /// Per step row: whether it follows the previous submitted step's pick.
+    follows: Vec<bool>,
 }
 
 impl MlxModel {
@@ -131,6 +133,7 @@ impl MlxModel {
             sample_on,
             host: HostSampler::default(),
             sampling: Vec::new(),
+            follows: Vec::new(),
         }
     }
 
@@ -189,23 +192,47 @@ impl Model for MlxModel {
 
     fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
         let t0 = std::time::Instant::now();
-        let steps = &mut self.steps;
-        if steps.len() < batch.len() {
-            steps.resize_with(batch.len(), RowStep::default);
-        }
-        for (s, r) in steps.iter_mut().zip(batch) {
-            s.row = r.row;
-            s.tokens.clone_from(&r.tokens);
-            s.start_pos = r.start_pos;
-            s.want_logits = r.want_logits;
-            s.draft = r.draft;
-            s.blocks.clone_from(&r.blocks);
-        }
+        self.fill_steps(batch);
         let out = self.forward_steps(ops, batch);
         if out.is_ok() {
             record_forward(self.runner.last_timing(), t0.elapsed());
         }
         out
+    }
+
+    /// Device sampling pipelines: the next step is queued with this one's picks
+    /// as its inputs before this one is read.
+    fn pipelines(&self) -> bool {
+        self.sample_on == SampleOn::Device
+    }
+
+    fn submit(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<(), ModelError> {
+        if self.sample_on != SampleOn::Device {
+            return Err(ModelError::Contract(
+                "pipelined steps need device sampling".into(),
+            ));
+        }
+        self.fill_steps(batch);
+        let n = self.fill_sampling(batch);
+        self.follows.clear();
+        self.follows.extend(batch.iter().map(|r| r.follows));
+        self.runner
+            .submit_sampled(
+                ops,
+                &self.steps[..batch.len()],
+                &self.sampling[..n],
+                &self.follows,
+            )
+            .map_err(failed)
+    }
+
+    fn collect(&mut self) -> Result<StepOutput, ModelError> {
+        let out = self.runner.collect().map_err(failed)?;
+        // The step's build, and the wait for its picks: what its evaluation did
+        // not overlap with the host's work in between.
+        let t = self.runner.last_timing();
+        record_forward(t, t.build + t.eval);
+        Ok(step_output(out))
     }
 
     fn commit(&mut self) -> Result<(), ModelError> {
@@ -225,7 +252,59 @@ impl Model for MlxModel {
     fn release_row(&mut self, _row: RowId) {}
 }
 
+/// The device sampler's picks as the contract's output.
+fn step_output(out: weft_models::StepPicks) -> StepOutput {
+    let logprobs = out
+        .picked
+        .logprobs
+        .into_iter()
+        .zip(&out.picked.tokens)
+        .map(|(lp, &id)| {
+            lp.map(|lp| TokenLogprob {
+                id,
+                logprob: lp.logprob,
+                top: lp.top,
+            })
+        })
+        .collect();
+    StepOutput {
+        rows: out.rows,
+        tokens: out.picked.tokens,
+        logprobs,
+    }
+}
+
 impl MlxModel {
+    /// Copies the batch into the runner's row form.
+    fn fill_steps(&mut self, batch: &[RowInput]) {
+        let steps = &mut self.steps;
+        if steps.len() < batch.len() {
+            steps.resize_with(batch.len(), RowStep::default);
+        }
+        for (s, r) in steps.iter_mut().zip(batch) {
+            s.row = r.row;
+            s.tokens.clone_from(&r.tokens);
+            s.start_pos = r.start_pos;
+            s.want_logits = r.want_logits;
+            s.draft = r.draft;
+            s.blocks.clone_from(&r.blocks);
+        }
+    }
+
+    /// The device sampler's rows for the batch's rows that want logits; returns
+    /// how many.
+    fn fill_sampling(&mut self, batch: &[RowInput]) -> usize {
+        let wanted = batch.iter().filter(|r| r.want_logits);
+        let n = wanted.clone().count();
+        if self.sampling.len() < n {
+            self.sampling.resize_with(n, SampleRow::default);
+        }
+        for (r, s) in wanted.zip(self.sampling.iter_mut()) {
+            fill_sample_row(r, s);
+        }
+        n
+    }
+
     /// The forward of [`Model::forward`] once `self.steps` holds the batch.
     fn forward_steps(
         &mut self,
@@ -239,36 +318,12 @@ impl MlxModel {
                 self.host.sample(&out.data, out.vocab, batch)
             }
             SampleOn::Device => {
-                let wanted = batch.iter().filter(|r| r.want_logits);
-                let n = wanted.clone().count();
-                if self.sampling.len() < n {
-                    self.sampling.resize_with(n, SampleRow::default);
-                }
-                for (r, s) in wanted.zip(self.sampling.iter_mut()) {
-                    fill_sample_row(r, s);
-                }
+                let n = self.fill_sampling(batch);
                 let out = self
                     .runner
-                    .forward_sampled(ops, steps, &self.sampling[..n])
+                    .forward_sampled(ops, &self.steps[..batch.len()], &self.sampling[..n])
                     .map_err(failed)?;
-                let logprobs = out
-                    .picked
-                    .logprobs
-                    .into_iter()
-                    .zip(&out.picked.tokens)
-                    .map(|(lp, &id)| {
-                        lp.map(|lp| TokenLogprob {
-                            id,
-                            logprob: lp.logprob,
-                            top: lp.top,
-                        })
-                    })
-                    .collect();
-                Ok(StepOutput {
-                    rows: out.rows,
-                    tokens: out.picked.tokens,
-                    logprobs,
-                })
+                Ok(step_output(out))
             }
         }
     }

@@ -423,6 +423,44 @@ impl BlockPool {
         self.evicted.clear();
     }
 
+    /// Forgets the undo records and evictions before the marks (an older step
+    /// committed while a younger one stays open).
+    pub(crate) fn drain_journal(&mut self, journal: usize, evicted: usize) {
+        self.journal.drain(..journal.min(self.journal.len()));
+        self.evicted.drain(..evicted.min(self.evicted.len()));
+    }
+
+    pub(crate) fn evicted_len(&self) -> usize {
+        self.evicted.len()
+    }
+
+    /// [`Self::forget_evicted`] for the blocks evicted since `mark`, by a
+    /// younger step undone while an older one stays open: the changes are
+    /// journaled into the older step and the blocks stay listed as evicted,
+    /// so undoing the older step forgets them as well.
+    pub(crate) fn forget_evicted_since(&mut self, mark: usize) {
+        let blocks: Vec<BlockId> = self.evicted[mark.min(self.evicted.len())..].to_vec();
+        for b in blocks {
+            let m = self.meta[b as usize];
+            if m.place != Place::Cached {
+                continue;
+            }
+            if let Some(h) = m.hash {
+                self.remove_entry(h);
+            }
+            self.unlink(b);
+            let m = self.meta[b as usize];
+            self.set_meta(b, Meta { hash: None, ..m });
+            self.push_front_free(b);
+        }
+    }
+
+    /// Drops the evictions listed since `mark` (their step was undone before
+    /// anything was written).
+    pub(crate) fn truncate_evicted(&mut self, mark: usize) {
+        self.evicted.truncate(mark);
+    }
+
     /// After a rollback: blocks the undone work had evicted from the prefix
     /// cache are back on the cached list with their entries, but a forward
     /// pass may have overwritten their contents since. They become free

@@ -107,4 +107,14 @@ pub enum KvError {
         /// Shortest length it may be cut to.
         floor: usize,
     },
+    /// [`crate::KvPool::set_tokens`] outside what the newest open step appended.
+    #[error("cannot overwrite {len} tokens of sequence {seq:?} at {pos}: only tokens the newest open step appended can be replaced")]
+    BadTokens {
+        /// The sequence.
+        seq: SeqId,
+        /// First position to overwrite.
+        pos: usize,
+        /// Tokens to overwrite.
+        len: usize,
+    },
 }

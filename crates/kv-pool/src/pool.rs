@@ -355,6 +355,24 @@ enum SeqUndo {
         index: u32,
         removed: Vec<u32>,
     },
+    TokensSet {
+        index: u32,
+        pos: usize,
+        old: Vec<u32>,
+    },
+}
+
+/// Where a younger step began (see [`KvPool::begin`]): the lengths of every
+/// journal and list, and the prefix counters, to undo it or to commit the step
+/// below it.
+#[derive(Debug, Clone)]
+struct Younger {
+    journal: usize,
+    slots: usize,
+    groups: Vec<(usize, usize)>,
+    ops: usize,
+    dirty: usize,
+    prefix: PrefixStats,
 }
 
 struct Hit {
@@ -416,6 +434,8 @@ pub struct KvPool {
     txn_prefix: PrefixStats,
     txn_ops_len: usize,
     marks: Vec<usize>,
+    /// A second step opened on top of the first (pipelined engine steps).
+    younger: Option<Younger>,
 }
 
 /// First logical block a sequence of `len` tokens still needs in a group:
@@ -463,6 +483,7 @@ impl KvPool {
             txn_prefix: PrefixStats::default(),
             txn_ops_len: 0,
             marks: Vec::new(),
+            younger: None,
         })
     }
 
@@ -894,10 +915,31 @@ impl KvPool {
     // ----- steps -----------------------------------------------------------
 
     /// Opens a step. Everything until [`commit`](Self::commit) or
-    /// [`rollback`](Self::rollback) is staged.
+    /// [`rollback`](Self::rollback) is staged. With one step open, opens a
+    /// second on top of it (a pipelined engine plans step n+1 while step n
+    /// computes); with two open, refused.
     pub fn begin(&mut self) -> Result<(), KvError> {
         if self.in_txn {
-            return Err(KvError::TransactionOpen);
+            if self.younger.is_some() {
+                return Err(KvError::TransactionOpen);
+            }
+            // A new epoch: sequences the younger step appends to record their
+            // length at its start (`base_len`), which bounds what committing the
+            // older step files in the prefix cache.
+            self.epoch += 1;
+            self.younger = Some(Younger {
+                journal: self.journal.len(),
+                slots: self.slots.journal_len(),
+                groups: self
+                    .groups
+                    .iter()
+                    .map(|g| (g.journal_len(), g.evicted_len()))
+                    .collect(),
+                ops: self.ops.len(),
+                dirty: self.dirty.len(),
+                prefix: self.prefix,
+            });
+            return Ok(());
         }
         self.in_txn = true;
         self.epoch += 1;
@@ -906,17 +948,74 @@ impl KvPool {
         Ok(())
     }
 
-    /// Closes the step: files newly filled blocks in the prefix cache and
-    /// returns every pending storage operation, in order.
+    /// Steps open: 0, 1, or 2 while a younger step is stacked on an older one.
+    pub fn open_steps(&self) -> usize {
+        usize::from(self.in_txn) + usize::from(self.younger.is_some())
+    }
+
+    /// Closes the oldest open step: files newly filled blocks in the prefix
+    /// cache and returns every pending storage operation, in order. With a
+    /// younger step open, only the older step's part is committed: blocks are
+    /// filed up to each sequence's length when the younger step began (what
+    /// the younger step appended is not computed yet and may hold
+    /// placeholders, [`set_tokens`](Self::set_tokens)), the operations
+    /// returned are those recorded before it began, and the younger step stays
+    /// open: undoing it later restores the state right after this commit.
     pub fn commit(&mut self) -> Result<Vec<StorageOp>, KvError> {
         if !self.in_txn {
             return Err(KvError::NoTransaction);
+        }
+        if let Some(y) = self.younger.take() {
+            let older: Vec<SeqId> = self.dirty.drain(..y.dirty).collect();
+            self.register(&older, true);
+            self.journal.drain(..y.journal);
+            self.slots.drain_journal(y.slots);
+            for (g, &(j, e)) in self.groups.iter_mut().zip(&y.groups) {
+                g.drain_journal(j, e);
+            }
+            let rest = self.ops.split_off(y.ops);
+            self.txn_ops_len = 0;
+            self.txn_prefix = y.prefix;
+            return Ok(std::mem::replace(&mut self.ops, rest));
         }
         self.finish_step();
         self.clear_journals();
         self.in_txn = false;
         self.txn_ops_len = 0;
         Ok(std::mem::take(&mut self.ops))
+    }
+
+    /// Overwrites `tokens` of `seq` from position `pos`: tokens the newest
+    /// open step appended as placeholders (their ids were not known yet, a
+    /// pipelined step feeding the previous one's picks) get their real ids
+    /// before that step commits and files them in the prefix cache. Refused
+    /// unless every position lies in what the newest open step appended.
+    /// Undone with the step. A sequence without a salt keeps no token ids:
+    /// nothing to overwrite.
+    pub fn set_tokens(&mut self, seq: SeqId, pos: usize, tokens: &[u32]) -> Result<(), KvError> {
+        let idx = self.resolve(seq)?;
+        let epoch = self.epoch;
+        let in_txn = self.in_txn;
+        let s = self.slab[idx].seq.as_mut().expect("resolved");
+        let end = pos + tokens.len();
+        if !in_txn || s.hdr.dirty_epoch != epoch || pos < s.hdr.base_len || end > s.hdr.len {
+            return Err(KvError::BadTokens {
+                seq,
+                pos,
+                len: tokens.len(),
+            });
+        }
+        if s.salt.is_none() || tokens.is_empty() {
+            return Ok(());
+        }
+        let old = s.tokens[pos..end].to_vec();
+        s.tokens[pos..end].copy_from_slice(tokens);
+        self.journal.push(SeqUndo::TokensSet {
+            index: idx as u32,
+            pos,
+            old,
+        });
+        Ok(())
     }
 
     /// Undoes the step: the state is exactly what it was at
@@ -944,6 +1043,22 @@ impl KvPool {
         if !self.in_txn {
             return Err(KvError::NoTransaction);
         }
+        if let Some(y) = self.younger.take() {
+            self.undo_seqs(y.journal);
+            self.slots.rollback_to(y.slots);
+            for (g, &(j, e)) in self.groups.iter_mut().zip(&y.groups) {
+                g.rollback_to(j);
+                if written {
+                    g.forget_evicted_since(e);
+                } else {
+                    g.truncate_evicted(e);
+                }
+            }
+            self.ops.truncate(y.ops);
+            self.dirty.truncate(y.dirty);
+            self.prefix = y.prefix;
+            return Ok(());
+        }
         self.undo_seqs(0);
         self.slots.rollback_to(0);
         for g in &mut self.groups {
@@ -968,6 +1083,9 @@ impl KvPool {
     pub fn take_ops(&mut self) -> Vec<StorageOp> {
         if self.in_txn {
             let rest = self.ops.split_off(self.txn_ops_len);
+            if let Some(y) = &mut self.younger {
+                y.ops -= self.txn_ops_len;
+            }
             self.txn_ops_len = 0;
             std::mem::replace(&mut self.ops, rest)
         } else {
@@ -980,7 +1098,9 @@ impl KvPool {
     /// forward pass is safe even if the step then rolls back: the blocks go
     /// back to the pool holding dead data.
     pub fn step_ops(&self) -> &[StorageOp] {
-        if self.in_txn {
+        if let Some(y) = &self.younger {
+            &self.ops[y.ops.min(self.ops.len())..]
+        } else if self.in_txn {
             &self.ops[self.txn_ops_len.min(self.ops.len())..]
         } else {
             &[]
@@ -1324,9 +1444,18 @@ impl KvPool {
 
     /// Files the full blocks of sequences that appended in this step.
     fn finish_step(&mut self) {
-        let bs = self.block_size;
         let mut dirty = std::mem::take(&mut self.dirty);
-        for &id in &dirty {
+        self.register(&dirty, false);
+        dirty.clear();
+        self.dirty = dirty;
+    }
+
+    /// Files the full blocks of `seqs` in the prefix cache; with `older`, only
+    /// up to the length a sequence had when the younger open step began.
+    fn register(&mut self, seqs: &[SeqId], older: bool) {
+        let bs = self.block_size;
+        let epoch = self.epoch;
+        for &id in seqs {
             let Ok(idx) = self.resolve(id) else { continue };
             let KvPool {
                 slab,
@@ -1336,7 +1465,12 @@ impl KvPool {
             } = &mut *self;
             let s = slab[idx].seq.as_mut().expect("resolved");
             let Some(salt) = s.salt else { continue };
-            let full = s.hdr.len / bs;
+            let len = if older && s.hdr.dirty_epoch == epoch {
+                s.hdr.base_len
+            } else {
+                s.hdr.len
+            };
+            let full = len / bs;
             while s.hdr.registered < full {
                 let i = s.hdr.registered;
                 let toks = &s.tokens[i * bs..(i + 1) * bs];
@@ -1351,8 +1485,6 @@ impl KvPool {
                 s.hdr.registered += 1;
             }
         }
-        dirty.clear();
-        self.dirty = dirty;
     }
 
     fn clear_journals(&mut self) {
@@ -1447,6 +1579,10 @@ impl KvPool {
                 }
                 SeqUndo::TokensTruncated { index, removed } => {
                     self.state_mut(index).tokens.extend(removed);
+                }
+                SeqUndo::TokensSet { index, pos, old } => {
+                    let t = &mut self.state_mut(index).tokens;
+                    t[pos..pos + old.len()].copy_from_slice(&old);
                 }
             }
         }

@@ -142,6 +142,11 @@ impl SlotPool {
         self.journal.clear();
     }
 
+    /// Forgets the undo records before `mark` (an older step committed).
+    pub(crate) fn drain_journal(&mut self, mark: usize) {
+        self.journal.drain(..mark.min(self.journal.len()));
+    }
+
     pub(crate) fn rollback_to(&mut self, mark: usize) {
         while self.journal.len() > mark {
             match self.journal.pop().expect("length checked") {

@@ -14,7 +14,7 @@
 //! which the scheduler's rollback returns to the pool as dead data. Only the
 //! scheduler's pool says what is committed.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use mlx_rs::{Array, Dtype};
 use weft_kv_pool::{KvGroups, RowBlocks, StorageOp};
@@ -80,6 +80,30 @@ pub struct StepPicks {
     pub picked: Picked,
 }
 
+/// A step submitted and not yet collected: its picks are being computed.
+struct Queued {
+    rows: Vec<RowId>,
+    counts: Vec<usize>,
+    picks: Option<sampler::PendingPicks>,
+    /// Index in `picks.tokens` of each row's last pick (what a following step feeds).
+    last: HashMap<RowId, usize>,
+    build: std::time::Duration,
+}
+
+/// A step between its forward (or submit) and `commit` / `rollback`.
+struct OpenStep {
+    /// Some until a submitted step is collected.
+    queued: Option<Queued>,
+}
+
+/// The previous submitted step's picks, as the next step's decode inputs.
+struct Follow<'a> {
+    tokens: &'a Array,
+    last: &'a HashMap<RowId, usize>,
+    /// Per step row: whether its token is that step's pick.
+    rows: &'a [bool],
+}
+
 /// A step's wanted logits on the device, with the arrays its evaluation must
 /// also produce (the pool's updated storage).
 struct Wanted {
@@ -99,8 +123,9 @@ pub struct BatchRunner {
     lanes: Lanes,
     /// Lanes the last `forward` built graphs on.
     lanes_used: usize,
-    /// A forward ran and neither `commit` nor `rollback` followed yet.
-    open: bool,
+    /// Steps forwarded or submitted and neither committed nor rolled back yet,
+    /// oldest first (at most two, the second only when pipelined).
+    open: VecDeque<OpenStep>,
     timing: StepTiming,
 }
 
@@ -124,7 +149,7 @@ impl BatchRunner {
             layer_hook: None,
             lanes: Lanes::single(),
             lanes_used: 0,
-            open: false,
+            open: VecDeque::new(),
             timing: StepTiming::default(),
         }
     }
@@ -182,7 +207,7 @@ impl BatchRunner {
     pub fn forward(&mut self, ops: &[StorageOp], steps: &[RowStep]) -> Result<StepLogits> {
         self.guarded(|r| {
             let t0 = std::time::Instant::now();
-            let w = r.forward_wanted(ops, steps)?;
+            let w = r.forward_wanted(ops, steps, None)?;
             let mut pending = w.pending;
             let logits = match w.logits {
                 Some(l) => Some(l.as_dtype(Dtype::Float32)?),
@@ -219,28 +244,9 @@ impl BatchRunner {
     ) -> Result<StepPicks> {
         self.guarded(|r| {
             let t0 = std::time::Instant::now();
-            let w = r.forward_wanted(ops, steps)?;
-            if sampling.len() != w.rows.len()
-                || sampling
-                    .iter()
-                    .zip(&w.counts)
-                    .any(|(s, &n)| s.uniforms.len() != n)
-            {
-                return Err(ModelError::Invalid(format!(
-                    "sampling for {} rows, {} rows want logits",
-                    sampling.len(),
-                    w.rows.len()
-                )));
-            }
+            let (w, picks) = r.sampled_graph(ops, steps, sampling, None)?;
             let mut pending = w.pending;
-            let picks = match &w.logits {
-                Some(l) => {
-                    let p = sampler::sample(l, sampling)?;
-                    pending.extend(p.arrays());
-                    Some(p)
-                }
-                None => None,
-            };
+            pending.extend(picks.iter().flat_map(|p| p.arrays()));
             let t1 = std::time::Instant::now();
             mlx_rs::transforms::eval(pending.iter())?;
             drop(pending);
@@ -260,20 +266,158 @@ impl BatchRunner {
         })
     }
 
+    /// Queues a step like [`forward_sampled`](Self::forward_sampled) without
+    /// waiting for it: its graph is built and handed to the device, and
+    /// [`collect`](Self::collect) reads its picks later. At most two steps are
+    /// open; a step submitted while another is outstanding may feed that one's
+    /// picks as inputs: rows with `follows[i]` (`follows` empty: none) decode
+    /// the token the previous step picks at their last position, whatever
+    /// `tokens[0]` says. A failed submit is still open: roll it back.
+    pub fn submit_sampled(
+        &mut self,
+        ops: &[StorageOp],
+        steps: &[RowStep],
+        sampling: &[SampleRow],
+        follows: &[bool],
+    ) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        let refused = if self.open.len() >= 2 {
+            Some("a third step submitted")
+        } else if self.open.back().is_some_and(|o| o.queued.is_none()) {
+            Some("submit after a step that is already read but not committed")
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            // Open all the same: every submit is one step to commit or roll back.
+            self.open.push_back(OpenStep { queued: None });
+            return Err(ModelError::Invalid(why.into()));
+        }
+        let built = {
+            let prev = self
+                .open
+                .back()
+                .and_then(|o| o.queued.as_ref())
+                .and_then(|q| q.picks.as_ref().map(|p| (&p.tokens, &q.last)));
+            let follow = match (follows.iter().any(|&f| f), prev) {
+                (false, _) => None,
+                (true, Some((tokens, last))) => Some(Follow {
+                    tokens,
+                    last,
+                    rows: follows,
+                }),
+                (true, None) => {
+                    return Err(ModelError::Invalid(
+                        "rows follow a step that picked nothing".into(),
+                    ))
+                }
+            };
+            // Borrows of the previous step end with the graph: clone what it holds.
+            let follow = follow.map(|f| (f.tokens.clone(), f.last.clone(), f.rows.to_vec()));
+            let f = follow
+                .as_ref()
+                .map(|(tokens, last, rows)| Follow { tokens, last, rows });
+            self.sampled_graph(ops, steps, sampling, f)
+        };
+        self.open.push_back(OpenStep { queued: None });
+        let (w, picks) = built?;
+        let mut pending = w.pending;
+        pending.extend(picks.iter().flat_map(|p| p.arrays()));
+        mlx_rs::transforms::async_eval(pending.iter())?;
+        let mut last = HashMap::with_capacity(w.rows.len());
+        let mut at = 0;
+        for (&row, &n) in w.rows.iter().zip(&w.counts) {
+            at += n;
+            last.insert(row, at - 1);
+        }
+        if let Some(o) = self.open.back_mut() {
+            o.queued = Some(Queued {
+                rows: w.rows,
+                counts: w.counts,
+                picks,
+                last,
+                build: t0.elapsed(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest submitted step and reads its picks; it stays open
+    /// until [`commit`](Self::commit) or [`rollback`](Self::rollback).
+    pub fn collect(&mut self) -> Result<StepPicks> {
+        let q = self
+            .open
+            .iter_mut()
+            .find_map(|o| o.queued.take())
+            .ok_or_else(|| ModelError::Invalid("collect without a submitted step".into()))?;
+        let t1 = std::time::Instant::now();
+        let picked = match q.picks {
+            Some(p) => {
+                mlx_rs::transforms::eval(p.arrays().iter())?;
+                p.read()?
+            }
+            None => Picked::default(),
+        };
+        self.timing = StepTiming {
+            build: q.build,
+            eval: t1.elapsed(),
+        };
+        Ok(StepPicks {
+            rows: q.rows,
+            counts: q.counts,
+            picked,
+        })
+    }
+
+    /// The graph of a sampled step: its forward and the sampler over its logits.
+    fn sampled_graph(
+        &mut self,
+        ops: &[StorageOp],
+        steps: &[RowStep],
+        sampling: &[SampleRow],
+        follow: Option<Follow<'_>>,
+    ) -> Result<(Wanted, Option<sampler::PendingPicks>)> {
+        let w = self.forward_wanted(ops, steps, follow)?;
+        if sampling.len() != w.rows.len()
+            || sampling
+                .iter()
+                .zip(&w.counts)
+                .any(|(s, &n)| s.uniforms.len() != n)
+        {
+            return Err(ModelError::Invalid(format!(
+                "sampling for {} rows, {} rows want logits",
+                sampling.len(),
+                w.rows.len()
+            )));
+        }
+        let picks = match &w.logits {
+            Some(l) => Some(sampler::sample(l, sampling)?),
+            None => None,
+        };
+        Ok((w, picks))
+    }
+
     /// Runs `f` as the step's forward: refused inside an open step; on error
     /// the step is closed again.
     fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
-        if self.open {
+        if !self.open.is_empty() {
             return Err(ModelError::Invalid(
                 "forward called inside an open step".into(),
             ));
         }
         let result = f(self);
-        self.open = result.is_ok();
+        if result.is_ok() {
+            self.open.push_back(OpenStep { queued: None });
+        }
         result
     }
 
-    fn forward_wanted(&mut self, ops: &[StorageOp], steps: &[RowStep]) -> Result<Wanted> {
+    fn forward_wanted(
+        &mut self,
+        ops: &[StorageOp],
+        steps: &[RowStep],
+        follow: Option<Follow<'_>>,
+    ) -> Result<Wanted> {
         let groups_needed = self.kv.groups().groups.len();
         let mut seen = HashSet::new();
         for s in steps {
@@ -350,10 +494,60 @@ impl BatchRunner {
         } else {
             Vec::new()
         };
+        if let Some(f) = &follow {
+            if f.rows.len() != steps.len() {
+                return Err(ModelError::Invalid(format!(
+                    "{} follow flags for {} rows",
+                    f.rows.len(),
+                    steps.len()
+                )));
+            }
+        }
+        let following: HashSet<RowId> = match &follow {
+            Some(f) => steps
+                .iter()
+                .zip(f.rows)
+                .filter(|(_, &on)| on)
+                .map(|(s, _)| s.row)
+                .collect(),
+            None => HashSet::new(),
+        };
+        if let Some(s) = steps
+            .iter()
+            .find(|s| following.contains(&s.row) && (!s.decodes() || s.draft > 0))
+        {
+            return Err(ModelError::Invalid(format!(
+                "row {} follows the previous step's pick but does not decode one token",
+                s.row
+            )));
+        }
         if !decode.is_empty() {
             let mut rows = decode;
             rows.extend(padding.iter());
-            let tokens = right_padded(&rows);
+            let mut tokens = right_padded(&rows);
+            if let (Some(f), false) = (&follow, following.is_empty()) {
+                // Rows that follow take the previous step's pick (still on the
+                // device); the rest their host token: one gather over both.
+                let prev = f.tokens.as_dtype(Dtype::Int32)?;
+                let base = prev.dim(0);
+                let mut idx: Vec<i32> = Vec::with_capacity(rows.len());
+                for (i, s) in rows.iter().enumerate() {
+                    if following.contains(&s.row) {
+                        let at = f.last.get(&s.row).ok_or_else(|| {
+                            ModelError::Invalid(format!(
+                                "row {} follows a step that did not pick for it",
+                                s.row
+                            ))
+                        })?;
+                        idx.push(*at as i32);
+                    } else {
+                        idx.push(base + i as i32);
+                    }
+                }
+                let all = mlx_rs::ops::concatenate(&[prev, tokens.reshape(&[-1])?], 0)?;
+                let idx = Array::from_slice(&idx, &[rows.len() as i32]);
+                tokens = all.take_axis(&idx, 0)?.reshape(&[rows.len() as i32, 1])?;
+            }
             jobs.push((rows, plan.decode_lane, tokens, true));
         }
         let kv = &self.kv;
@@ -467,14 +661,23 @@ impl BatchRunner {
     /// Closes the step. Nothing is staged here (see the module docs); the
     /// scheduler's pool commits the step.
     pub fn commit(&mut self) -> Result<()> {
-        self.open = false;
-        Ok(())
+        match self.open.front() {
+            None => Err(ModelError::Invalid("commit without an open step".into())),
+            Some(o) if o.queued.is_some() => Err(ModelError::Invalid(
+                "commit of a submitted step not collected yet".into(),
+            )),
+            Some(_) => {
+                self.open.pop_front();
+                Ok(())
+            }
+        }
     }
 
-    /// Closes the step without keeping it: its writes are dead data once the
-    /// scheduler's pool rolls back.
+    /// Closes the newest open step without keeping it: its writes are dead
+    /// data once the scheduler's pool rolls back. A submitted step still
+    /// computing is abandoned (its results are never read).
     pub fn rollback(&mut self) {
-        self.open = false;
+        self.open.pop_back();
     }
 }
 

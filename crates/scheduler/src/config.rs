@@ -105,6 +105,12 @@ pub struct SchedulerConfig {
     pub coalesce_max: Duration,
     /// Test-only fault injection; empty in production.
     pub faults: FaultPlan,
+    /// Pipeline steady decoding with models that can ([`crate::Model::pipelines`]):
+    /// while the device computes a step, the next one is planned and queued with
+    /// the first's picks as its inputs. Steps that admit, preempt, prefill part of a
+    /// prompt or carry penalized rows run one at a time either way, and so does every
+    /// step while `speculate` is on (a step following another cannot draft).
+    pub pipeline: bool,
     /// Test-only: after every rolled-back attempt, compare a fingerprint of the whole
     /// scheduler state with the pre-step one and count mismatches in `Stats`.
     pub verify_rollback: bool,
@@ -132,6 +138,7 @@ impl Default for SchedulerConfig {
             coalesce_gap: Duration::ZERO,
             coalesce_max: Duration::ZERO,
             faults: FaultPlan::default(),
+            pipeline: true,
             verify_rollback: false,
         }
     }

@@ -17,7 +17,7 @@
 //! row's slots `0..start_pos` through its table and records a violation if one is
 //! missing or its chain does not follow from the one before.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
@@ -87,6 +87,10 @@ pub struct FakeFaults {
     pub commit_fail_calls: Vec<u64>,
     /// Fail forward and commit each with this probability (seeded, deterministic).
     pub random: Option<(u64, f64)>,
+    /// 1-based `collect` calls that fail (a device error surfacing when a pipelined
+    /// step's results are read): the step's KV writes turn to garbage and it stays
+    /// staged until rolled back.
+    pub collect_fail_calls: Vec<u64>,
     /// Every forward containing a new row (start_pos 0) whose first token is this one
     /// fails: a request that can never be served, to exercise isolation of persistent
     /// failures without hitting rows that merely generate the token.
@@ -102,6 +106,21 @@ struct RowState {
     hi: usize,
 }
 
+/// One step between forward/submit and commit/rollback.
+#[derive(Debug, Default)]
+struct Staged {
+    rows: HashMap<RowId, RowState>,
+    /// What a submitted step picked, until `collect` takes it (None: forwarded, or
+    /// collected).
+    out: Option<StepOutput>,
+    /// Its last position's pick per row, for a next step's `follows` rows.
+    picks: HashMap<RowId, u32>,
+    /// Shadow slots it wrote (a failing collect tears them).
+    written: Vec<u64>,
+    /// Its forward or collect failed: only a rollback may drop it.
+    failed: bool,
+}
+
 /// One KV slot of the shadow storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Slot {
@@ -114,6 +133,10 @@ struct Slot {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FakeStats {
     pub forwards: u64,
+    /// Steps queued by `submit` (pipelined), and collected.
+    pub submits: u64,
+    pub collects: u64,
+    pub failed_collects: u64,
     pub commits: u64,
     pub rollbacks: u64,
     pub failed_forwards: u64,
@@ -134,8 +157,9 @@ pub struct FakeModel {
     faults: FakeFaults,
     rng: Option<ChaCha8Rng>,
     rows: HashMap<RowId, RowState>,
-    /// Some between forward and commit/rollback; may be partial after a failed forward.
-    staged: Option<HashMap<RowId, RowState>>,
+    /// Steps forwarded or submitted and not yet committed or rolled back, oldest first
+    /// (at most two); the newest may be partial after a failed forward.
+    staged: VecDeque<Staged>,
     /// The shadow KV storage, keyed by [`slot_key`] of (group, block, offset).
     kv: IdMap<u64, Slot>,
     /// Per-forward scratch: history hash after each position that needs logits, and
@@ -168,7 +192,7 @@ impl FakeModel {
             faults,
             rng,
             rows: HashMap::new(),
-            staged: None,
+            staged: VecDeque::new(),
             kv: IdMap::default(),
             states: Vec::new(),
             written: HashMap::default(),
@@ -194,7 +218,7 @@ impl FakeModel {
     }
 
     pub fn has_staged(&self) -> bool {
-        self.staged.is_some()
+        !self.staged.is_empty()
     }
 
     /// The logits this model gives after `history` — for oracles in tests.
@@ -287,7 +311,13 @@ impl FakeModel {
         if r.tokens.is_empty() {
             return Err(self.violation(format!("row {} has no tokens", r.row)));
         }
-        match self.rows.get(&r.row) {
+        let known = self
+            .staged
+            .iter()
+            .rev()
+            .find_map(|st| st.rows.get(&r.row))
+            .or_else(|| self.rows.get(&r.row));
+        match known {
             Some(s) if !(s.lo..=s.hi).contains(&r.start_pos) => {
                 return Err(self.violation(format!(
                     "row {}: start_pos {} but committed length is in {}..={}",
@@ -370,29 +400,11 @@ impl FakeModel {
             ))),
         }
     }
-}
 
-#[inline]
-fn step_hash(h: u64, token: u32, pos: usize) -> u64 {
-    mix64(h.rotate_left(17) ^ u64::from(token) ^ ((pos as u64) << 32))
-}
-
-impl Model for FakeModel {
-    fn info(&self) -> ModelInfo {
-        ModelInfo {
-            vocab_size: self.cfg.vocab_size,
-            max_context: self.cfg.max_context,
-            eos_token_ids: self.cfg.eos_token_ids.clone(),
-            kv: KvGroups::new(self.cfg.kv_block_size).full(self.cfg.kv_blocks),
-        }
-    }
-
-    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
+    /// One step's work, forwarded or submitted: staged as the newest step.
+    fn run(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
         self.stats.forwards += 1;
         let call = self.stats.forwards;
-        if self.staged.is_some() {
-            return Err(self.violation("forward called while a step is staged".into()));
-        }
         self.apply_ops(ops)?;
         let mut staged: HashMap<RowId, RowState> = HashMap::with_capacity(batch.len());
         let mut heads = Vec::with_capacity(batch.len());
@@ -419,8 +431,29 @@ impl Model for FakeModel {
         self.written.clear();
         self.states.clear();
         let mut conflict = None;
+        let mut step_written = Vec::new();
+        let mut picks_in = Vec::new();
+        for r in batch.iter().filter(|r| r.follows) {
+            let prev = self
+                .staged
+                .back()
+                .and_then(|st| st.picks.get(&r.row))
+                .copied();
+            match prev {
+                Some(t) if r.draft == 0 => picks_in.push(t),
+                _ => {
+                    return Err(self.violation(format!(
+                        "row {} follows a step that did not pick for it",
+                        r.row
+                    )))
+                }
+            }
+        }
+        let mut follows = picks_in.into_iter();
         for (r, &(mut h, _)) in batch.iter().zip(&heads) {
+            let first = if r.follows { follows.next() } else { None };
             for (j, &t) in r.tokens.iter().enumerate() {
+                let t = if j == 0 { first.unwrap_or(t) } else { t };
                 let pos = r.start_pos + j;
                 h = step_hash(h, t, pos);
                 let Some(key) = self.locate(r, pos) else {
@@ -436,6 +469,7 @@ impl Model for FakeModel {
                         chain,
                     },
                 );
+                step_written.push(key);
                 if self.cfg.verify_kv {
                     if let Some(other) = self.written.insert(key, r.row) {
                         conflict = Some(format!(
@@ -456,7 +490,11 @@ impl Model for FakeModel {
             // Leave half the rows' state staged, as a real model would after writing
             // KV for some layers: only rollback may clear it.
             let keep = staged.len() / 2;
-            self.staged = Some(staged.into_iter().take(keep).collect());
+            self.staged.push_back(Staged {
+                rows: staged.into_iter().take(keep).collect(),
+                failed: true,
+                ..Default::default()
+            });
             self.stats.failed_forwards += 1;
             return Err(ModelError::Failed(format!(
                 "injected fault after layer {layer}"
@@ -473,21 +511,64 @@ impl Model for FakeModel {
         self.last_logits = data;
         self.stats.tokens += batch.iter().map(|r| r.tokens.len() as u64).sum::<u64>();
         self.stats.max_batch_rows = self.stats.max_batch_rows.max(batch.len());
-        self.staged = Some(staged);
+        let mut picks = HashMap::with_capacity(out.rows.len());
+        let mut at = 0;
+        for r in batch.iter().filter(|r| r.want_logits) {
+            at += r.positions();
+            if let Some(&t) = out.tokens.get(at - 1) {
+                picks.insert(r.row, t);
+            }
+        }
+        self.staged.push_back(Staged {
+            rows: staged,
+            out: None,
+            picks,
+            written: step_written,
+            failed: false,
+        });
         Ok(out)
+    }
+}
+
+#[inline]
+fn step_hash(h: u64, token: u32, pos: usize) -> u64 {
+    mix64(h.rotate_left(17) ^ u64::from(token) ^ ((pos as u64) << 32))
+}
+
+impl Model for FakeModel {
+    fn info(&self) -> ModelInfo {
+        ModelInfo {
+            vocab_size: self.cfg.vocab_size,
+            max_context: self.cfg.max_context,
+            eos_token_ids: self.cfg.eos_token_ids.clone(),
+            kv: KvGroups::new(self.cfg.kv_block_size).full(self.cfg.kv_blocks),
+        }
+    }
+
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
+        if !self.staged.is_empty() {
+            self.stats.forwards += 1;
+            return Err(self.violation("forward called while a step is staged".into()));
+        }
+        self.run(ops, batch)
     }
 
     fn commit(&mut self) -> Result<(), ModelError> {
         let call = self.stats.commits + self.stats.failed_commits + 1;
-        if self.staged.is_none() {
-            return Err(self.violation("commit without a staged step".into()));
+        match self.staged.front() {
+            None => return Err(self.violation("commit without a staged step".into())),
+            Some(st) if st.out.is_some() => {
+                return Err(self.violation("commit of a step not collected yet".into()))
+            }
+            Some(st) if st.failed => return Err(self.violation("commit of a failed step".into())),
+            Some(_) => {}
         }
         if self.faults.commit_fail_calls.contains(&call) || self.random_fault() {
             self.stats.failed_commits += 1;
             return Err(ModelError::Failed("injected commit fault".into()));
         }
-        if let Some(staged) = self.staged.take() {
-            self.rows.extend(staged);
+        if let Some(st) = self.staged.pop_front() {
+            self.rows.extend(st.rows);
         }
         self.stats.commits += 1;
         Ok(())
@@ -499,13 +580,59 @@ impl Model for FakeModel {
 
     fn rollback(&mut self) {
         self.stats.rollbacks += 1;
-        self.staged = None;
+        self.staged.pop_back();
+    }
+
+    fn pipelines(&self) -> bool {
+        true
+    }
+
+    fn submit(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<(), ModelError> {
+        self.stats.submits += 1;
+        if self.staged.len() >= 2 {
+            self.stats.forwards += 1;
+            return Err(self.violation("a third step submitted".into()));
+        }
+        if self.staged.back().is_some_and(|st| st.out.is_none()) {
+            self.stats.forwards += 1;
+            return Err(self.violation("submit after a forward or collect left uncommitted".into()));
+        }
+        let out = self.run(ops, batch)?;
+        if let Some(st) = self.staged.back_mut() {
+            st.out = Some(out);
+        }
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<StepOutput, ModelError> {
+        let call = self.stats.collects + self.stats.failed_collects + 1;
+        let Some(i) = self.staged.iter().position(|st| st.out.is_some()) else {
+            return Err(self.violation("collect without a submitted step".into()));
+        };
+        if self.faults.collect_fail_calls.contains(&call) {
+            self.stats.failed_collects += 1;
+            let st = &mut self.staged[i];
+            st.out = None;
+            st.failed = true;
+            for k in std::mem::take(&mut st.written) {
+                if let Some(slot) = self.kv.get_mut(&k) {
+                    slot.chain ^= TORN_WRITE;
+                }
+            }
+            return Err(ModelError::Failed("injected fault while collecting".into()));
+        }
+        self.stats.collects += 1;
+        self.staged[i]
+            .out
+            .take()
+            .ok_or_else(|| ModelError::Failed("collected twice".into()))
     }
 
     fn release_row(&mut self, row: RowId) {
-        if self.staged.is_some() {
-            self.violations
-                .push(format!("release_row({row}) while a step is staged"));
+        // A pipelined scheduler releases rows that finished while the next step,
+        // which carries them, is outstanding: that step keeps nothing of them.
+        for st in &mut self.staged {
+            st.rows.remove(&row);
         }
         self.rows.remove(&row);
     }
@@ -555,6 +682,7 @@ mod tests {
             draft: 0,
             blocks: vec![RowBlocks { offset: 0, blocks }],
             sampling: Default::default(),
+            follows: false,
         }
     }
 

@@ -39,6 +39,10 @@ pub struct RowInput {
     pub blocks: Vec<RowBlocks>,
     /// How to pick this row's tokens (meaningful only with `want_logits`).
     pub sampling: RowSampling,
+    /// `tokens[0]` is a placeholder for the token this row picks at its last position
+    /// in the step submitted just before this one, still outstanding
+    /// ([`Model::submit`]): the model feeds that pick, which the host does not know yet.
+    pub follows: bool,
 }
 
 impl RowInput {
@@ -129,14 +133,43 @@ pub trait Model {
     /// Anything else the model keeps per row (recurrent state) is staged: nothing of it
     /// is visible until `commit()`, and `rollback()` drops it.
     fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError>;
+    /// Keeps the oldest step whose output was returned (by `forward` or `collect`) and
+    /// not yet committed or rolled back.
     fn commit(&mut self) -> Result<(), ModelError>;
     /// Whether `forward` takes rows with a draft (speculative decoding).
     fn supports_drafts(&self) -> bool {
         false
     }
+    /// Drops the newest step not committed (submitted, collected or forwarded): a
+    /// scheduler undoing two pipelined steps calls it twice.
     fn rollback(&mut self);
+    /// Whether [`submit`](Self::submit) / [`collect`](Self::collect) pipeline steps.
+    fn pipelines(&self) -> bool {
+        false
+    }
+    /// Queues the step [`forward`](Self::forward) would run and returns without waiting
+    /// for its tokens, so the host can plan the next step while the device computes
+    /// this one. At most two steps are outstanding (submitted, not yet committed or
+    /// rolled back); the second may have rows with [`RowInput::follows`], fed by the
+    /// first's picks. A failed submit leaves nothing of its step (the outstanding one
+    /// is untouched).
+    fn submit(&mut self, _ops: &[StorageOp], _batch: &[RowInput]) -> Result<(), ModelError> {
+        Err(ModelError::Contract(
+            "this model does not pipeline steps".into(),
+        ))
+    }
+    /// Waits for the oldest submitted step not collected yet and returns what it
+    /// picked (as `forward` would have); it stays staged until `commit` or
+    /// `rollback`.
+    fn collect(&mut self) -> Result<StepOutput, ModelError> {
+        Err(ModelError::Contract(
+            "this model does not pipeline steps".into(),
+        ))
+    }
     /// Forget whatever per-row state the model keeps beyond the KV blocks (finished,
-    /// cancelled, preempted). Not staged.
+    /// cancelled, preempted), in committed and in outstanding steps alike (a pipelined
+    /// scheduler releases a row that finished while the step after it is in flight;
+    /// that step's output for the row is ignored). Not staged.
     fn release_row(&mut self, row: RowId);
 }
 

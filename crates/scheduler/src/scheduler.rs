@@ -336,6 +336,9 @@ struct Sampled {
 
 /// Staged outcome of one row in one step, applied only after the model committed.
 struct RowCommit {
+    /// The request left while its step was in flight (cancelled, expired): nothing of
+    /// the step is applied to it.
+    gone: bool,
     /// The sampled token and, for requests the engine detokenizes, their text update.
     sampled: Option<(Sampled, Option<Box<TextUpdate>>)>,
     /// Tokens after `sampled` from an accepted draft (empty without one).
@@ -362,6 +365,10 @@ struct StepBufs {
     /// Prompt ++ generated of a joiner (prefix lookup and allocation).
     joiner: Vec<u32>,
 }
+
+/// The token a pipelined step's row is appended with until the pick it follows is read
+/// (any id inside every vocabulary; the model feeds the real pick).
+const FOLLOW_PLACEHOLDER: u32 = 0;
 
 /// Position `i` of a step's output as a staged token.
 fn picked(out: &StepOutput, i: usize, key: RequestKey) -> Result<Sampled, String> {
@@ -425,6 +432,11 @@ pub struct Scheduler<M: Model> {
     bufs: StepBufs,
     stats: Stats,
     metrics: EngineMetrics,
+    /// A pipelined step submitted to the model and not yet collected.
+    inflight: Option<Vec<Planned>>,
+    /// Sequences released while a pool step was open, with the number of steps open
+    /// then: rolling that step back undoes the release, so it is done again.
+    released_open: Vec<(usize, Resident)>,
 }
 
 impl<M: Model> Scheduler<M> {
@@ -492,6 +504,8 @@ impl<M: Model> Scheduler<M> {
             bufs: StepBufs::default(),
             stats: Stats::default(),
             metrics: EngineMetrics::new(),
+            inflight: None,
+            released_open: Vec::new(),
         };
         // The pool's gauges from the start, before any step.
         s.publish();
@@ -526,7 +540,7 @@ impl<M: Model> Scheduler<M> {
 
     /// Any request not yet finished?
     pub fn has_work(&self) -> bool {
-        !self.reqs.is_empty()
+        !self.reqs.is_empty() || self.inflight.is_some()
     }
 
     /// Requests queued while no row runs: the engine may wait for more of a
@@ -663,6 +677,10 @@ impl<M: Model> Scheduler<M> {
 
     /// Finish every live request with an error (engine shutdown).
     pub fn shutdown(&mut self, now: Instant) {
+        if self.inflight.take().is_some() {
+            self.model.rollback();
+            self.pool_rollback();
+        }
         let mut keys: Vec<RequestKey> = self.reqs.keys().copied().collect();
         keys.sort();
         for k in keys {
@@ -682,13 +700,33 @@ impl<M: Model> Scheduler<M> {
     pub fn step(&mut self, now: Instant) -> StepReport {
         let wall = Instant::now();
         self.reap(now);
-        let plan = self.plan(now);
-        let report = if plan.rows.is_empty() {
-            StepReport::default()
+        let report = if let Some(rows) = self.inflight.take() {
+            self.resolve(rows, now)
         } else {
-            self.run(&plan, now)
+            let plan = self.plan(now);
+            if plan.rows.is_empty() {
+                self.bufs.rows = plan.rows;
+                StepReport::default()
+            } else if self.pipelinable(&plan) {
+                match self.launch(plan.rows) {
+                    // Queued: collected at once, after its successor is queued.
+                    Ok(rows) => self.resolve(rows, now),
+                    Err(rows) => {
+                        let plan = Plan {
+                            rows,
+                            probation: false,
+                        };
+                        let r = self.run(&plan, now);
+                        self.bufs.rows = plan.rows;
+                        r
+                    }
+                }
+            } else {
+                let r = self.run(&plan, now);
+                self.bufs.rows = plan.rows;
+                r
+            }
         };
-        self.bufs.rows = plan.rows;
         if report.committed {
             self.stats.steps += 1;
             self.metrics
@@ -1178,6 +1216,10 @@ impl<M: Model> Scheduler<M> {
         if let Err(e) = self.pool.release(res.seq) {
             error!(row = res.row, error = %e, "KV pool refused to release a sequence");
         }
+        let open = self.pool.open_steps();
+        if open > 0 {
+            self.released_open.push((open, res));
+        }
         self.available().saturating_sub(before)
     }
 
@@ -1225,11 +1267,7 @@ impl<M: Model> Scheduler<M> {
                     self.model.rollback();
                     // The forward may have written storage by now (even a failed one);
                     // cached blocks the step evicted must not come back as cache hits.
-                    if self.pool.in_transaction() {
-                        if let Err(e) = self.pool.rollback_after_writes() {
-                            error!(error = %e, "KV pool rollback failed");
-                        }
-                    }
+                    self.pool_rollback();
                     self.stats.rollbacks += 1;
                     self.metrics.rollbacks.increment(1);
                     if let Some(fp) = before {
@@ -1271,12 +1309,208 @@ impl<M: Model> Scheduler<M> {
 
     /// One try of the step, as one pool transaction: append every row's tokens, hand the
     /// model the step's storage ops, the rows' block tables and sampling, forward (the
-    /// model returns picked ids), take
-    /// rejected draft tokens back, commit model then pool. Touches nothing but the
-    /// model's and the pool's staged state until the model has committed; after that
-    /// nothing can fail.
+    /// model returns picked ids), take rejected draft tokens back, commit model then
+    /// pool. Touches nothing but the model's and the pool's staged state until the
+    /// model has committed; after that nothing can fail.
     fn attempt(&mut self, rows: &[Planned], now: Instant) -> Result<StepReport, String> {
+        self.open_step(rows, false)?;
+        let out = self
+            .model
+            .forward(self.pool.step_ops(), &self.bufs.inputs[..rows.len()])
+            .map_err(|e| e.to_string())?;
+        self.settle(rows, &out)?;
+        self.model.commit().map_err(|e| e.to_string())?;
+        self.pool_commit();
+        let mut commits = std::mem::take(&mut self.bufs.commits);
+        let rep = self.apply(rows, &mut commits, now);
+        self.bufs.commits = commits;
+        Ok(rep)
+    }
+
+    /// Whether the plan may run pipelined: the model pipelines, and every row gets its
+    /// next token from this step without a draft (so the next step can follow it).
+    fn pipelinable(&self, plan: &Plan) -> bool {
+        self.pipelining()
+            && !plan.probation
+            && self.probation.is_empty()
+            && plan.rows.iter().all(|p| p.want_logits && p.draft == 0)
+    }
+
+    /// Whether steps may pipeline at all: configured, the model can, and no drafts are
+    /// proposed (a step that follows another cannot draft: its last token is not
+    /// known yet).
+    fn pipelining(&self) -> bool {
+        self.cfg.pipeline
+            && self.model.pipelines()
+            && (self.cfg.speculate == 0 || !self.model.supports_drafts())
+    }
+
+    /// Opens `rows` as a step and submits it without waiting for its tokens. On
+    /// failure nothing of it stays and the rows come back to run as a plain step.
+    fn launch(&mut self, rows: Vec<Planned>) -> Result<Vec<Planned>, Vec<Planned>> {
+        if let Err(e) = self.open_step(&rows, false) {
+            self.count_rollback(&e, "pipelined step not opened");
+            return Err(rows);
+        }
+        match self
+            .model
+            .submit(self.pool.step_ops(), &self.bufs.inputs[..rows.len()])
+        {
+            Ok(()) => Ok(rows),
+            Err(e) => {
+                self.model.rollback();
+                self.pool_rollback();
+                self.count_rollback(&e.to_string(), "pipelined step not submitted");
+                Err(rows)
+            }
+        }
+    }
+
+    /// The step that follows the in-flight `rows` with every row decoding the token it
+    /// picks there: empty when it cannot (a request could join, a row is penalized, or
+    /// memory is short), or nobody continues.
+    fn follow_plan(&self, rows: &[Planned]) -> Vec<Planned> {
+        let mut next = Vec::new();
+        if !self.pipelining()
+            || !self.probation.is_empty()
+            || (self.running.len() < self.cfg.max_batch_rows && self.pick_tenant().is_some())
+        {
+            return next;
+        }
+        let mut need = 0;
+        for p in rows {
+            if !p.want_logits || p.draft > 0 {
+                return Vec::new();
+            }
+            let Some(r) = self.reqs.at(p.slot).filter(|r| r.key == p.key) else {
+                continue;
+            };
+            if r.penalties.is_some() {
+                return Vec::new();
+            }
+            if r.generated.len() + 1 >= r.r.max_tokens || r.row.is_none_or(|x| x.row != p.row) {
+                continue;
+            }
+            let start = p.start + p.n;
+            need += self.need(start, 1);
+            next.push(Planned { start, n: 1, ..*p });
+        }
+        if need > self.available() {
+            next.clear();
+        }
+        next
+    }
+
+    /// Collects the in-flight step `rows` — after queueing the step that follows it, so
+    /// the device computes that one while the host streams this one's tokens — and
+    /// commits it. A failure rolls back both and runs `rows` again as a plain step
+    /// (retries, bisection).
+    fn resolve(&mut self, rows: Vec<Planned>, now: Instant) -> StepReport {
+        let next = self.follow_plan(&rows);
+        let mut chained = false;
+        if !next.is_empty() {
+            match self.open_step(&next, true) {
+                Ok(()) => match self
+                    .model
+                    .submit(self.pool.step_ops(), &self.bufs.inputs[..next.len()])
+                {
+                    Ok(()) => chained = true,
+                    Err(e) => {
+                        self.model.rollback();
+                        self.pool_rollback();
+                        self.count_rollback(&e.to_string(), "following step not submitted");
+                    }
+                },
+                Err(e) => self.count_rollback(&e, "following step not opened"),
+            }
+        }
+        let settled = self
+            .model
+            .collect()
+            .map_err(|e| e.to_string())
+            .and_then(|out| self.settle(&rows, &out))
+            .and_then(|()| self.model.commit().map_err(|e| e.to_string()));
+        if let Err(e) = settled {
+            if chained {
+                self.model.rollback();
+                self.pool_rollback();
+            }
+            self.model.rollback();
+            self.pool_rollback();
+            self.count_rollback(&e, "pipelined step rolled back");
+            let rows: Vec<Planned> = rows
+                .into_iter()
+                .filter(|p| {
+                    self.reqs
+                        .at(p.slot)
+                        .is_some_and(|r| r.key == p.key && r.row.is_some_and(|x| x.row == p.row))
+                })
+                .collect();
+            if rows.is_empty() {
+                return StepReport::default();
+            }
+            let plan = Plan {
+                rows,
+                probation: false,
+            };
+            let rep = self.run(&plan, now);
+            self.bufs.rows = plan.rows;
+            return rep;
+        }
+        self.pool_commit();
+        if chained {
+            // The following step appended placeholders for this step's picks: file the
+            // real tokens before it commits (prefix hashes read them).
+            let mut ok = true;
+            let mut j = 0;
+            for (p, c) in rows.iter().zip(&self.bufs.commits) {
+                if j == next.len() {
+                    break;
+                }
+                if next[j].key != p.key {
+                    continue;
+                }
+                let q = next[j];
+                j += 1;
+                let (Some((s, _)), false) = (&c.sampled, c.gone) else {
+                    continue;
+                };
+                if let Err(e) = self.pool.set_tokens(q.seq, q.start, &[s.token]) {
+                    error!(request = q.key.0, error = %e, "placeholder token not replaced");
+                    ok = false;
+                    break;
+                }
+            }
+            if ok {
+                self.inflight = Some(next);
+            } else {
+                self.model.rollback();
+                self.pool_rollback();
+                self.count_rollback("placeholder not replaced", "following step rolled back");
+            }
+        }
+        let mut commits = std::mem::take(&mut self.bufs.commits);
+        let mut rep = self.apply(&rows, &mut commits, now);
+        self.bufs.commits = commits;
+        self.bufs.rows = rows;
+        rep.attempts = 1;
+        rep
+    }
+
+    /// Opens the pool step for `rows` (every row's tokens appended) and fills the
+    /// forward inputs. With `follows`, every row decodes the token the in-flight step
+    /// picks for it: a placeholder now, replaced once that step is read. On error the
+    /// step is not open.
+    fn open_step(&mut self, rows: &[Planned], follows: bool) -> Result<(), String> {
         self.pool.begin().map_err(|e| e.to_string())?;
+        let r = self.fill_inputs(rows, follows);
+        if r.is_err() {
+            self.pool_rollback();
+        }
+        r
+    }
+
+    fn fill_inputs(&mut self, rows: &[Planned], follows: bool) -> Result<(), String> {
         let shift = self.bs_shift;
         let inputs = &mut self.bufs.inputs;
         if inputs.len() < rows.len() {
@@ -1288,6 +1522,7 @@ impl<M: Model> Scheduler<M> {
                 draft: 0,
                 blocks: Vec::new(),
                 sampling: RowSampling::default(),
+                follows: false,
             });
         }
         for (p, input) in rows.iter().zip(inputs.iter_mut()) {
@@ -1298,12 +1533,18 @@ impl<M: Model> Scheduler<M> {
             input.start_pos = p.start;
             input.want_logits = p.want_logits;
             input.draft = p.draft;
+            input.follows = follows;
             input.tokens.clear();
             if let Some(r) = self.reqs.at(p.slot) {
-                r.extend_tokens(p.start, p.n - p.draft, &mut input.tokens);
-                input.tokens.extend_from_slice(&r.draft[..p.draft]);
+                if follows {
+                    input.tokens.push(FOLLOW_PLACEHOLDER);
+                } else {
+                    r.extend_tokens(p.start, p.n - p.draft, &mut input.tokens);
+                    input.tokens.extend_from_slice(&r.draft[..p.draft]);
+                }
                 if p.want_logits {
                     r.fill_sampling(&mut input.sampling);
+                    input.sampling.index += u64::from(follows);
                 }
             }
             // Exactly the tokens the row feeds; a draft's rejected tail is truncated
@@ -1333,10 +1574,12 @@ impl<M: Model> Scheduler<M> {
         if self.faults.hit(FaultPoint::AfterPlan) {
             return Err("injected fault after planning".into());
         }
-        let out = self
-            .model
-            .forward(self.pool.step_ops(), &inputs[..rows.len()])
-            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    /// Checks a forward's output against `rows` and stages each row's outcome in
+    /// `bufs.commits` (tokens, text, finish; rejected draft tokens leave the pool).
+    fn settle(&mut self, rows: &[Planned], out: &StepOutput) -> Result<(), String> {
         let wanted = &mut self.bufs.wanted;
         wanted.clear();
         wanted.extend(rows.iter().filter(|p| p.want_logits).map(|p| p.row));
@@ -1377,11 +1620,19 @@ impl<M: Model> Scheduler<M> {
         commits.clear();
         let mut li = 0;
         for (i, p) in rows.iter().enumerate() {
-            if !p.want_logits {
+            let live = self
+                .reqs
+                .at(p.slot)
+                .is_some_and(|r| r.key == p.key && r.row.is_some_and(|x| x.row == p.row));
+            if !p.want_logits || !live {
                 if i == book_fault_at && self.faults.hit(FaultPoint::CommitBookkeeping) {
                     return Err("injected fault during commit bookkeeping".into());
                 }
+                if p.want_logits {
+                    li += 1 + p.draft;
+                }
                 commits.push(RowCommit {
+                    gone: !live,
                     sampled: None,
                     more: Vec::new(),
                     finish: None,
@@ -1394,7 +1645,7 @@ impl<M: Model> Scheduler<M> {
             let Some(r) = self.reqs.at_mut(p.slot) else {
                 return Err(format!("request {} vanished during the step", p.key.0));
             };
-            let s = picked(&out, li, p.key)?;
+            let s = picked(out, li, p.key)?;
 
             if i == book_fault_at && self.faults.hit(FaultPoint::CommitBookkeeping) {
                 return Err("injected fault during commit bookkeeping".into());
@@ -1430,7 +1681,7 @@ impl<M: Model> Scheduler<M> {
             let mut prev = t;
             while finish.is_none() && more.len() < p.draft && r.draft[more.len()] == prev {
                 let j = more.len() + 1;
-                let s = picked(&out, li + j, p.key)?;
+                let s = picked(out, li + j, p.key)?;
                 let last = r.generated.len() + j + 1 >= r.r.max_tokens;
                 prev = s.token;
                 finish = r.token_finish(s.token, last, &self.info.eos_token_ids);
@@ -1445,22 +1696,56 @@ impl<M: Model> Scheduler<M> {
             }
             li += 1 + p.draft;
             commits.push(RowCommit {
+                gone: false,
                 sampled: Some((s, update.map(Box::new))),
                 more,
                 finish,
             });
         }
+        Ok(())
+    }
 
-        self.model.commit().map_err(|e| e.to_string())?;
+    /// A pipelined step (or the one queued after it) that was undone.
+    fn count_rollback(&mut self, error: &str, what: &str) {
+        self.stats.rollbacks += 1;
+        self.metrics.rollbacks.increment(1);
+        warn!(error, "{what}");
+    }
+
+    /// Commits the oldest open pool step (the model has committed it). Releases done
+    /// while it was the newest open step now stand.
+    fn pool_commit(&mut self) {
         // Files the step's full blocks in the prefix cache. It cannot fail with the
         // step open; the model has committed, so the step stands either way.
         if let Err(e) = self.pool.commit() {
             error!(error = %e, "KV pool commit failed after the model committed");
         }
-        let mut commits = std::mem::take(&mut self.bufs.commits);
-        let rep = self.apply(rows, &mut commits, now);
-        self.bufs.commits = commits;
-        Ok(rep)
+        self.released_open.retain_mut(|(open, _)| {
+            *open -= 1;
+            *open > 0
+        });
+    }
+
+    /// Undoes the newest open pool step after its forward may have written storage,
+    /// and releases again the sequences whose release it undid.
+    fn pool_rollback(&mut self) {
+        let open = self.pool.open_steps();
+        if open == 0 {
+            return;
+        }
+        if let Err(e) = self.pool.rollback_after_writes() {
+            error!(error = %e, "KV pool rollback failed");
+        }
+        let mut redo = Vec::new();
+        self.released_open.retain(|&(o, res)| {
+            if o == open {
+                redo.push(res);
+            }
+            o != open
+        });
+        for res in redo {
+            self.release_resident(res);
+        }
     }
 
     /// Applies (and drains) the staged `commits` of a committed step.
@@ -1490,6 +1775,9 @@ impl<M: Model> Scheduler<M> {
         for (p, c) in rows.iter().zip(commits.drain(..)) {
             // A row with a draft keeps its decoded token and the accepted draft tokens.
             let kept = if p.draft > 0 { 1 + c.more.len() } else { p.n };
+            if c.gone {
+                continue;
+            }
             rep.tokens += kept;
             let Some(r) = self.reqs.at_mut(p.slot) else {
                 continue;
