@@ -915,17 +915,42 @@ impl KvPool {
     // ----- steps -----------------------------------------------------------
 
     /// Opens a step. Everything until [`commit`](Self::commit) or
-    /// [`rollback`](Self::rollback) is staged. With one step open, opens a
-    /// second on top of it (a pipelined engine plans step n+1 while step n
-    /// computes); with two open, refused.
+    /// [`rollback`](Self::rollback) is staged. Refused while one is open
+    /// ([`begin_next`](Self::begin_next) stacks a second).
     pub fn begin(&mut self) -> Result<(), KvError> {
         if self.in_txn {
-            if self.younger.is_some() {
-                return Err(KvError::TransactionOpen);
-            }
-            // A new epoch: sequences the younger step appends to record their
-            // length at its start (`base_len`), which bounds what committing the
-            // older step files in the prefix cache.
+            return Err(KvError::TransactionOpen);
+        }
+        self.in_txn = true;
+        self.epoch += 1;
+        self.txn_prefix = self.prefix;
+        self.txn_ops_len = self.ops.len();
+        Ok(())
+    }
+
+    /// Opens a second step on top of the open one: a pipelined engine plans
+    /// step n+1 while step n computes. Everything from here on belongs to the
+    /// new (younger) step; [`commit`](Self::commit) then commits the older
+    /// one and rollbacks undo the younger first. Refused unless exactly one
+    /// step is open.
+    pub fn begin_next(&mut self) -> Result<(), KvError> {
+        if !self.in_txn {
+            return Err(KvError::NoTransaction);
+        }
+        if self.younger.is_some() {
+            return Err(KvError::TransactionOpen);
+        }
+        {
+            // The older step's work is final now (everything from here on is the
+            // younger step's): file its full blocks now, journaled into it, so
+            // undoing it still undoes them and the younger step never files a
+            // block holding its own placeholders early. Lookups happen between
+            // steps, never while one computes, so none sees them before the
+            // older step commits.
+            let dirty = std::mem::take(&mut self.dirty);
+            self.register(&dirty, true);
+            self.dirty = dirty;
+            self.dirty.clear();
             self.epoch += 1;
             self.younger = Some(Younger {
                 journal: self.journal.len(),
@@ -939,12 +964,7 @@ impl KvPool {
                 dirty: self.dirty.len(),
                 prefix: self.prefix,
             });
-            return Ok(());
         }
-        self.in_txn = true;
-        self.epoch += 1;
-        self.txn_prefix = self.prefix;
-        self.txn_ops_len = self.ops.len();
         Ok(())
     }
 
@@ -955,19 +975,17 @@ impl KvPool {
 
     /// Closes the oldest open step: files newly filled blocks in the prefix
     /// cache and returns every pending storage operation, in order. With a
-    /// younger step open, only the older step's part is committed: blocks are
-    /// filed up to each sequence's length when the younger step began (what
-    /// the younger step appended is not computed yet and may hold
-    /// placeholders, [`set_tokens`](Self::set_tokens)), the operations
-    /// returned are those recorded before it began, and the younger step stays
+    /// younger step open, only the older step's part is committed (its blocks
+    /// were filed when the younger step began; what the younger step appended
+    /// is not computed yet and may hold placeholders,
+    /// [`set_tokens`](Self::set_tokens)): the operations returned are those
+    /// recorded before the younger step began, and the younger step stays
     /// open: undoing it later restores the state right after this commit.
     pub fn commit(&mut self) -> Result<Vec<StorageOp>, KvError> {
         if !self.in_txn {
             return Err(KvError::NoTransaction);
         }
         if let Some(y) = self.younger.take() {
-            let older: Vec<SeqId> = self.dirty.drain(..y.dirty).collect();
-            self.register(&older, true);
             self.journal.drain(..y.journal);
             self.slots.drain_journal(y.slots);
             for (g, &(j, e)) in self.groups.iter_mut().zip(&y.groups) {
@@ -1450,27 +1468,29 @@ impl KvPool {
         self.dirty = dirty;
     }
 
-    /// Files the full blocks of `seqs` in the prefix cache; with `older`, only
-    /// up to the length a sequence had when the younger open step began.
-    fn register(&mut self, seqs: &[SeqId], older: bool) {
+    /// Files the full blocks of `seqs` in the prefix cache; with `journal`,
+    /// the sequence headers it advances are journaled (the groups journal
+    /// their own changes), so undoing the open step undoes the filing.
+    fn register(&mut self, seqs: &[SeqId], journal: bool) {
         let bs = self.block_size;
-        let epoch = self.epoch;
         for &id in seqs {
             let Ok(idx) = self.resolve(id) else { continue };
             let KvPool {
                 slab,
                 groups,
                 hasher,
+                journal: undo,
                 ..
             } = &mut *self;
             let s = slab[idx].seq.as_mut().expect("resolved");
             let Some(salt) = s.salt else { continue };
-            let len = if older && s.hdr.dirty_epoch == epoch {
-                s.hdr.base_len
-            } else {
-                s.hdr.len
-            };
-            let full = len / bs;
+            let full = s.hdr.len / bs;
+            if journal && s.hdr.registered < full {
+                undo.push(SeqUndo::Header {
+                    index: idx as u32,
+                    old: s.hdr,
+                });
+            }
             while s.hdr.registered < full {
                 let i = s.hdr.registered;
                 let toks = &s.tokens[i * bs..(i + 1) * bs];

@@ -1502,7 +1502,12 @@ impl<M: Model> Scheduler<M> {
     /// picks for it: a placeholder now, replaced once that step is read. On error the
     /// step is not open.
     fn open_step(&mut self, rows: &[Planned], follows: bool) -> Result<(), String> {
-        self.pool.begin().map_err(|e| e.to_string())?;
+        if self.pool.in_transaction() {
+            self.pool.begin_next()
+        } else {
+            self.pool.begin()
+        }
+        .map_err(|e| e.to_string())?;
         let r = self.fill_inputs(rows, follows);
         if r.is_err() {
             self.pool_rollback();
