@@ -137,6 +137,8 @@ pub struct FakeStats {
     pub submits: u64,
     pub collects: u64,
     pub failed_collects: u64,
+    /// Most steps staged at once (2: a step was queued behind an outstanding one).
+    pub max_staged: usize,
     pub commits: u64,
     pub rollbacks: u64,
     pub failed_forwards: u64,
@@ -601,6 +603,7 @@ impl Model for FakeModel {
         if let Some(st) = self.staged.back_mut() {
             st.out = Some(out);
         }
+        self.stats.max_staged = self.stats.max_staged.max(self.staged.len());
         Ok(())
     }
 

@@ -1367,8 +1367,9 @@ impl<M: Model> Scheduler<M> {
     }
 
     /// The step that follows the in-flight `rows` with every row decoding the token it
-    /// picks there: empty when it cannot (a request could join, a row is penalized, or
-    /// memory is short), or nobody continues.
+    /// picks there — exactly what a plain plan would make of the next step — or empty
+    /// when that plan could differ (a request could join, a running request is not in
+    /// `rows`, a row is penalized, memory is short), or nobody continues.
     fn follow_plan(&self, rows: &[Planned]) -> Vec<Planned> {
         let mut next = Vec::new();
         if !self.pipelining()
@@ -1378,6 +1379,7 @@ impl<M: Model> Scheduler<M> {
             return next;
         }
         let mut need = 0;
+        let mut live = 0;
         for p in rows {
             if !p.want_logits || p.draft > 0 {
                 return Vec::new();
@@ -1385,6 +1387,7 @@ impl<M: Model> Scheduler<M> {
             let Some(r) = self.reqs.at(p.slot).filter(|r| r.key == p.key) else {
                 continue;
             };
+            live += 1;
             if r.penalties.is_some() {
                 return Vec::new();
             }
@@ -1395,7 +1398,9 @@ impl<M: Model> Scheduler<M> {
             need += self.need(start, 1);
             next.push(Planned { start, n: 1, ..*p });
         }
-        if need > self.available() {
+        // A running request this step left out (a prompt waiting for budget or
+        // memory) would be planned by the next plain step: so plan that one.
+        if need > self.available() || live != self.running.len() {
             next.clear();
         }
         next
@@ -1532,8 +1537,13 @@ impl<M: Model> Scheduler<M> {
         }
         for (p, input) in rows.iter().zip(inputs.iter_mut()) {
             // What this buffer last held: a table of the same row whose first
-            // `ceil(start / bs)` blocks were committed then and are still the row's.
-            let (held_row, held_start) = (input.row, input.start_pos);
+            // `ceil(committed / bs)` blocks were committed then and are still the
+            // row's (a step that followed another had one token less committed: the
+            // one its predecessor, perhaps rolled back since, was computing).
+            let (held_row, held_committed) = (
+                input.row,
+                input.start_pos - usize::from(input.follows && input.start_pos > 0),
+            );
             input.row = p.row;
             input.start_pos = p.start;
             input.want_logits = p.want_logits;
@@ -1566,7 +1576,7 @@ impl<M: Model> Scheduler<M> {
             input.blocks.resize_with(1, Default::default);
             let rb = &mut input.blocks[0];
             let keep = if held_row == p.row && appended.copies == 0 && rb.offset == t.offset {
-                blocks_of(held_start, shift)
+                blocks_of(held_committed, shift)
                     .min(rb.blocks.len())
                     .min(t.blocks.len())
             } else {

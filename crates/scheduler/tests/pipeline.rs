@@ -1,0 +1,263 @@
+//! The pipelined engine loop: while the model computes step n, step n+1 is planned
+//! and queued with step n's picks as its inputs. It must stream exactly what one step
+//! at a time streams — requests finishing in step n drop their step n+1 work,
+//! cancellations and deadlines land between steps — and a fault in step n rolls back
+//! n and n+1 without losing, duplicating or streaming a token of either.
+
+mod common;
+
+use common::*;
+use weft_scheduler::fake::FakeFaults;
+use weft_scheduler::{FaultPlan, FaultPoint, SamplingParams};
+
+/// Requests in waves, so long stretches decode steadily (the steps that pipeline):
+/// greedy and seeded sampling, stop ids and strings, EOS, logprobs; some requests are
+/// cancelled, dropped or expire mid-stream (`disturbed`); no penalties except in
+/// `penalized` of them (a penalized row keeps its batch one step at a time).
+fn waves(seed: u64, n: usize, disturbed: bool, penalized: usize) -> Vec<Spec> {
+    let mut g = rng(seed);
+    (0..n)
+        .map(|i| {
+            let t = ["t0", "t1"][i % 2];
+            let mut req = varied_request(&mut g, t, 1.0, i);
+            if i >= penalized {
+                let s = &mut req.sampling;
+                s.repetition_penalty = 1.0;
+                s.presence_penalty = 0.0;
+                s.frequency_penalty = 0.0;
+            }
+            req.max_tokens = 8 + below(&mut g, 120) as usize;
+            let mut spec = Spec::at((i as u64 / 24) * 90 + below(&mut g, 6), req);
+            if disturbed {
+                match below(&mut g, 12) {
+                    0 => spec.cancel_after = Some(3 + below(&mut g, 40)),
+                    1 => spec.drop_after = Some(3 + below(&mut g, 40)),
+                    2 => spec.deadline_after = Some(3 + below(&mut g, 40)),
+                    _ => {}
+                }
+            }
+            spec
+        })
+        .collect()
+}
+
+fn one_at_a_time() -> weft_scheduler::SchedulerConfig {
+    let mut cfg = sched_config();
+    cfg.pipeline = false;
+    cfg
+}
+
+#[test]
+fn pipelined_steps_stream_exactly_what_one_step_at_a_time_does() {
+    for (seed, blocks) in [(1, BLOCKS), (2, 10_000), (3, 120)] {
+        let specs = waves(seed, 240, false, 6);
+        let plain = run(
+            one_at_a_time(),
+            fake_blocks(blocks),
+            FakeFaults::default(),
+            &specs,
+            |_, _, _| {},
+        );
+        let piped = run(
+            sched_config(),
+            fake_blocks(blocks),
+            FakeFaults::default(),
+            &specs,
+            |_, _, _| {},
+        );
+        assert_clean(&plain);
+        assert_clean(&piped);
+        assert_same_streams(&plain, &piped);
+        let (p, q) = (plain.sched.model().stats(), piped.sched.model().stats());
+        eprintln!("seed {seed}: plain {p:?}\npiped {q:?}");
+        assert_eq!(p.submits, 0);
+        assert_eq!(
+            q.max_staged, 2,
+            "seed {seed}: no step was queued behind another"
+        );
+        assert!(
+            q.submits * 2 > q.forwards,
+            "seed {seed}: only {} of {} steps pipelined",
+            q.submits,
+            q.forwards
+        );
+        assert_eq!(q.collects, q.submits, "seed {seed}");
+    }
+}
+
+/// Cancels, dropped streams and deadlines land between steps, while the next step is
+/// queued: that step's work for the request is dropped, nothing of it streams, and its
+/// blocks come back. (A request arriving while a step is queued joins one step later
+/// than it would one step at a time, so step-timed disturbances cut streams at other
+/// points: each is a prefix of the request's undisturbed stream.)
+#[test]
+fn cancels_and_deadlines_between_pipelined_steps_lose_nothing_else() {
+    let specs = waves(4, 240, true, 0);
+    let calm: Vec<Spec> = specs
+        .iter()
+        .map(|s| Spec::at(s.arrival_step, s.req.clone()))
+        .collect();
+    let full = run(
+        one_at_a_time(),
+        fake_config(),
+        FakeFaults::default(),
+        &calm,
+        |_, _, _| {},
+    );
+    let piped = run(
+        sched_config(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    assert_clean(&piped);
+    let mut cut = 0;
+    for (i, (s, (o, f))) in specs
+        .iter()
+        .zip(piped.outcomes.iter().zip(&full.outcomes))
+        .enumerate()
+    {
+        let disturbed =
+            s.cancel_after.is_some() || s.drop_after.is_some() || s.deadline_after.is_some();
+        if disturbed {
+            assert!(
+                f.tokens.starts_with(&o.tokens),
+                "request {i}: {:?} vs {:?}",
+                o.tokens,
+                f.tokens
+            );
+            cut += usize::from(o.tokens.len() < f.tokens.len());
+        } else {
+            assert_eq!(o.tokens, f.tokens, "request {i}");
+            assert_eq!(o.text, f.text, "request {i}");
+        }
+    }
+    assert!(cut > 10, "only {cut} streams were cut");
+    assert_eq!(piped.sched.model().stats().max_staged, 2);
+}
+
+/// Undisturbed waves, so a run with faults (and so with more steps) must stream the
+/// same as one without.
+fn calm(seed: u64) -> Vec<Spec> {
+    waves(seed, 200, false, 4)
+}
+
+#[test]
+fn a_fault_in_a_pipelined_step_rolls_back_both_and_loses_nothing() {
+    let specs = calm(7);
+    let clean = run(
+        sched_config(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    assert_clean(&clean);
+    // Step n fails when read, with step n+1 queued on its picks (twice in a row at
+    // 11-12: the re-run succeeds, the next pipelined step fails again).
+    let collect = FakeFaults {
+        collect_fail_calls: vec![3, 11, 12, 40, 41, 90],
+        ..Default::default()
+    };
+    // A failing submit (of step n or of n+1 queued behind it), a failing commit.
+    let forward = FakeFaults {
+        forward_fail_calls: vec![4, 9, 30, 31, 77],
+        fail_after_layer: 1,
+        commit_fail_calls: vec![5, 20, 21, 60],
+        ..Default::default()
+    };
+    for (name, faults, min_rollbacks) in [("collect", collect, 6), ("forward", forward, 9)] {
+        let r = run(sched_config(), fake_config(), faults, &specs, |_, _, _| {});
+        assert_clean(&r);
+        assert_same_streams(&clean, &r);
+        let st = r.sched.stats();
+        assert_eq!(st.failed_steps, 0, "{name}");
+        assert!(
+            st.rollbacks >= min_rollbacks,
+            "{name}: {} rollbacks",
+            st.rollbacks
+        );
+        let f = r.sched.model().stats();
+        assert!(f.max_staged == 2 && f.submits > 100, "{name}: {f:?}");
+        if name == "collect" {
+            assert_eq!(f.failed_collects, 6);
+        }
+    }
+    // The scheduler's own fault points fire while the next step is queued.
+    for point in FaultPoint::ALL {
+        let mut cfg = sched_config();
+        cfg.faults = FaultPlan::default().at(point, 5).at(point, 6).at(point, 70);
+        let r = run(
+            cfg,
+            fake_config(),
+            FakeFaults::default(),
+            &specs,
+            |_, _, _| {},
+        );
+        assert_clean(&r);
+        assert_same_streams(&clean, &r);
+        assert_eq!(r.sched.stats().rollbacks, 3, "{point:?}");
+    }
+}
+
+#[test]
+fn random_faults_in_pipelined_runs_leave_streams_unchanged() {
+    let specs = calm(8);
+    let clean = run(
+        one_at_a_time(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    let mut cfg = sched_config();
+    cfg.faults = FaultPlan::random(3, 0.03);
+    cfg.max_step_retries = 60;
+    let faults = FakeFaults {
+        random: Some((4, 0.02)),
+        collect_fail_calls: (1..400).step_by(37).collect(),
+        fail_after_layer: 2,
+        ..Default::default()
+    };
+    let r = run(cfg, fake_config(), faults, &specs, |_, _, _| {});
+    assert_clean(&r);
+    assert_same_streams(&clean, &r);
+    let st = r.sched.stats();
+    assert!(st.rollbacks > 30, "rollbacks {}", st.rollbacks);
+    assert_eq!(st.failed_steps, 0);
+    let f = r.sched.model().stats();
+    assert!(f.failed_collects >= 5 && f.failed_forwards >= 3, "{f:?}");
+}
+
+/// Penalties need the step's pick in the next step's counts: a batch with a penalized
+/// row does not pipeline, and its streams are still those of the plain loop.
+#[test]
+fn penalized_rows_keep_their_batch_one_step_at_a_time() {
+    let mut specs = calm(9);
+    for s in specs.iter_mut() {
+        s.req.sampling = SamplingParams {
+            temperature: 0.9,
+            repetition_penalty: 1.2,
+            ..Default::default()
+        };
+        s.req.seed = Some(5);
+    }
+    let plain = run(
+        one_at_a_time(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    let piped = run(
+        sched_config(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    assert_clean(&piped);
+    assert_same_streams(&plain, &piped);
+    assert_eq!(piped.sched.model().stats().max_staged, 1);
+}
