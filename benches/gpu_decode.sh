@@ -10,7 +10,8 @@
 #   bash benches/gpu_decode.sh     # here, after `cargo build --release -p weft-grpc -p weft-models --examples --bins`
 #   call 1: carry .gpu/a .gpustash/d1    bash .gpu/a/stash.sh && mkdir -p /root/ws && cp .gpustash/d1/* /root/ws/
 #   call 2: carry .gpu/b .gpustash/d2    bash .gpu/b/env.sh bash .gpustash/d2/run.sh
-#           STEPS=kernel,decode,engine,q4,server picks parts; STREAMS=1,8,32,64,128,256;
+#           STEPS=kernel,decode,engine,plain,q4,server picks parts; STREAMS=1,8,32,64,128,256;
+#           plain: the engine with WEFT_PIPELINE=off at PLAIN_STREAMS (1,8,64);
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated)
 #           (call 2 within the machine's idle window after call 1)
@@ -51,6 +52,8 @@ if [[ $S == *decode* ]]; then
   for b in ${DECODE_ROWS:-1 64 128 256}; do
     echo "== runner decode step, $b rows, 1.2B bf16, device sampling" | tee -a $R
     /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+    echo "== runner decode step, $b rows, pipelined (each step queued on the last one's picks)" | tee -a $R
+    PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
   done
   echo "== runner decode step, 128 rows, host sampling" | tee -a $R
   SAMPLE=host /root/decode_timing $M 128 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
@@ -59,6 +62,11 @@ if [[ $S == *engine* ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, prompt 128, gen 128" | tee -a $R
   python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
     --streams ${STREAMS:-1,8,32,64,128,256} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
+fi
+if [[ $S == *plain* ]]; then
+  echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_PIPELINE=off (one step at a time)" | tee -a $R
+  WEFT_PIPELINE=off python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
+    --streams ${PLAIN_STREAMS:-1,8,64} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
 if [[ $S == *q4* ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B 4-bit (affine g64), prompt 128, gen 128" | tee -a $R

@@ -368,14 +368,26 @@ pub fn resolve_model(spec: &str, progress: bool) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
+/// `WEFT_PIPELINE` (`on`/`1`, the default, or `off`/`0`): whether decode
+/// steps pipeline where the model can (device sampling; see
+/// `SchedulerConfig::pipeline`).
+pub fn pipeline_from_env() -> anyhow::Result<bool> {
+    match std::env::var("WEFT_PIPELINE").ok().as_deref() {
+        None | Some("") | Some("on") | Some("1") => Ok(true),
+        Some("off") | Some("0") => Ok(false),
+        Some(other) => anyhow::bail!("WEFT_PIPELINE={other:?}: expected on or off"),
+    }
+}
+
 /// Loads the tokenizer here and the model on the engine thread; returns once
 /// the model is loaded and warm.
 pub fn start_engine(
     dir: &Path,
     opts: LoadOptions,
-    config: SchedulerConfig,
+    mut config: SchedulerConfig,
     kv: KvSpec,
 ) -> anyhow::Result<(Engine, Arc<Tokenizer>, ServedModel)> {
+    config.pipeline &= pipeline_from_env()?;
     let tokenizer = Arc::new(Tokenizer::load(dir)?);
     let model_config = weft_models::ModelConfig::load(dir)?;
     let mut eos = model_config.eos_token_ids.clone();

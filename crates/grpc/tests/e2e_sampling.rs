@@ -119,6 +119,9 @@ async fn device_sampling_streams_what_host_sampling_streams() {
         }
     }
     assert_eq!(want[4].logprobs.len(), 12, "logprobs were asked for");
+    // Device sampling pipelines decode steps: each queued on its predecessor's picks.
+    let pipelined = metric(&dev.metrics().await, "weft_steps_pipelined_total", &[]).unwrap_or(0.0);
+    assert!(pipelined > 20.0, "{pipelined} pipelined steps");
     drop(dev);
 
     // Steps failing after the forward (its KV writes and device picks done),
@@ -143,6 +146,9 @@ async fn device_sampling_streams_what_host_sampling_streams() {
         rollbacks >= 5.0,
         "faults were injected: {rollbacks} rollbacks"
     );
+    let pipelined =
+        metric(&faulty.metrics().await, "weft_steps_pipelined_total", &[]).unwrap_or(0.0);
+    assert!(pipelined > 0.0, "the faulty server pipelined no step");
     for (i, (w, r)) in want.iter().zip(&retried).enumerate() {
         assert!(r.status.is_none(), "request {i}: {:?}", r.status);
         assert_eq!(

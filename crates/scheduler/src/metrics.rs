@@ -17,6 +17,7 @@ pub const KV_BLOCKS_CACHED: &str = "weft_kv_blocks_cached";
 pub const KV_USAGE_RATIO: &str = "weft_kv_usage_ratio";
 pub const PREEMPTIONS: &str = "weft_preemptions_total";
 pub const STEP_ROLLBACKS: &str = "weft_step_rollbacks_total";
+pub const STEPS_PIPELINED: &str = "weft_steps_pipelined_total";
 pub const STEP_DURATION: &str = "weft_step_duration_seconds";
 pub const BATCH_SIZE: &str = "weft_batch_size";
 pub const TTFT: &str = "weft_time_to_first_token_seconds";
@@ -57,6 +58,10 @@ pub fn describe() {
     describe_counter!(
         PREEMPTIONS,
         "Rows preempted (recomputed later) for lack of KV memory"
+    );
+    describe_counter!(
+        STEPS_PIPELINED,
+        "Decode steps queued on the device behind the step it follows, before that step was read"
     );
     describe_counter!(STEP_ROLLBACKS, "Step attempts rolled back after a failure");
     describe_histogram!(
@@ -101,6 +106,7 @@ pub(crate) struct EngineMetrics {
     pub kv_ratio: Gauge,
     pub preemptions: Counter,
     pub rollbacks: Counter,
+    pub pipelined: Counter,
     pub step_duration: Histogram,
     pub batch_size: Histogram,
     pub ttft: Histogram,
@@ -123,6 +129,7 @@ impl EngineMetrics {
             kv_ratio: gauge!(KV_USAGE_RATIO),
             preemptions: counter!(PREEMPTIONS),
             rollbacks: counter!(STEP_ROLLBACKS),
+            pipelined: counter!(STEPS_PIPELINED),
             step_duration: histogram!(STEP_DURATION),
             batch_size: histogram!(BATCH_SIZE),
             ttft: histogram!(TTFT),

@@ -73,6 +73,8 @@ pub struct Stats {
     pub kv_blocks_free: usize,
     pub kv_blocks_cached: usize,
     pub steps: u64,
+    /// Steps queued behind the step they follow, before it was read (pipelined).
+    pub pipelined_steps: u64,
     pub rollbacks: u64,
     pub preemptions: u64,
     /// Steps that failed every retry (their rows were bisected or failed).
@@ -1336,13 +1338,23 @@ impl<M: Model> Scheduler<M> {
             && plan.rows.iter().all(|p| p.want_logits && p.draft == 0)
     }
 
-    /// Whether steps may pipeline at all: configured, the model can, and no drafts are
-    /// proposed (a step that follows another cannot draft: its last token is not
-    /// known yet).
+    /// Whether the next plain step of these `rows` could carry drafts: then it is
+    /// planned plainly (a step that follows another cannot draft, its last token
+    /// being unknown at planning time).
+    fn would_draft(&self, rows: &[Planned]) -> bool {
+        self.cfg.speculate > 0
+            && self.model.supports_drafts()
+            && self.cfg.speculate_step_tokens > rows.len()
+            && rows.iter().any(|p| {
+                self.reqs
+                    .at(p.slot)
+                    .is_some_and(|r| r.key == p.key && r.speculates())
+            })
+    }
+
+    /// Whether steps may pipeline at all: configured, and the model can.
     fn pipelining(&self) -> bool {
-        self.cfg.pipeline
-            && self.model.pipelines()
-            && (self.cfg.speculate == 0 || !self.model.supports_drafts())
+        self.cfg.pipeline && self.model.pipelines()
     }
 
     /// Opens `rows` as a step and submits it without waiting for its tokens. On
@@ -1374,6 +1386,7 @@ impl<M: Model> Scheduler<M> {
         let mut next = Vec::new();
         if !self.pipelining()
             || !self.probation.is_empty()
+            || self.would_draft(rows)
             || (self.running.len() < self.cfg.max_batch_rows && self.pick_tenant().is_some())
         {
             return next;
@@ -1488,6 +1501,8 @@ impl<M: Model> Scheduler<M> {
             }
             if ok {
                 self.inflight = Some(next);
+                self.stats.pipelined_steps += 1;
+                self.metrics.pipelined.increment(1);
             } else {
                 self.model.rollback();
                 self.pool_rollback();

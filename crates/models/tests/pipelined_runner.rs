@@ -1,0 +1,262 @@
+//! Pipelined steps through `BatchRunner` with a real model: each decode step is
+//! submitted on the previous step's picks (still on the device) before those
+//! are read, as the engine's pipelined loop does. The tokens must be exactly
+//! those of one step at a time, also when rows join mid-way (a prefill beside
+//! following rows), when the queued step is rolled back, and when both open
+//! steps are rolled back after both wrote their KV. Runs on MLX's CPU backend
+//! (the same graph the GPU runs; there, the overlap is what it buys).
+
+mod common;
+
+use common::*;
+use mlx_rs::Dtype;
+use weft_kv_pool::{KvPool, OwnerId, Salt, SeqId, SeqSpec};
+use weft_models::{
+    BatchRunner, Kernels, LlamaModel, ModelConfig, RowBlocks, RowStep, SampleRow, WeightPolicy,
+};
+
+/// (prompt, step it joins at).
+fn rows() -> Vec<(Vec<u32>, usize)> {
+    vec![
+        (vec![1, 2, 3, 4, 5], 0),
+        (vec![7], 0),
+        (vec![9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 12], 0),
+        (vec![100, 200, 300], 4),
+        ((250..272).collect(), 9),
+    ]
+}
+
+const STEPS: usize = 24;
+
+fn load(md: &std::path::Path, host_gemm: bool) -> LlamaModel {
+    let config = ModelConfig::load(md).unwrap();
+    let weights = weft_models::weights::Weights::load_dir(md).unwrap();
+    LlamaModel::from_weights(
+        config,
+        weights,
+        WeightPolicy {
+            dequantize: true,
+            dtype: Dtype::Float32,
+            kernels: Kernels::CpuTuned,
+            host_gemm,
+        },
+    )
+    .unwrap()
+}
+
+/// What goes wrong, and at which step.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Fault {
+    None,
+    /// The step queued behind step `s - 1` is rolled back before `s - 1` is read;
+    /// step `s` then runs again without following.
+    DropQueued(usize),
+    /// Step `s - 1` "fails" when read with step `s` queued: both roll back (both
+    /// wrote KV by then) and both run again.
+    DropBoth(usize),
+}
+
+struct Driver {
+    runner: BatchRunner,
+    pool: KvPool,
+    seqs: Vec<Option<SeqId>>,
+    /// Generated tokens per row.
+    out: Vec<Vec<u32>>,
+}
+
+impl Driver {
+    fn new(runner: BatchRunner) -> Self {
+        let pool = KvPool::new(runner.kv_groups().clone().hash_key(3)).unwrap();
+        let n = rows().len();
+        Self {
+            runner,
+            pool,
+            seqs: vec![None; n],
+            out: vec![Vec::new(); n],
+        }
+    }
+
+    /// Opens step `s` and builds its rows. With `follow`, rows that decode take
+    /// the pick of the step before (outstanding): a placeholder here.
+    /// Returns the rows, their follow flags and where each placeholder sits.
+    fn open(&mut self, s: usize, follow: bool) -> (Vec<RowStep>, Vec<bool>, Vec<(usize, usize)>) {
+        if self.pool.in_transaction() {
+            self.pool.begin_next().unwrap();
+        } else {
+            self.pool.begin().unwrap();
+        }
+        let mut steps = Vec::new();
+        let mut follows = Vec::new();
+        let mut holes = Vec::new();
+        for (i, (prompt, join)) in rows().into_iter().enumerate() {
+            if s < join {
+                continue;
+            }
+            let (tokens, start, f) = if s == join {
+                let q = self
+                    .pool
+                    .allocate(SeqSpec::new(OwnerId(0)).salted(Salt(1)))
+                    .unwrap();
+                self.seqs[i] = Some(q);
+                (prompt.clone(), 0, false)
+            } else {
+                let q = self.seqs[i].unwrap();
+                let start = self.pool.sequence(q).unwrap().len;
+                if follow {
+                    holes.push((i, start));
+                    (vec![0], start, true)
+                } else {
+                    (vec![*self.out[i].last().unwrap()], start, false)
+                }
+            };
+            let q = self.seqs[i].unwrap();
+            self.pool.append_tokens(q, &tokens).unwrap();
+            let mut b = RowBlocks::default();
+            b.copy_from(&self.pool.table(q, 0).unwrap());
+            steps.push(RowStep {
+                row: i as u64,
+                tokens,
+                start_pos: start,
+                want_logits: true,
+                blocks: vec![b],
+                ..Default::default()
+            });
+            follows.push(f);
+        }
+        (steps, follows, holes)
+    }
+
+    fn submit(&mut self, s: usize, follow: bool) -> Vec<(usize, usize)> {
+        let (steps, follows, holes) = self.open(s, follow);
+        let greedy = vec![SampleRow::default(); steps.len()];
+        let ops = self.pool.step_ops().to_vec();
+        self.runner
+            .submit_sampled(&ops, &steps, &greedy, &follows)
+            .unwrap();
+        holes
+    }
+
+    /// Reads the oldest step, commits it, and fills the queued step's holes.
+    fn settle(&mut self, holes: &[(usize, usize)]) {
+        let picks = self.runner.collect().unwrap();
+        self.runner.commit().unwrap();
+        self.pool.commit().unwrap();
+        for (&row, &t) in picks.rows.iter().zip(&picks.picked.tokens) {
+            self.out[row as usize].push(t);
+        }
+        for &(i, pos) in holes {
+            let t = *self.out[i].last().unwrap();
+            self.pool
+                .set_tokens(self.seqs[i].unwrap(), pos, &[t])
+                .unwrap();
+        }
+    }
+
+    fn undo_newest(&mut self) {
+        self.runner.rollback();
+        self.pool.rollback_after_writes().unwrap();
+        // A row the undone step created is gone again.
+        for q in self.seqs.iter_mut() {
+            if q.is_some_and(|q| self.pool.sequence(q).is_err()) {
+                *q = None;
+            }
+        }
+    }
+
+    /// One step at a time: forward, read, commit.
+    fn plain(mut self) -> Vec<Vec<u32>> {
+        for s in 0..STEPS {
+            let (steps, _, _) = self.open(s, false);
+            let greedy = vec![SampleRow::default(); steps.len()];
+            let ops = self.pool.step_ops().to_vec();
+            let picks = self.runner.forward_sampled(&ops, &steps, &greedy).unwrap();
+            self.runner.commit().unwrap();
+            self.pool.commit().unwrap();
+            for (&row, &t) in picks.rows.iter().zip(&picks.picked.tokens) {
+                self.out[row as usize].push(t);
+            }
+        }
+        self.out
+    }
+
+    /// Step s+1 queued on step s's picks before step s is read.
+    fn pipelined(mut self, fault: Fault) -> Vec<Vec<u32>> {
+        self.submit(0, false);
+        for s in 1..STEPS {
+            let next = self.submit(s, true);
+            match fault {
+                Fault::DropQueued(f) if f == s => {
+                    self.undo_newest();
+                    self.settle(&[]);
+                    self.submit(s, false);
+                }
+                Fault::DropBoth(f) if f == s => {
+                    self.undo_newest();
+                    self.undo_newest();
+                    // Step s - 1 again, plainly (its inputs are committed tokens),
+                    // then the pipeline resumes.
+                    assert!(self.submit(s - 1, false).is_empty());
+                    let next = self.submit(s, true);
+                    self.settle(&next);
+                }
+                _ => self.settle(&next),
+            }
+        }
+        self.settle(&[]);
+        assert!(!self.pool.in_transaction());
+        self.pool.check_invariants().unwrap();
+        self.out
+    }
+}
+
+#[test]
+fn pipelined_steps_pick_exactly_what_one_step_at_a_time_picks() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    for host_gemm in [false, true] {
+        let want = Driver::new(runner(load(&md, host_gemm), 128)).plain();
+        assert!(want.iter().all(|t| !t.is_empty()));
+        for fault in [
+            Fault::None,
+            Fault::DropQueued(6),
+            Fault::DropQueued(9),
+            Fault::DropBoth(5),
+            Fault::DropBoth(9),
+        ] {
+            let got = Driver::new(runner(load(&md, host_gemm), 128)).pipelined(fault);
+            assert_eq!(got, want, "host_gemm {host_gemm}, {fault:?}");
+        }
+    }
+}
+
+/// Contract checks: a third open step, following with nothing outstanding, a
+/// following row that does not decode, committing a step not yet read.
+#[test]
+fn pipelined_contract_violations_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let mut d = Driver::new(runner(load(&md, false), 64));
+    let (steps, _, _) = d.open(0, false);
+    let greedy = vec![SampleRow::default(); steps.len()];
+    let ops = d.pool.step_ops().to_vec();
+    // Following with no step outstanding.
+    let all = vec![true; steps.len()];
+    assert!(d
+        .runner
+        .submit_sampled(&ops, &steps, &greedy, &all)
+        .is_err());
+    d.runner.rollback();
+    d.runner.submit_sampled(&ops, &steps, &greedy, &[]).unwrap();
+    assert!(d.runner.commit().is_err(), "committed a step not read yet");
+    // A prefill row may not follow.
+    assert!(d
+        .runner
+        .submit_sampled(&ops, &steps, &greedy, &all)
+        .is_err());
+    d.runner.rollback();
+    d.runner.collect().unwrap();
+    d.runner.commit().unwrap();
+    d.pool.commit().unwrap();
+}
