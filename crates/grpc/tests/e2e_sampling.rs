@@ -128,8 +128,10 @@ async fn device_sampling_streams_what_host_sampling_streams() {
     // during sampling bookkeeping and before commit roll back and retry: the
     // streams are still exactly the fault-free ones (seeded draws included,
     // their randomness being indexed by token, not by attempt).
+    // One request at a time without drafts, so most steps (all but the penalized
+    // request's) pipeline: the faults hit steps queued on their predecessors.
     let faulty = Server::start_env(
-        &[],
+        &["--speculate", "0"],
         &[
             ("WEFT_SAMPLE_ON", "device"),
             (
@@ -139,7 +141,7 @@ async fn device_sampling_streams_what_host_sampling_streams() {
         ],
     )
     .await;
-    let retried = run_all(&faulty, true).await;
+    let retried = run_all(&faulty, false).await;
     let rollbacks =
         metric(&faulty.metrics().await, "weft_step_rollbacks_total", &[]).unwrap_or(0.0);
     assert!(
