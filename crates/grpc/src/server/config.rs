@@ -16,6 +16,7 @@ use crate::units::parse_duration;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
+pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:8000";
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Burst-coalescing gap of the first step after idle (see `--coalesce`).
 pub const DEFAULT_COALESCE: Duration = Duration::from_millis(10);
@@ -72,6 +73,11 @@ pub struct ServeArgs {
     /// Prometheus `/metrics` address [default: 127.0.0.1:9464]; "off" disables it.
     #[arg(long, env = "WEFT_METRICS_LISTEN", value_name = "ADDR|off")]
     pub metrics_listen: Option<String>,
+    /// OpenAI-compatible HTTP API address (`/v1/completions`,
+    /// `/v1/chat/completions`, `/v1/models`, `/health`) [default:
+    /// 127.0.0.1:8000]; "off" disables it. Port 0 picks a free port.
+    #[arg(long, env = "WEFT_HTTP_LISTEN", value_name = "ADDR|off")]
+    pub http_listen: Option<String>,
     /// Model directory, or the default model's name (SmolLM2-135M-Instruct,
     /// fetched and converted on first use) [default: the default model].
     #[arg(long, short, env = "WEFT_MODEL")]
@@ -142,6 +148,7 @@ pub struct ServeArgs {
 struct FileConfig {
     listen: Option<String>,
     metrics_listen: Option<String>,
+    http_listen: Option<String>,
     model: Option<String>,
     tenants: Option<PathBuf>,
     max_batch_rows: Option<usize>,
@@ -203,6 +210,7 @@ pub fn parse_kv_memory(s: &str) -> anyhow::Result<KvSize> {
 pub struct Settings {
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
+    pub http_listen: Option<SocketAddr>,
     pub model: String,
     pub tenants: Option<PathBuf>,
     pub max_batch_rows: usize,
@@ -251,6 +259,18 @@ impl Settings {
                 format!("metrics-listen {metrics:?}: expected host:port or off")
             })?)
         };
+        let http = args
+            .http_listen
+            .or(file.http_listen)
+            .unwrap_or_else(|| DEFAULT_HTTP_LISTEN.to_string());
+        let http_listen = if http.eq_ignore_ascii_case("off") || http.is_empty() {
+            None
+        } else {
+            Some(
+                http.parse()
+                    .with_context(|| format!("http-listen {http:?}: expected host:port or off"))?,
+            )
+        };
         let max_batch_rows = args.max_batch_rows.or(file.max_batch_rows).unwrap_or(64);
         let max_step_tokens = args
             .max_step_tokens
@@ -297,6 +317,7 @@ impl Settings {
         let s = Settings {
             listen,
             metrics_listen,
+            http_listen,
             model: args.model.or(file.model).unwrap_or_default(),
             tenants: args.tenants.or(file.tenants.map(|p| base.join(p))),
             max_batch_rows,
@@ -382,6 +403,13 @@ impl Settings {
                  (`weft hash-key <key>` makes their hashes), or listen on a loopback address \
                  such as 127.0.0.1",
                 self.listen
+            );
+        }
+        if let Some(h) = self.http_listen.filter(|h| !h.ip().is_loopback()) {
+            bail!(
+                "refusing to serve the HTTP API on {h} without a tenant file: anyone who can \
+                 reach that address could use the server. Pass --tenants PATH (or WEFT_TENANTS), \
+                 or give --http-listen a loopback address such as 127.0.0.1:8000 (or off)"
             );
         }
         if let Some(m) = self.metrics_listen.filter(|m| !m.ip().is_loopback()) {

@@ -25,6 +25,7 @@
 
 pub mod config;
 pub mod metrics;
+pub mod openai;
 pub mod service;
 pub mod tenants;
 pub mod validate;
@@ -127,6 +128,25 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
     }
 
     let state = Arc::new(State::new(tenants, settings.default_max_tokens));
+    let http = match settings.http_listen {
+        Some(addr) => {
+            let hl = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the HTTP address {addr}"))?;
+            let haddr = hl.local_addr()?;
+            let mut http_stop = stop_rx.clone();
+            let app = openai::router(state.clone());
+            say(&format!("http listening on http://{haddr} (OpenAI-compatible /v1)"));
+            Some(tokio::spawn(async move {
+                axum::serve(hl, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = http_stop.wait_for(|s| *s).await;
+                    })
+                    .await
+            }))
+        }
+        None => None,
+    };
     let (mut health, health_svc) = tonic_health::server::health_reporter();
     health
         .set_service_status("", ServingStatus::NotServing)
@@ -255,6 +275,14 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
         let _ = tokio::time::timeout(ABANDON_GRACE, state.wait_idle()).await;
     }
     let _ = stop_tx.send(true);
+    if let Some(h) = http {
+        match tokio::time::timeout(CLOSE_GRACE, h).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => warn!(error = %e, "HTTP server error while closing"),
+            Ok(Err(e)) => warn!(error = %e, "HTTP server task failed while closing"),
+            Err(_) => warn!("HTTP connections still open after the drain; closing anyway"),
+        }
+    }
     match tokio::time::timeout(CLOSE_GRACE, server).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(e))) => warn!(error = %e, "gRPC server error while closing"),
