@@ -136,7 +136,9 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
             let haddr = hl.local_addr()?;
             let mut http_stop = stop_rx.clone();
             let app = openai::router(state.clone());
-            say(&format!("http listening on http://{haddr} (OpenAI-compatible /v1)"));
+            say(&format!(
+                "http listening on http://{haddr} (OpenAI-compatible /v1)"
+            ));
             Some(tokio::spawn(async move {
                 axum::serve(hl, app)
                     .with_graceful_shutdown(async move {

@@ -22,9 +22,9 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use futures_util::stream::{self, Stream, StreamExt};
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 
@@ -233,10 +233,7 @@ impl IntoResponse for ApiError {
 
 /// The OpenAI parameter a `weft.v1` validation message is about.
 fn param_of(message: &str, chat: bool) -> Option<String> {
-    let head = message
-        .split([' ', ':', '['])
-        .next()
-        .unwrap_or("");
+    let head = message.split([' ', ':', '[']).next().unwrap_or("");
     let p = match head {
         h if h.starts_with("sampling.") => &h["sampling.".len()..],
         "input" | "input.text" | "input.tokens.ids" | "prompt" => {
@@ -295,9 +292,9 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 fn sampling(c: &Common) -> Result<pb::SamplingParams, ApiError> {
     let seed = match c.seed {
         None => None,
-        Some(s) => Some(
-            u64::try_from(s).map_err(|_| ApiError::invalid("seed", "seed must be >= 0"))?,
-        ),
+        Some(s) => {
+            Some(u64::try_from(s).map_err(|_| ApiError::invalid("seed", "seed must be >= 0"))?)
+        }
     };
     Ok(pb::SamplingParams {
         // OpenAI's default temperature is 1, as is its default top_p.
@@ -387,25 +384,26 @@ fn chat_request(b: &ChatBody) -> Result<pb::GenerateRequest, ApiError> {
     let mut r = base_request(&b.common, max)?;
     let mut messages = Vec::with_capacity(b.messages.len());
     for (i, m) in b.messages.iter().enumerate() {
-        let content = match &m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t.clone(),
-            Some(Content::Parts(parts)) => {
-                let mut text = String::new();
-                for p in parts {
-                    match (p.kind.as_str(), &p.text) {
-                        ("text", Some(t)) => text.push_str(t),
-                        (kind, _) => {
-                            return Err(ApiError::invalid(
+        let content =
+            match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        match (p.kind.as_str(), &p.text) {
+                            ("text", Some(t)) => text.push_str(t),
+                            (kind, _) => return Err(ApiError::invalid(
                                 &format!("messages[{i}].content"),
-                                format!("content parts of type {kind:?} are not supported (text only)"),
-                            ))
+                                format!(
+                                    "content parts of type {kind:?} are not supported (text only)"
+                                ),
+                            )),
                         }
                     }
+                    text
                 }
-                text
-            }
-        };
+            };
         messages.push(pb::ChatMessage {
             role: m.role.clone(),
             content,
@@ -430,7 +428,10 @@ fn grpc_request(
 ) -> Result<tonic::Request<pb::GenerateRequest>, ApiError> {
     let mut req = tonic::Request::new(body);
     if let Some(v) = headers.get(header::AUTHORIZATION) {
-        let v = v.to_str().ok().and_then(|s| MetadataValue::try_from(s).ok());
+        let v = v
+            .to_str()
+            .ok()
+            .and_then(|s| MetadataValue::try_from(s).ok());
         match v {
             Some(v) => {
                 req.metadata_mut().insert("authorization", v);
@@ -589,10 +590,8 @@ async fn start(
     headers: &HeaderMap,
     body: pb::GenerateRequest,
     chat: bool,
-) -> Result<
-    impl Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send + 'static,
-    ApiError,
-> {
+) -> Result<impl Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send + 'static, ApiError>
+{
     let req = grpc_request(headers, body)?;
     match api.svc.generate_stream(req).await {
         Ok(r) => Ok(r.into_inner()),
@@ -780,7 +779,10 @@ async fn completions(AxState(api): AxState<Api>, headers: HeaderMap, body: Bytes
     };
     let (stream, usage) = (
         b.common.stream,
-        b.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        b.common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
     );
     let _ = &b.common.user;
     match completion_request(&b) {
@@ -796,7 +798,10 @@ async fn chat_completions(AxState(api): AxState<Api>, headers: HeaderMap, body: 
     };
     let (stream, usage) = (
         b.common.stream,
-        b.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        b.common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
     );
     match chat_request(&b) {
         Ok(r) => respond(api, headers, r, Kind::Chat, stream, usage).await,
@@ -850,7 +855,10 @@ mod tests {
             p("sampling.temperature must be in [0, 100], got 200", false).as_deref(),
             Some("temperature")
         );
-        assert_eq!(p("stop[2] must not be empty", true).as_deref(), Some("stop"));
+        assert_eq!(
+            p("stop[2] must not be empty", true).as_deref(),
+            Some("stop")
+        );
         assert_eq!(
             p("max_tokens 9000 does not fit", true).as_deref(),
             Some("max_completion_tokens")
@@ -879,11 +887,13 @@ mod tests {
         assert_eq!((s.temperature, s.seed), (1.0, Some(3)));
         let bad: CompletionBody =
             serde_json::from_str(r#"{"prompt": ["a", "b"], "n": 1}"#).unwrap();
-        assert_eq!(completion_request(&bad).err().unwrap().param.as_deref(), Some("prompt"));
-        let n2: ChatBody = serde_json::from_str(
-            r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#,
-        )
-        .unwrap();
+        assert_eq!(
+            completion_request(&bad).err().unwrap().param.as_deref(),
+            Some("prompt")
+        );
+        let n2: ChatBody =
+            serde_json::from_str(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#)
+                .unwrap();
         assert_eq!(chat_request(&n2).err().unwrap().param.as_deref(), Some("n"));
         let parts: ChatBody = serde_json::from_str(
             r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],

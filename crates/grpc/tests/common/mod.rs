@@ -24,6 +24,8 @@ pub struct Server {
     pid: u32,
     pub grpc_addr: String,
     pub metrics_addr: String,
+    /// The OpenAI-compatible HTTP API's address (host:port).
+    pub http_addr: Option<String>,
     lines: Arc<Mutex<Vec<String>>>,
     pub stderr_path: PathBuf,
     pub dir: tempfile::TempDir,
@@ -42,7 +44,14 @@ impl Server {
         let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_weft"));
         cmd.arg("serve")
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--http-listen",
+                "127.0.0.1:0",
+            ])
             .args(extra)
             .env("NO_COLOR", "1")
             .env("RUST_LOG", "info")
@@ -88,6 +97,7 @@ impl Server {
         }
         let mut grpc_addr = None;
         let mut metrics_addr = None;
+        let mut http_addr = None;
         let t0 = Instant::now();
         while grpc_addr.is_none() || metrics_addr.is_none() {
             let left = Duration::from_secs(30).saturating_sub(t0.elapsed());
@@ -101,6 +111,9 @@ impl Server {
             if let Some(a) = line.strip_prefix("weft: grpc listening on ") {
                 grpc_addr = Some(a.trim().to_string());
             }
+            if let Some(a) = line.strip_prefix("weft: http listening on http://") {
+                http_addr = a.split_whitespace().next().map(str::to_string);
+            }
             if let Some(a) = line.strip_prefix("weft: metrics listening on http://") {
                 metrics_addr = Some(a.trim().trim_end_matches("/metrics").to_string());
             }
@@ -110,6 +123,7 @@ impl Server {
             pid,
             grpc_addr: grpc_addr.unwrap(),
             metrics_addr: metrics_addr.unwrap(),
+            http_addr,
             lines,
             stderr_path,
             dir,
