@@ -50,6 +50,20 @@ fn open_server_refuses_non_loopback() {
         .env("WEFT_LISTEN", "0.0.0.0:0");
     let (ok, _, stderr) = run(c);
     assert!(!ok && stderr.contains("without a tenant file"), "{stderr}");
+    // The HTTP API follows the same rule.
+    let mut c = weft();
+    c.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "off",
+        "--http-listen",
+        "0.0.0.0:0",
+    ]);
+    let (ok, stdout, stderr) = run(c);
+    assert!(!ok && stderr.contains("HTTP API"), "{stderr}");
+    assert!(!stdout.contains("listening"), "{stdout}");
 }
 
 #[test]
@@ -130,6 +144,7 @@ fn serve_help_explains_the_options() {
     for flag in [
         "--listen",
         "--metrics-listen",
+        "--http-listen",
         "--model",
         "--tenants",
         "--config",
