@@ -270,6 +270,20 @@ async fn whole_life() {
         Code::Unavailable,
         "shutting down",
     );
+    // The HTTP API refuses too: 503 with an error object, and /health says so.
+    let http = s.http_addr.clone().expect("HTTP API listening");
+    let r = reqwest::Client::new()
+        .post(format!("http://{http}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(r#"{"prompt": "late", "max_tokens": 1}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let e: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+    assert_eq!(e["error"]["type"], "service_unavailable", "{e}");
+    let h = reqwest::get(format!("http://{http}/health")).await.unwrap();
+    assert_eq!(h.status(), 503);
     let short = short_task.await.unwrap();
     assert!(short.status.is_none(), "{:?}", short.status);
     let f = short.finished.expect("the in-flight request finished");

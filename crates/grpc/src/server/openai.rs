@@ -384,26 +384,27 @@ fn chat_request(b: &ChatBody) -> Result<pb::GenerateRequest, ApiError> {
     let mut r = base_request(&b.common, max)?;
     let mut messages = Vec::with_capacity(b.messages.len());
     for (i, m) in b.messages.iter().enumerate() {
-        let content =
-            match &m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t.clone(),
-                Some(Content::Parts(parts)) => {
-                    let mut text = String::new();
-                    for p in parts {
-                        match (p.kind.as_str(), &p.text) {
-                            ("text", Some(t)) => text.push_str(t),
-                            (kind, _) => return Err(ApiError::invalid(
+        let content = match &m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid(
                                 &format!("messages[{i}].content"),
                                 format!(
                                     "content parts of type {kind:?} are not supported (text only)"
                                 ),
-                            )),
+                            ))
                         }
                     }
-                    text
                 }
-            };
+                text
+            }
+        };
         messages.push(pb::ChatMessage {
             role: m.role.clone(),
             content,
