@@ -34,7 +34,13 @@ async fn server() -> &'static Server {
                 ),
             )
             .unwrap();
-            let s = Server::start(&["--tenants", path.to_str().unwrap()]).await;
+            let s = Server::start(&[
+                "--tenants",
+                path.to_str().unwrap(),
+                "--metrics-aliases",
+                "vllm",
+            ])
+            .await;
             std::mem::forget(dir);
             s
         })
@@ -228,4 +234,32 @@ async fn a_disconnect_cancels_a_non_streaming_request() {
         Duration::from_secs(10),
     )
     .await;
+}
+
+/// What autoscalers and the inference gateway scrape: waiting / running
+/// requests and KV usage (also under vLLM's names with `--metrics-aliases
+/// vllm`), build and cache-config info.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_gauges_are_exported() {
+    let s = server().await;
+    let text = s.metrics().await;
+    for name in [
+        "weft_num_requests_waiting",
+        "weft_num_requests_running",
+        "weft_kv_cache_usage_perc",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+    ] {
+        let v = metric(&text, name, &[]).unwrap_or_else(|| panic!("{name} missing:\n{text}"));
+        assert!(v >= 0.0, "{name} = {v}");
+    }
+    let usage = metric(&text, "vllm:kv_cache_usage_perc", &[]).unwrap();
+    assert!((0.0..=1.0).contains(&usage), "{usage}");
+    assert_eq!(metric(&text, "weft_build_info", &[]), Some(1.0), "{text}");
+    assert_eq!(
+        metric(&text, "weft_kv_cache_config_info", &["block_size=\"16\""]),
+        Some(1.0),
+        "{text}"
+    );
 }

@@ -78,6 +78,13 @@ pub struct ServeArgs {
     /// 127.0.0.1:8000]; "off" disables it. Port 0 picks a free port.
     #[arg(long, env = "WEFT_HTTP_LISTEN", value_name = "ADDR|off")]
     pub http_listen: Option<String>,
+    /// Also export the gateway gauges (requests waiting and running, KV cache
+    /// usage 0-1) under another server's names: "vllm" adds
+    /// `vllm:num_requests_waiting`, `vllm:num_requests_running` and
+    /// `vllm:kv_cache_usage_perc`, the Kubernetes inference gateway's defaults
+    /// [default: none].
+    #[arg(long, env = "WEFT_METRICS_ALIASES", value_name = "none|vllm")]
+    pub metrics_aliases: Option<String>,
     /// Model directory, or the default model's name (SmolLM2-135M-Instruct,
     /// fetched and converted on first use) [default: the default model].
     #[arg(long, short, env = "WEFT_MODEL")]
@@ -149,6 +156,7 @@ struct FileConfig {
     listen: Option<String>,
     metrics_listen: Option<String>,
     http_listen: Option<String>,
+    metrics_aliases: Option<String>,
     model: Option<String>,
     tenants: Option<PathBuf>,
     max_batch_rows: Option<usize>,
@@ -211,6 +219,7 @@ pub struct Settings {
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
     pub http_listen: Option<SocketAddr>,
+    pub metrics_aliases: crate::server::metrics::Aliases,
     pub model: String,
     pub tenants: Option<PathBuf>,
     pub max_batch_rows: usize,
@@ -318,6 +327,11 @@ impl Settings {
             listen,
             metrics_listen,
             http_listen,
+            metrics_aliases: args
+                .metrics_aliases
+                .or(file.metrics_aliases)
+                .unwrap_or_default()
+                .parse()?,
             model: args.model.or(file.model).unwrap_or_default(),
             tenants: args.tenants.or(file.tenants.map(|p| base.join(p))),
             max_batch_rows,

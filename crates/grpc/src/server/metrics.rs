@@ -18,6 +18,66 @@ use weft_scheduler::metrics as m;
 pub const GRPC_REQUESTS: &str = "weft_grpc_requests_total";
 pub const GRPC_IN_FLIGHT: &str = "weft_grpc_requests_in_flight";
 pub const SERVING: &str = "weft_serving";
+pub const BUILD_INFO: &str = "weft_build_info";
+pub const KV_CONFIG_INFO: &str = "weft_kv_cache_config_info";
+/// Aggregates over tenants, refreshed at every scrape: what autoscalers and the
+/// Kubernetes inference gateway read (with `--metrics-aliases vllm` also under
+/// the vLLM names its model-server protocol defaults to).
+pub const REQUESTS_WAITING_ALL: &str = "weft_num_requests_waiting";
+pub const REQUESTS_RUNNING_ALL: &str = "weft_num_requests_running";
+pub const KV_USAGE: &str = "weft_kv_cache_usage_perc";
+pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
+pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
+pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+
+/// Extra names for the gateway gauges (`--metrics-aliases`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Aliases {
+    #[default]
+    None,
+    /// `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+    /// `vllm:kv_cache_usage_perc`.
+    Vllm,
+}
+
+impl std::str::FromStr for Aliases {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        match s {
+            "" | "none" => Ok(Self::None),
+            "vllm" => Ok(Self::Vllm),
+            other => anyhow::bail!("metrics aliases {other:?}: expected none or vllm"),
+        }
+    }
+}
+
+/// The gateway gauges from one snapshot of the engine: requests waiting and
+/// running (all tenants) and the KV pool's used fraction (0-1).
+pub fn set_load(waiting: usize, running: usize, kv_used: usize, kv_total: usize, aliases: Aliases) {
+    let usage = if kv_total == 0 {
+        0.0
+    } else {
+        kv_used as f64 / kv_total as f64
+    };
+    gauge!(REQUESTS_WAITING_ALL).set(waiting as f64);
+    gauge!(REQUESTS_RUNNING_ALL).set(running as f64);
+    gauge!(KV_USAGE).set(usage);
+    if aliases == Aliases::Vllm {
+        gauge!(VLLM_WAITING).set(waiting as f64);
+        gauge!(VLLM_RUNNING).set(running as f64);
+        gauge!(VLLM_KV_USAGE).set(usage);
+    }
+}
+
+/// `weft_kv_cache_config_info{block_size, num_blocks} 1`, once the pool exists.
+pub fn set_kv_config(block_size: usize, num_blocks: usize) {
+    gauge!(
+        KV_CONFIG_INFO,
+        "block_size" => block_size.to_string(),
+        "num_blocks" => num_blocks.to_string()
+    )
+    .set(1.0);
+}
 
 /// Time to first token: SLO thresholds users set (a 2 s bucket among them).
 pub const TTFT_BUCKETS: &[f64] = &[
@@ -63,8 +123,26 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         SERVING,
         "1 while the server admits requests (model warm, not draining)"
     );
+    describe_gauge!(BUILD_INFO, "1, labelled with the weft version");
+    describe_gauge!(
+        KV_CONFIG_INFO,
+        "1, labelled with the KV pool's block size (tokens) and block count"
+    );
+    describe_gauge!(
+        REQUESTS_WAITING_ALL,
+        "Requests waiting (queued or preempted), all tenants; refreshed at each scrape"
+    );
+    describe_gauge!(
+        REQUESTS_RUNNING_ALL,
+        "Requests with a row in the batch, all tenants; refreshed at each scrape"
+    );
+    describe_gauge!(
+        KV_USAGE,
+        "Fraction (0-1) of KV pool blocks in use by running rows; refreshed at each scrape"
+    );
     gauge!(SERVING).set(0.0);
     gauge!(GRPC_IN_FLIGHT).set(0.0);
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     Ok(handle)
 }
 
@@ -80,11 +158,15 @@ pub fn spawn_upkeep(handle: PrometheusHandle) {
     });
 }
 
+/// Called before each render: refreshes gauges computed at scrape time.
+pub type Refresh = std::sync::Arc<dyn Fn() + Send + Sync>;
+
 /// Serves `GET /metrics` (Prometheus text) and `GET /healthz` until
 /// `stop` turns true.
 pub async fn serve(
     listener: TcpListener,
     handle: PrometheusHandle,
+    refresh: Refresh,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -101,10 +183,17 @@ pub async fn serve(
             }
         };
         let handle = handle.clone();
+        let refresh = refresh.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let handle = handle.clone();
-                async move { Ok::<_, Infallible>(respond(&req, &handle)) }
+                let refresh = refresh.clone();
+                async move {
+                    if req.uri().path() == "/metrics" {
+                        refresh();
+                    }
+                    Ok::<_, Infallible>(respond(&req, &handle))
+                }
             });
             let io = hyper_util::rt::TokioIo::new(stream);
             if let Err(e) = hyper::server::conn::http1::Builder::new()

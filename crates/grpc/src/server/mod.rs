@@ -118,16 +118,29 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
         .with_context(|| format!("binding the gRPC address {}", settings.listen))?;
     let grpc_addr = listener.local_addr()?;
     let (stop_tx, stop_rx) = watch::channel(false);
+    let state = Arc::new(State::new(tenants, settings.default_max_tokens));
     if let Some(addr) = settings.metrics_listen {
         let ml = TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding the metrics address {addr}"))?;
         let maddr = ml.local_addr()?;
-        tokio::spawn(metrics::serve(ml, prom.clone(), stop_rx.clone()));
+        let (st, aliases) = (state.clone(), settings.metrics_aliases);
+        let refresh: metrics::Refresh = Arc::new(move || {
+            if let Some(r) = st.ready.get() {
+                let s = r.engine.stats();
+                metrics::set_load(
+                    s.waiting,
+                    s.running,
+                    s.kv_blocks_used,
+                    s.kv_blocks_total,
+                    aliases,
+                );
+            }
+        });
+        tokio::spawn(metrics::serve(ml, prom.clone(), refresh, stop_rx.clone()));
         say(&format!("metrics listening on http://{maddr}/metrics"));
     }
 
-    let state = Arc::new(State::new(tenants, settings.default_max_tokens));
     let http = match settings.http_listen {
         Some(addr) => {
             let hl = TcpListener::bind(addr)
@@ -208,6 +221,8 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
         }
     };
     let model_name = ready.model.name.clone();
+    let kv = ready.engine.stats();
+    metrics::set_kv_config(settings.kv_block_size, kv.kv_blocks_total);
     let _ = state.ready.set(ready);
     health.set_service_status("", ServingStatus::Serving).await;
     health
