@@ -20,7 +20,7 @@ enum Command {
     /// In-process batched throughput of the engine (no gRPC); see benches/.
     BenchEngine(weft_grpc::engine_bench::EngineBenchArgs),
     // About and long help come from `ServeArgs`'s doc comment.
-    Serve(weft_grpc::server::ServeArgs),
+    Serve(Box<weft_grpc::server::ServeArgs>),
     /// Print the sha256 hash of an API key, for the tenant file.
     HashKey {
         /// The API key (read from stdin when omitted or "-").
@@ -51,7 +51,7 @@ fn main() {
         }),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => weft_grpc::bench::run_blocking(args).map(|_| ()),
-        Command::Serve(args) => weft_grpc::server::run(args),
+        Command::Serve(args) => weft_grpc::server::run(*args),
         Command::HashKey { key } => hash_key(key),
         Command::BenchEngine(args) => weft_grpc::engine_bench::run(args).map(|_| ()),
     };
