@@ -178,6 +178,16 @@ async fn over_the_tenant_limit_is_429_with_retry_after() {
     assert_eq!(r.status(), 400);
     let e: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
     assert_eq!(e["error"]["param"], "prompt", "{e}");
+    // HTTP calls are counted under their own method names.
+    let refused = metric(
+        &s.metrics().await,
+        "weft_grpc_requests_total",
+        &[
+            "method=\"openai.completions\"",
+            "code=\"resource_exhausted\"",
+        ],
+    );
+    assert!(refused.is_some_and(|v| v >= 1.0), "{refused:?}");
     let h = http()
         .get(format!("http://{}/health", s.http_addr.as_deref().unwrap()))
         .send()

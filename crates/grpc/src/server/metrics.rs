@@ -116,7 +116,7 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     m::describe();
     describe_counter!(
         GRPC_REQUESTS,
-        "Finished gRPC calls by method, status code and tenant"
+        "Finished calls by method (gRPC methods; openai.completions and openai.chat_completions for the HTTP API), status code (gRPC names) and tenant"
     );
     describe_gauge!(GRPC_IN_FLIGHT, "Generation calls admitted and not finished");
     describe_gauge!(

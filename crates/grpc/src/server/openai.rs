@@ -594,7 +594,12 @@ async fn start(
 ) -> Result<impl Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send + 'static, ApiError>
 {
     let req = grpc_request(headers, body)?;
-    match api.svc.generate_stream(req).await {
+    let method = if chat {
+        "openai.chat_completions"
+    } else {
+        "openai.completions"
+    };
+    match api.svc.stream_as(method, req) {
         Ok(r) => Ok(r.into_inner()),
         Err(s) => Err(ApiError::from_status(&s, chat)),
     }

@@ -211,6 +211,29 @@ impl GenerationService {
         out.map(Response::new)
     }
 
+    /// A streamed generation, counted in `weft_grpc_requests_total` under
+    /// `method` (the HTTP API's calls count as theirs, e.g. `openai.completions`).
+    pub fn stream_as(
+        &self,
+        method: &'static str,
+        req: Request<pb::GenerateRequest>,
+    ) -> Result<Response<GenStreamBox>, Status> {
+        let tenant = match self.authenticate(&req) {
+            Ok(t) => t,
+            Err(s) => {
+                record(method, s.code(), "none");
+                return Err(s);
+            }
+        };
+        match self.start(method, tenant.clone(), req) {
+            Ok(flow) => Ok(Response::new(Box::pin(GenStream::new(flow)) as GenStreamBox)),
+            Err(s) => {
+                record(method, s.code(), &tenant.name);
+                Err(s)
+            }
+        }
+    }
+
     /// Validates and submits; returns the running request.
     fn start(
         &self,
@@ -570,7 +593,8 @@ impl Stream for GenStream {
     }
 }
 
-type GenStreamBox = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
+pub type GenStreamBox =
+    Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::generation_server::Generation for GenerationService {
@@ -652,20 +676,7 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         req: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenStreamBox>, Status> {
-        let tenant = match self.authenticate(&req) {
-            Ok(t) => t,
-            Err(s) => {
-                record("GenerateStream", s.code(), "none");
-                return Err(s);
-            }
-        };
-        match self.start("GenerateStream", tenant.clone(), req) {
-            Ok(flow) => Ok(Response::new(Box::pin(GenStream::new(flow)) as GenStreamBox)),
-            Err(s) => {
-                record("GenerateStream", s.code(), &tenant.name);
-                Err(s)
-            }
-        }
+        self.stream_as("GenerateStream", req)
     }
 
     async fn tokenize(
