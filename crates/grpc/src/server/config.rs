@@ -85,6 +85,16 @@ pub struct ServeArgs {
     /// [default: none].
     #[arg(long, env = "WEFT_METRICS_ALIASES", value_name = "none|vllm")]
     pub metrics_aliases: Option<String>,
+    /// Serve gRPC and the HTTP API over TLS with this certificate chain (PEM);
+    /// needs --tls-key. Metrics stay plaintext.
+    #[arg(long, env = "WEFT_TLS_CERT", value_name = "PATH", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "WEFT_TLS_KEY", value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Mutual TLS: clients must present a certificate signed by this CA (PEM).
+    #[arg(long, env = "WEFT_TLS_CLIENT_CA", value_name = "PATH")]
+    pub tls_client_ca: Option<PathBuf>,
     /// Model directory, or the default model's name (SmolLM2-135M-Instruct,
     /// fetched and converted on first use) [default: the default model].
     #[arg(long, short, env = "WEFT_MODEL")]
@@ -157,6 +167,9 @@ struct FileConfig {
     metrics_listen: Option<String>,
     http_listen: Option<String>,
     metrics_aliases: Option<String>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_client_ca: Option<PathBuf>,
     model: Option<String>,
     tenants: Option<PathBuf>,
     max_batch_rows: Option<usize>,
@@ -220,6 +233,7 @@ pub struct Settings {
     pub metrics_listen: Option<SocketAddr>,
     pub http_listen: Option<SocketAddr>,
     pub metrics_aliases: crate::server::metrics::Aliases,
+    pub tls: Option<crate::server::tls::TlsFiles>,
     pub model: String,
     pub tenants: Option<PathBuf>,
     pub max_batch_rows: usize,
@@ -332,6 +346,23 @@ impl Settings {
                 .or(file.metrics_aliases)
                 .unwrap_or_default()
                 .parse()?,
+            tls: match (
+                args.tls_cert.or(file.tls_cert.map(|p| base.join(p))),
+                args.tls_key.or(file.tls_key.map(|p| base.join(p))),
+                args.tls_client_ca
+                    .or(file.tls_client_ca.map(|p| base.join(p))),
+            ) {
+                (Some(cert), Some(key), client_ca) => Some(crate::server::tls::TlsFiles {
+                    cert,
+                    key,
+                    client_ca,
+                }),
+                (None, None, None) => None,
+                (None, None, Some(_)) => {
+                    bail!("--tls-client-ca needs --tls-cert and --tls-key (the server's own certificate)")
+                }
+                _ => bail!("--tls-cert and --tls-key go together"),
+            },
             model: args.model.or(file.model).unwrap_or_default(),
             tenants: args.tenants.or(file.tenants.map(|p| base.join(p))),
             max_batch_rows,

@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod openai;
 pub mod service;
 pub mod tenants;
+pub mod tls;
 pub mod validate;
 
 use std::io::Write;
@@ -110,6 +111,10 @@ fn signals() -> anyhow::Result<tokio::sync::mpsc::UnboundedReceiver<Signal>> {
 
 async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
     let mut sig = signals()?;
+    let tls = match &settings.tls {
+        Some(files) => Some(files.load()?),
+        None => None,
+    };
     let prom = metrics::install()?;
     metrics::spawn_upkeep(prom.clone());
 
@@ -149,16 +154,23 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
             let haddr = hl.local_addr()?;
             let mut http_stop = stop_rx.clone();
             let app = openai::router(state.clone());
+            let scheme = if tls.is_some() { "https" } else { "http" };
             say(&format!(
-                "http listening on http://{haddr} (OpenAI-compatible /v1)"
+                "http listening on {scheme}://{haddr} (OpenAI-compatible /v1)"
             ));
-            Some(tokio::spawn(async move {
-                axum::serve(hl, app)
-                    .with_graceful_shutdown(async move {
-                        let _ = http_stop.wait_for(|s| *s).await;
-                    })
-                    .await
-            }))
+            Some(match &tls {
+                Some(t) => tokio::spawn(tls::serve_http(hl, app, t.http_acceptor()?, http_stop)),
+                None => tokio::spawn(async move {
+                    let r = axum::serve(hl, app)
+                        .with_graceful_shutdown(async move {
+                            let _ = http_stop.wait_for(|s| *s).await;
+                        })
+                        .await;
+                    if let Err(e) = r {
+                        warn!(error = %e, "HTTP server failed");
+                    }
+                }),
+            })
         }
         None => None,
     };
@@ -187,7 +199,14 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
     // closed-loop clients' next requests arrive in late waves.
     let incoming = tonic::transport::server::TcpIncoming::from_listener(listener, true, None)
         .map_err(|e| anyhow::anyhow!("gRPC listener: {e}"))?;
-    let router = Server::builder()
+    let mut builder = Server::builder();
+    if let Some(t) = &tls {
+        builder = builder
+            .tls_config(t.grpc())
+            .context("the gRPC listener's TLS configuration")?;
+        info!(mutual = t.mutual(), "TLS on the gRPC and HTTP listeners");
+    }
+    let router = builder
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health_svc)
         .add_service(reflection_v1)
@@ -294,8 +313,7 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     if let Some(h) = http {
         match tokio::time::timeout(CLOSE_GRACE, h).await {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => warn!(error = %e, "HTTP server error while closing"),
+            Ok(Ok(())) => {}
             Ok(Err(e)) => warn!(error = %e, "HTTP server task failed while closing"),
             Err(_) => warn!("HTTP connections still open after the drain; closing anyway"),
         }

@@ -111,7 +111,10 @@ impl Server {
             if let Some(a) = line.strip_prefix("weft: grpc listening on ") {
                 grpc_addr = Some(a.trim().to_string());
             }
-            if let Some(a) = line.strip_prefix("weft: http listening on http://") {
+            if let Some(a) = line
+                .strip_prefix("weft: http listening on http://")
+                .or_else(|| line.strip_prefix("weft: http listening on https://"))
+            {
                 http_addr = a.split_whitespace().next().map(str::to_string);
             }
             if let Some(a) = line.strip_prefix("weft: metrics listening on http://") {
