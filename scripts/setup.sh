@@ -10,7 +10,8 @@ SUDO=""
 # cmake/clang/libclang-dev: mlx-sys builds mlx-c and runs bindgen.
 # protobuf-compiler: tonic-build compiles proto/.
 # libopenblas0-pthread: optional fast f32 BLAS for CPU runs and benchmarks.
-pkgs="cmake clang libclang-dev protobuf-compiler libopenblas0-pthread curl unzip"
+# prometheus: promtool checks and unit-tests deploy/prometheus's rules.
+pkgs="cmake clang libclang-dev protobuf-compiler libopenblas0-pthread curl unzip prometheus"
 missing=""
 for p in $pkgs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
