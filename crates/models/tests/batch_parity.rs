@@ -8,10 +8,7 @@ use std::cell::Cell;
 use std::rc::Rc;
 
 use common::*;
-use mlx_rs::Dtype;
-use weft_models::{
-    BatchRunner, Kernels, Lanes, LlamaModel, ModelConfig, ModelError, RowStep, WeightPolicy,
-};
+use weft_models::{BatchRunner, Lanes, LlamaModel, ModelError, RowStep};
 
 struct Row {
     ids: Vec<u32>,
@@ -144,20 +141,8 @@ fn new_runner(md: &std::path::Path) -> BatchRunner {
 }
 
 fn load(md: &std::path::Path) -> LlamaModel {
-    let config = ModelConfig::load(md).unwrap();
-    let weights = weft_models::weights::Weights::load_dir(md).unwrap();
-    LlamaModel::from_weights(
-        config,
-        weights,
-        WeightPolicy {
-            dequantize: true,
-            dtype: Dtype::Float32,
-            // What `weft serve` runs on CPU.
-            kernels: Kernels::CpuTuned,
-            host_gemm: true,
-        },
-    )
-    .unwrap()
+    // What `weft serve` runs on CPU.
+    load_f32(md, true)
 }
 
 /// Logprobs within this of mlx-lm's (f32 both sides; padding changes

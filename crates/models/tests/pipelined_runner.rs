@@ -9,11 +9,8 @@
 mod common;
 
 use common::*;
-use mlx_rs::Dtype;
 use weft_kv_pool::{KvPool, OwnerId, Salt, SeqId, SeqSpec};
-use weft_models::{
-    BatchRunner, Kernels, LlamaModel, ModelConfig, RowBlocks, RowStep, SampleRow, WeightPolicy,
-};
+use weft_models::{BatchRunner, RowBlocks, RowStep, SampleRow};
 
 /// (prompt, step it joins at).
 fn rows() -> Vec<(Vec<u32>, usize)> {
@@ -27,22 +24,6 @@ fn rows() -> Vec<(Vec<u32>, usize)> {
 }
 
 const STEPS: usize = 24;
-
-fn load(md: &std::path::Path, host_gemm: bool) -> LlamaModel {
-    let config = ModelConfig::load(md).unwrap();
-    let weights = weft_models::weights::Weights::load_dir(md).unwrap();
-    LlamaModel::from_weights(
-        config,
-        weights,
-        WeightPolicy {
-            dequantize: true,
-            dtype: Dtype::Float32,
-            kernels: Kernels::CpuTuned,
-            host_gemm,
-        },
-    )
-    .unwrap()
-}
 
 /// What goes wrong, and at which step.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -215,7 +196,7 @@ fn pipelined_steps_pick_exactly_what_one_step_at_a_time_picks() {
     let md = dir.path().join("m");
     oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
     for host_gemm in [false, true] {
-        let want = Driver::new(runner(load(&md, host_gemm), 128)).plain();
+        let want = Driver::new(runner(load_f32(&md, host_gemm), 128)).plain();
         assert!(want.iter().all(|t| !t.is_empty()));
         for fault in [
             Fault::None,
@@ -224,7 +205,7 @@ fn pipelined_steps_pick_exactly_what_one_step_at_a_time_picks() {
             Fault::DropBoth(5),
             Fault::DropBoth(9),
         ] {
-            let got = Driver::new(runner(load(&md, host_gemm), 128)).pipelined(fault);
+            let got = Driver::new(runner(load_f32(&md, host_gemm), 128)).pipelined(fault);
             assert_eq!(got, want, "host_gemm {host_gemm}, {fault:?}");
         }
     }
@@ -237,7 +218,7 @@ fn pipelined_contract_violations_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let md = dir.path().join("m");
     oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
-    let mut d = Driver::new(runner(load(&md, false), 64));
+    let mut d = Driver::new(runner(load_f32(&md, false), 64));
     let (steps, _, _) = d.open(0, false);
     let greedy = vec![SampleRow::default(); steps.len()];
     let ops = d.pool.step_ops().to_vec();

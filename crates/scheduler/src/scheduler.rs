@@ -680,8 +680,7 @@ impl<M: Model> Scheduler<M> {
     /// Finish every live request with an error (engine shutdown).
     pub fn shutdown(&mut self, now: Instant) {
         if self.inflight.take().is_some() {
-            self.model.rollback();
-            self.pool_rollback();
+            self.undo_newest();
         }
         let mut keys: Vec<RequestKey> = self.reqs.keys().copied().collect();
         keys.sort();
@@ -1370,8 +1369,7 @@ impl<M: Model> Scheduler<M> {
         {
             Ok(()) => Ok(rows),
             Err(e) => {
-                self.model.rollback();
-                self.pool_rollback();
+                self.undo_newest();
                 self.count_rollback(&e.to_string(), "pipelined step not submitted");
                 Err(rows)
             }
@@ -1434,8 +1432,7 @@ impl<M: Model> Scheduler<M> {
                 {
                     Ok(()) => chained = true,
                     Err(e) => {
-                        self.model.rollback();
-                        self.pool_rollback();
+                        self.undo_newest();
                         self.count_rollback(&e.to_string(), "following step not submitted");
                     }
                 },
@@ -1450,11 +1447,9 @@ impl<M: Model> Scheduler<M> {
             .and_then(|()| self.model.commit().map_err(|e| e.to_string()));
         if let Err(e) = settled {
             if chained {
-                self.model.rollback();
-                self.pool_rollback();
+                self.undo_newest();
             }
-            self.model.rollback();
-            self.pool_rollback();
+            self.undo_newest();
             self.count_rollback(&e, "pipelined step rolled back");
             let rows: Vec<Planned> = rows
                 .into_iter()
@@ -1504,8 +1499,7 @@ impl<M: Model> Scheduler<M> {
                 self.stats.pipelined_steps += 1;
                 self.metrics.pipelined.increment(1);
             } else {
-                self.model.rollback();
-                self.pool_rollback();
+                self.undo_newest();
                 self.count_rollback("placeholder not replaced", "following step rolled back");
             }
         }
@@ -1733,6 +1727,12 @@ impl<M: Model> Scheduler<M> {
             });
         }
         Ok(())
+    }
+
+    /// Undoes the newest open step in the model and the pool alike.
+    fn undo_newest(&mut self) {
+        self.model.rollback();
+        self.pool_rollback();
     }
 
     /// A pipelined step (or the one queued after it) that was undone.

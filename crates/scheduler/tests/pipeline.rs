@@ -51,20 +51,8 @@ fn one_at_a_time() -> weft_scheduler::SchedulerConfig {
 fn pipelined_steps_stream_exactly_what_one_step_at_a_time_does() {
     for (seed, blocks) in [(1, BLOCKS), (2, 10_000), (3, 120)] {
         let specs = waves(seed, 240, false, 6);
-        let plain = run(
-            one_at_a_time(),
-            fake_blocks(blocks),
-            FakeFaults::default(),
-            &specs,
-            |_, _, _| {},
-        );
-        let piped = run(
-            sched_config(),
-            fake_blocks(blocks),
-            FakeFaults::default(),
-            &specs,
-            |_, _, _| {},
-        );
+        let plain = run_blocks(one_at_a_time(), blocks, &specs);
+        let piped = run_blocks(sched_config(), blocks, &specs);
         assert_clean(&plain);
         assert_clean(&piped);
         assert_same_streams(&plain, &piped);
@@ -97,20 +85,8 @@ fn cancels_and_deadlines_between_pipelined_steps_lose_nothing_else() {
         .iter()
         .map(|s| Spec::at(s.arrival_step, s.req.clone()))
         .collect();
-    let full = run(
-        one_at_a_time(),
-        fake_config(),
-        FakeFaults::default(),
-        &calm,
-        |_, _, _| {},
-    );
-    let piped = run(
-        sched_config(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let full = run_plain(one_at_a_time(), &calm);
+    let piped = run_plain(sched_config(), &specs);
     assert_clean(&piped);
     let mut cut = 0;
     for (i, (s, (o, f))) in specs
@@ -146,13 +122,7 @@ fn calm(seed: u64) -> Vec<Spec> {
 #[test]
 fn a_fault_in_a_pipelined_step_rolls_back_both_and_loses_nothing() {
     let specs = calm(7);
-    let clean = run(
-        sched_config(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let clean = run_plain(sched_config(), &specs);
     assert_clean(&clean);
     // Step n fails when read, with step n+1 queued on its picks (twice in a row at
     // 11-12: the re-run succeeds, the next pipelined step fails again).
@@ -188,13 +158,7 @@ fn a_fault_in_a_pipelined_step_rolls_back_both_and_loses_nothing() {
     for point in FaultPoint::ALL {
         let mut cfg = sched_config();
         cfg.faults = FaultPlan::default().at(point, 5).at(point, 6).at(point, 70);
-        let r = run(
-            cfg,
-            fake_config(),
-            FakeFaults::default(),
-            &specs,
-            |_, _, _| {},
-        );
+        let r = run_plain(cfg, &specs);
         assert_clean(&r);
         assert_same_streams(&clean, &r);
         assert_eq!(r.sched.stats().rollbacks, 3, "{point:?}");
@@ -204,13 +168,7 @@ fn a_fault_in_a_pipelined_step_rolls_back_both_and_loses_nothing() {
 #[test]
 fn random_faults_in_pipelined_runs_leave_streams_unchanged() {
     let specs = calm(8);
-    let clean = run(
-        one_at_a_time(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let clean = run_plain(one_at_a_time(), &specs);
     let mut cfg = sched_config();
     cfg.faults = FaultPlan::random(3, 0.03);
     cfg.max_step_retries = 60;
@@ -243,20 +201,8 @@ fn penalized_rows_keep_their_batch_one_step_at_a_time() {
         };
         s.req.seed = Some(5);
     }
-    let plain = run(
-        one_at_a_time(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
-    let piped = run(
-        sched_config(),
-        fake_config(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let plain = run_plain(one_at_a_time(), &specs);
+    let piped = run_plain(sched_config(), &specs);
     assert_clean(&piped);
     assert_same_streams(&plain, &piped);
     assert_eq!(piped.sched.model().stats().max_staged, 1);

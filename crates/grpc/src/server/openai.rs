@@ -98,6 +98,8 @@ struct Common {
     stream: bool,
     stream_options: Option<StreamOptions>,
     n: Option<u32>,
+    /// Accepted for compatibility; tenants come from the API key.
+    #[allow(dead_code)]
     user: Option<String>,
     #[serde(default)]
     ignore_eos: bool,
@@ -778,41 +780,63 @@ fn sse(
 
 // ----- handlers ------------------------------------------------------------
 
-async fn completions(AxState(api): AxState<Api>, headers: HeaderMap, body: Bytes) -> Response {
-    let b: CompletionBody = match parse(&body) {
+impl Common {
+    /// (`stream`, `stream_options.include_usage`).
+    fn streaming(&self) -> (bool, bool) {
+        let usage = self
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        (self.stream, usage)
+    }
+}
+
+/// An endpoint's request body.
+trait Body: serde::de::DeserializeOwned {
+    const KIND: Kind;
+    fn common(&self) -> &Common;
+    fn request(&self) -> Result<pb::GenerateRequest, ApiError>;
+}
+
+impl Body for CompletionBody {
+    const KIND: Kind = Kind::Completion;
+    fn common(&self) -> &Common {
+        &self.common
+    }
+    fn request(&self) -> Result<pb::GenerateRequest, ApiError> {
+        completion_request(self)
+    }
+}
+
+impl Body for ChatBody {
+    const KIND: Kind = Kind::Chat;
+    fn common(&self) -> &Common {
+        &self.common
+    }
+    fn request(&self) -> Result<pb::GenerateRequest, ApiError> {
+        chat_request(self)
+    }
+}
+
+/// Parses a body, maps it to a `weft.v1` request and answers it.
+async fn handle<B: Body>(api: Api, headers: HeaderMap, body: Bytes) -> Response {
+    let b: B = match parse(&body) {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
-    let (stream, usage) = (
-        b.common.stream,
-        b.common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    );
-    let _ = &b.common.user;
-    match completion_request(&b) {
-        Ok(r) => respond(api, headers, r, Kind::Completion, stream, usage).await,
+    let (stream, usage) = b.common().streaming();
+    match b.request() {
+        Ok(r) => respond(api, headers, r, B::KIND, stream, usage).await,
         Err(e) => e.into_response(),
     }
 }
 
+async fn completions(AxState(api): AxState<Api>, headers: HeaderMap, body: Bytes) -> Response {
+    handle::<CompletionBody>(api, headers, body).await
+}
+
 async fn chat_completions(AxState(api): AxState<Api>, headers: HeaderMap, body: Bytes) -> Response {
-    let b: ChatBody = match parse(&body) {
-        Ok(b) => b,
-        Err(e) => return e.into_response(),
-    };
-    let (stream, usage) = (
-        b.common.stream,
-        b.common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    );
-    match chat_request(&b) {
-        Ok(r) => respond(api, headers, r, Kind::Chat, stream, usage).await,
-        Err(e) => e.into_response(),
-    }
+    handle::<ChatBody>(api, headers, body).await
 }
 
 async fn models(AxState(api): AxState<Api>, headers: HeaderMap) -> Response {

@@ -246,3 +246,21 @@ pub fn json_u32(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
 }
+
+/// The model of `md` as `weft serve` loads it on the CPU (f32, dequantized,
+/// CPU-tuned kernels), on the packed GEMM or on MLX's matmuls.
+pub fn load_f32(md: &Path, host_gemm: bool) -> weft_models::LlamaModel {
+    let config = weft_models::ModelConfig::load(md).unwrap();
+    let weights = weft_models::weights::Weights::load_dir(md).unwrap();
+    weft_models::LlamaModel::from_weights(
+        config,
+        weights,
+        weft_models::WeightPolicy {
+            dequantize: true,
+            dtype: mlx_rs::Dtype::Float32,
+            kernels: weft_models::Kernels::CpuTuned,
+            host_gemm,
+        },
+    )
+    .unwrap()
+}
