@@ -7,11 +7,16 @@ cd "$(dirname "$0")/.."
 
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-# cmake/clang/libclang-dev: mlx-sys builds mlx-c and runs bindgen.
+# Build: cmake/clang/libclang-dev: mlx-sys builds mlx-c and runs bindgen;
 # protobuf-compiler: tonic-build compiles proto/.
-# libopenblas0-pthread: optional fast f32 BLAS for CPU runs and benchmarks.
-# prometheus: promtool checks and unit-tests deploy/prometheus's rules.
-pkgs="cmake clang libclang-dev protobuf-compiler libopenblas0-pthread curl unzip prometheus"
+# Run: libopenblas0-pthread: optional fast f32 BLAS for CPU runs and benchmarks.
+# Test: prometheus: promtool checks and unit-tests deploy/prometheus's rules,
+# and the live-Prometheus test scrapes weft serve.
+# (deploy/Containerfile installs the build and run groups; a test checks it.)
+build_pkgs="cmake clang libclang-dev protobuf-compiler curl unzip"
+run_pkgs="libopenblas0-pthread"
+test_pkgs="prometheus"
+pkgs="$build_pkgs $run_pkgs $test_pkgs"
 missing=""
 for p in $pkgs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
