@@ -2,8 +2,9 @@
 //! (two tenants, a short load with one refusal) with Weft's rule files loaded:
 //! the target is up, the gateway gauges and request counters arrive, every
 //! recording and alert rule evaluates without error, and every expression the
-//! Grafana dashboard and the rules ship is evaluated through Prometheus's HTTP
-//! API: it must parse and every Weft series it selects must exist.
+//! Grafana dashboard, the rules and the prometheus-adapter rule (the HPA's
+//! metric) ship is evaluated through Prometheus's HTTP API: it must parse and
+//! every Weft series it selects must exist.
 
 mod common;
 
@@ -113,7 +114,8 @@ async fn prometheus_scrapes_weft_and_evaluates_its_rules() {
         &cfg,
         format!(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\n\
-             scrape_configs:\n  - job_name: weft\n    static_configs:\n      - targets: [\"{}\"]\n",
+             scrape_configs:\n  - job_name: weft\n    static_configs:\n      - targets: [\"{}\"]\n\
+             \x20       labels: {{namespace: {NAMESPACE}, pod: {POD}}}\n",
             rules.display(),
             s.metrics_addr
         ),
@@ -205,6 +207,7 @@ async fn prometheus_scrapes_weft_and_evaluates_its_rules() {
         }
     }
     assert!(exprs.len() - rules_n >= 15, "dashboard expressions");
+    exprs.extend(adapter_queries());
     let t0 = Instant::now();
     for (from, q) in &exprs {
         // Recording rules' series appear at their group's next evaluation.
@@ -232,6 +235,51 @@ async fn prometheus_scrapes_weft_and_evaluates_its_rules() {
             "{bad} passed the check"
         );
     }
+}
+
+/// The labels a ServiceMonitor scrape gives a pod's series (the static
+/// target here carries them too), which prometheus-adapter maps to objects.
+const NAMESPACE: &str = "weft-test";
+const POD: &str = "weft-0";
+
+/// prometheus-adapter's queries (deploy/kubernetes/prometheus-adapter-values.yaml)
+/// as the adapter runs them for the HPA: the series query, and the metrics
+/// query with its template filled in for one pod.
+fn adapter_queries() -> Vec<(String, String)> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../deploy/kubernetes/prometheus-adapter-values.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    // Single-quoted YAML scalars on one line.
+    let values = |key: &str| -> Vec<String> {
+        text.lines()
+            .filter_map(|l| {
+                let v = l.trim().trim_start_matches("- ").strip_prefix(key)?.trim();
+                let v = v.strip_prefix('\'')?.strip_suffix('\'')?;
+                Some(v.replace("''", "'"))
+            })
+            .collect()
+    };
+    let series = values("seriesQuery:");
+    let metrics = values("metricsQuery:");
+    assert!(
+        !series.is_empty() && series.len() == metrics.len(),
+        "adapter rules"
+    );
+    let mut out = Vec::new();
+    for (sq, mq) in series.iter().zip(&metrics) {
+        let name = sq.split('{').next().unwrap().to_string();
+        let q = mq
+            .replace("<<.Series>>", &name)
+            .replace(
+                "<<.LabelMatchers>>",
+                &format!("namespace=\"{NAMESPACE}\",pod=~\"{POD}\""),
+            )
+            .replace("<<.GroupBy>>", "pod");
+        assert!(!q.contains("<<"), "adapter template left in {q}");
+        out.push((format!("adapter seriesQuery {sq}"), sq.clone()));
+        out.push((format!("adapter metricsQuery {mq}"), q));
+    }
+    out
 }
 
 const ALICE: &str = "alice-prometheus-key";
