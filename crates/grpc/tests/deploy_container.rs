@@ -308,6 +308,11 @@ fn the_cpu_image_builds_and_runs_what_weft_needs() {
         ),
         "{rel}: copies mlx-sys's wheel to {dir}"
     );
+    if std::env::var_os("MLX_PREFIX").is_some() {
+        // mlx-sys linked a given MLX install: no wheel layout to compare.
+        eprintln!("MLX_PREFIX set: the wheel layout is not checked");
+        return;
+    }
     let profile_dir = Path::new(env!("CARGO_BIN_EXE_weft")).parent().unwrap();
     let found = std::fs::read_dir(profile_dir.join("build"))
         .unwrap()
