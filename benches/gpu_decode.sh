@@ -11,6 +11,8 @@
 #   call 1: carry .gpu/a .gpustash/d1    bash .gpu/a/stash.sh && mkdir -p /root/ws && cp .gpustash/d1/* /root/ws/
 #   call 2: carry .gpu/b .gpustash/d2    bash .gpu/b/env.sh bash .gpustash/d2/run.sh
 #           STEPS=kernel,decode,engine,plain,q4,server picks parts; STREAMS=1,8,32,64,128,256;
+#           decode: DECODE_ROWS="1 64 128 256"; OPS_SWEEP="40 100" adds pipelined steps at
+#           SWEEP_ROWS ("1 64") with MLX_MAX_OPS_PER_BUFFER at each value;
 #           plain: the engine with WEFT_PIPELINE=off at PLAIN_STREAMS (1,8,64);
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated)
@@ -54,6 +56,12 @@ if [[ $S == *decode* ]]; then
     /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
     echo "== runner decode step, $b rows, pipelined (each step queued on the last one's picks)" | tee -a $R
     PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+  done
+  for o in ${OPS_SWEEP:-}; do
+    for b in ${SWEEP_ROWS:-1 64}; do
+      echo "== runner decode step, $b rows, pipelined, MLX_MAX_OPS_PER_BUFFER=$o (MLX's default 20)" | tee -a $R
+      MLX_MAX_OPS_PER_BUFFER=$o PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+    done
   done
   echo "== runner decode step, 128 rows, host sampling" | tee -a $R
   SAMPLE=host /root/decode_timing $M 128 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R

@@ -12,7 +12,9 @@
 //! `PIPELINE=1` queues each decode step on the previous one's picks before
 //! reading them (the engine's pipelined loop: `submit_sampled`/`collect`, the
 //! pool's `begin_next`). Each step's graph build and evaluation wait are
-//! reported apart.
+//! reported apart. `CENSUS=1` prints the primitives of the second decode
+//! step's graph (one dispatch each); `DTYPE=bf16|f16|f32` overrides the
+//! device's default dtype.
 use std::time::Instant;
 
 use weft_kv_pool::{KvPool, OwnerId, Salt, SeqId, SeqSpec};
@@ -54,6 +56,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         LoadOptions {
             host_gemm: std::env::var("HOST_GEMM").ok().map(|v| v != "0"),
             dequantize: std::env::var("DEQUANTIZE").ok().map(|v| v != "0"),
+            dtype: match std::env::var("DTYPE").as_deref() {
+                Ok("bf16") => Some(mlx_rs::Dtype::Bfloat16),
+                Ok("f16") => Some(mlx_rs::Dtype::Float16),
+                Ok("f32") => Some(mlx_rs::Dtype::Float32),
+                _ => None,
+            },
             ..LoadOptions::default()
         },
     )?
@@ -99,12 +107,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         t0.elapsed().as_secs_f64() * 1e3
     );
     let host_sampling = std::env::var("SAMPLE").is_ok_and(|v| v == "host");
+    let census = std::env::var("CENSUS").is_ok_and(|v| v == "1");
     if std::env::var("PIPELINE").is_ok_and(|v| v == "1") {
-        return pipelined(&mut runner, &mut pool, &seqs, steps);
+        return pipelined(&mut runner, &mut pool, &seqs, steps, census);
     }
     let mut live: Vec<usize> = (0..b).collect();
     let mut times = vec![];
-    let (mut build, mut eval) = (vec![], vec![]);
+    let (mut build, mut encode, mut eval) = (vec![], vec![], vec![]);
     for step in 0..steps {
         if live.is_empty() {
             break;
@@ -124,6 +133,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             })
             .collect();
         let q: Vec<SeqId> = live.iter().map(|&r| seqs[r]).collect();
+        if census && step == 1 {
+            runner.census_next_step();
+        }
         let t = Instant::now();
         let ops = plan(&mut pool, &q, &mut batch);
         if host_sampling {
@@ -141,7 +153,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         runner.commit()?;
         pool.commit()?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
+        print_census(&mut runner);
         build.push(runner.last_timing().build.as_secs_f64() * 1e3);
+        encode.push(runner.last_timing().encode.as_secs_f64() * 1e3);
         eval.push(runner.last_timing().eval.as_secs_f64() * 1e3);
         for _ in 0..leave.min(live.len()) {
             if let Some(r) = live.pop() {
@@ -163,11 +177,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         times[(n * 9 / 10).min(n - 1)],
         rows_done as f64 * dt as f64 * 1e3 / times.iter().sum::<f64>()
     );
-    build.sort_by(|a, b| a.total_cmp(b));
-    eval.sort_by(|a, b| a.total_cmp(b));
+    for v in [&mut build, &mut encode, &mut eval] {
+        v.sort_by(|a, b| a.total_cmp(b));
+    }
     println!(
-        "  graph build median {:.2} ms, evaluation wait median {:.2} ms ({} sampling)",
+        "  graph build median {:.2} ms, MLX encode median {:.2} ms, evaluation wait median {:.2} ms ({} sampling)",
         build[n / 2],
+        encode[n / 2],
         eval[n / 2],
         if host_sampling { "host" } else { "device" }
     );
@@ -181,6 +197,7 @@ fn pipelined(
     pool: &mut KvPool,
     seqs: &[SeqId],
     steps: usize,
+    census: bool,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let b = seqs.len();
     let greedy: Vec<SampleRow> = (0..b).map(|_| SampleRow::default()).collect();
@@ -212,10 +229,14 @@ fn pipelined(
     };
     submit(runner, pool, false)?;
     let mut times = vec![];
-    let (mut build, mut eval) = (vec![], vec![]);
+    let (mut build, mut encode, mut eval) = (vec![], vec![], vec![]);
     let mut last = Instant::now();
-    for _ in 0..steps {
+    for step in 0..steps {
+        if census && step == 1 {
+            runner.census_next_step();
+        }
         let next = submit(runner, pool, true)?;
+        print_census(runner);
         let picks = runner.collect()?;
         runner.commit()?;
         pool.commit()?;
@@ -226,6 +247,7 @@ fn pipelined(
         times.push((now - last).as_secs_f64() * 1e3);
         last = now;
         build.push(runner.last_timing().build.as_secs_f64() * 1e3);
+        encode.push(runner.last_timing().encode.as_secs_f64() * 1e3);
         eval.push(runner.last_timing().eval.as_secs_f64() * 1e3);
     }
     runner.collect()?;
@@ -233,9 +255,9 @@ fn pipelined(
     pool.commit()?;
     let n = times.len();
     let total: f64 = times.iter().sum();
-    times.sort_by(|a, b| a.total_cmp(b));
-    build.sort_by(|a, b| a.total_cmp(b));
-    eval.sort_by(|a, b| a.total_cmp(b));
+    for v in [&mut times, &mut build, &mut encode, &mut eval] {
+        v.sort_by(|a, b| a.total_cmp(b));
+    }
     println!(
         "decode B={b} pipelined: median {:.2} ms/step, p90 {:.2} ms ({:.1} tok/s over {n} steps)",
         times[n / 2],
@@ -243,9 +265,21 @@ fn pipelined(
         (b * n) as f64 * 1e3 / total
     );
     println!(
-        "  graph build median {:.2} ms (overlapped), wait for picks median {:.2} ms",
+        "  graph build median {:.2} ms (overlapped; of it MLX encode {:.2} ms), wait for picks median {:.2} ms",
         build[n / 2],
+        encode[n / 2],
         eval[n / 2]
     );
     Ok(())
+}
+
+/// Prints the census a step recorded, if one did: primitives by count.
+fn print_census(runner: &mut BatchRunner) {
+    if let Some(c) = runner.take_census() {
+        let mut v: Vec<_> = c.into_iter().collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let total: usize = v.iter().map(|e| e.1).sum();
+        let list: Vec<String> = v.iter().map(|(n, c)| format!("{n} {c}")).collect();
+        println!("  graph: {total} primitives: {}", list.join(", "));
+    }
 }

@@ -102,7 +102,7 @@ pub struct PagedKv {
     storage: Vec<RefCell<KvStorage>>,
     /// Group of each layer.
     layer_group: Vec<usize>,
-    kernel: Option<PagedAttention>,
+    kernel: Option<std::rc::Rc<PagedAttention>>,
     kernels: Kernels,
     shape: KvShape,
 }
@@ -161,7 +161,7 @@ impl PagedKv {
             // The kernel keeps 8 elements of a head per lane: head_dim 64,
             // 128 or 256; other shapes attend by gather + SDPA.
             kernel: if gpu_kernel && matches!(shape.head_dim, 64 | 128 | 256) {
-                Some(PagedAttention::new()?)
+                Some(std::rc::Rc::new(PagedAttention::new()?))
             } else {
                 None
             },
@@ -197,6 +197,38 @@ impl PagedKv {
     /// Whether decode attention runs the paged GPU kernel.
     pub fn uses_kernel(&self) -> bool {
         self.kernel.is_some()
+    }
+
+    /// The paged decode kernel, when decode attention runs it.
+    pub fn kernel(&self) -> Option<std::rc::Rc<PagedAttention>> {
+        self.kernel.clone()
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.groups.block_size
+    }
+
+    /// Every layer's dense K/V pool arrays (`[k0, v0, k1, v1, ...]`) for a
+    /// compiled step; see `KvStorage::dense_pools` (drop them before the step
+    /// is evaluated). Only single-group dense storage has them.
+    pub fn dense_pools(&self) -> Result<Vec<Array>> {
+        match self.storage.as_slice() {
+            [one] => one.borrow().dense_pools().map_err(storage_err),
+            _ => Err(ModelError::Invalid(
+                "compiled steps need one dense KV group".into(),
+            )),
+        }
+    }
+
+    /// Installs the pool arrays a compiled step wrote (`dense_pools` order).
+    pub fn replace_dense(&self, pools: Vec<Array>) -> Result<()> {
+        match self.storage.as_slice() {
+            [one] => one.borrow_mut().replace_dense(pools).map_err(storage_err),
+            _ => Err(ModelError::Invalid(
+                "compiled steps need one dense KV group".into(),
+            )),
+        }
     }
 
     /// Applies a step's storage operations (copy-on-write copies) before its
@@ -317,6 +349,57 @@ enum Mask {
     /// Additive 0 / -inf, for Weft's CPU attention.
     Additive(Array),
     Causal,
+}
+
+/// What a forward asks of its KV cache: the batch's shape and RoPE offsets,
+/// and per layer the write of the new K/V and attention over each row's
+/// context. [`KvStep`] serves a step planned on the host; a compiled decode
+/// step serves the same forward from array inputs
+/// ([`crate::compiled_decode`]).
+pub trait LayerKv {
+    /// Rows in the forward.
+    fn batch(&self) -> usize;
+    /// Tokens per row in the forward's input.
+    fn step_tokens(&self) -> i32;
+    /// `[B]` RoPE offset of each row's first new token.
+    fn offsets(&self) -> &Array;
+    /// `[B, 1, 1]` index of each row's last token, when rows are ragged.
+    fn last_index(&self) -> Option<&Array>;
+    /// Writes layer `layer`'s new K/V and attends `q` over each row's context
+    /// (shapes as [`KvStep::attend`]).
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+    ) -> Result<Array>;
+}
+
+impl LayerKv for KvStep<'_> {
+    fn batch(&self) -> usize {
+        KvStep::batch(self)
+    }
+    fn step_tokens(&self) -> i32 {
+        KvStep::step_tokens(self)
+    }
+    fn offsets(&self) -> &Array {
+        KvStep::offsets(self)
+    }
+    fn last_index(&self) -> Option<&Array> {
+        KvStep::last_index(self)
+    }
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+    ) -> Result<Array> {
+        KvStep::attend(self, layer, q, k, v, scale)
+    }
 }
 
 impl KvStep<'_> {

@@ -2,10 +2,12 @@
 //!
 //! Everything here runs on the engine thread: MLX arrays never cross threads.
 
+pub mod compiled_decode;
 pub mod config;
 pub mod cpu_gemm;
 pub mod cpu_kernels;
 pub mod error;
+pub mod graph_census;
 pub mod host_attention;
 pub mod kv;
 pub mod lanes;

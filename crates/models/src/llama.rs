@@ -10,7 +10,7 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::config::{Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
 use crate::error::{ModelError, Result};
-use crate::kv::{self, KvShape, KvStep};
+use crate::kv::{self, KvShape, KvStep, LayerKv};
 use crate::linear::{Linear, WeightPolicy};
 use crate::weights::Weights;
 
@@ -142,13 +142,18 @@ pub fn compile_traces() -> u64 {
     TRACES.with(|t| t.get())
 }
 
+/// Counts one trace of a compiled function (see [`compile_traces`]).
+pub(crate) fn count_trace() {
+    TRACES.with(|t| t.set(t.get() + 1));
+}
+
 /// `silu(g) * u` as one compiled (shapeless) MLX function: one fused
 /// elementwise kernel per layer on the GPU instead of three.
 fn fused_silu_mul(g: &Array, u: &Array) -> Result<Array> {
     type Fused =
         Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
     fn stock((g, u): (&Array, &Array)) -> std::result::Result<Array, Exception> {
-        TRACES.with(|t| t.set(t.get() + 1));
+        count_trace();
         ops::multiply(ops::multiply(g, ops::sigmoid(g)?)?, u)
     }
     thread_local! {
@@ -336,13 +341,7 @@ impl LlamaModel {
         last_only: bool,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
-        let mut fut = std::pin::pin!(self.forward_async(tokens, kv, last_only, after_layer));
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        loop {
-            if let std::task::Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
-                return out;
-            }
-        }
+        block_on(self.forward_async(tokens, kv, last_only, after_layer))
     }
 
     /// Runs independent forwards (`(lane, tokens, kv, last_only)`) in
@@ -387,10 +386,22 @@ impl LlamaModel {
         Ok(out.into_iter().flatten().collect())
     }
 
-    async fn forward_async(
+    /// The forward over any [`LayerKv`]: a compiled step traces it over its
+    /// array inputs. The linears must be MLX's (no packed host GEMM).
+    pub fn forward_kv(
         &self,
         tokens: &Array,
-        kv: &mut KvStep<'_>,
+        kv: &mut dyn LayerKv,
+        last_only: bool,
+    ) -> Result<Array> {
+        let mut no_hook = |_: usize| Ok(());
+        block_on(self.forward_async(tokens, kv, last_only, &mut no_hook))
+    }
+
+    async fn forward_async<K: LayerKv + ?Sized>(
+        &self,
+        tokens: &Array,
+        kv: &mut K,
         last_only: bool,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
@@ -429,12 +440,12 @@ impl LlamaModel {
         }
     }
 
-    async fn attention(
+    async fn attention<K: LayerKv + ?Sized>(
         &self,
         layer: usize,
         attn: &Attention,
         x: &Array,
-        kv: &mut KvStep<'_>,
+        kv: &mut K,
         offsets: &Array,
     ) -> Result<Array> {
         let c = &self.config;
@@ -542,6 +553,18 @@ impl Rope {
             offsets,
             self.freqs.as_ref(),
         )?)
+    }
+}
+
+/// Drives a forward to completion on this thread (its awaits are the packed
+/// host GEMM's, which make progress on their own pool).
+fn block_on<F: Future>(fut: F) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    loop {
+        if let std::task::Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+            return out;
+        }
     }
 }
 

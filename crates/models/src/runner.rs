@@ -88,6 +88,7 @@ struct Queued {
     /// Index in `picks.tokens` of each row's last pick (what a following step feeds).
     last: HashMap<RowId, usize>,
     build: std::time::Duration,
+    encode: std::time::Duration,
 }
 
 /// A step between its forward (or submit) and `commit` / `rollback`.
@@ -115,8 +116,11 @@ struct Wanted {
 }
 
 pub struct BatchRunner {
-    model: LlamaModel,
+    model: std::rc::Rc<LlamaModel>,
     kv: PagedKv,
+    /// The compiled form of plain decode steps, when on (see
+    /// [`set_compiled_decode`](Self::set_compiled_decode)).
+    compiled: Option<crate::compiled_decode::CompiledDecode>,
     /// Called after each layer of each forward: fault injection in tests.
     layer_hook: Option<Box<dyn FnMut(usize) -> Result<()>>>,
     /// CPU streams a step's independent forwards are spread over.
@@ -127,14 +131,20 @@ pub struct BatchRunner {
     /// oldest first (at most two, the second only when pipelined).
     open: VecDeque<OpenStep>,
     timing: StepTiming,
+    /// Whether the next sampled step records its graph's census.
+    census_next: bool,
+    census: Option<std::collections::BTreeMap<String, usize>>,
 }
 
 /// Where the last forward's wall time went: building the graph on the host
-/// (everything before the evaluation was requested) and waiting for the
-/// evaluation (device work not overlapped by the build, plus transfers).
+/// (everything before the evaluation was requested), MLX encoding it (the
+/// host dispatching its kernels to the device; part of `build` for a
+/// submitted step) and waiting for the evaluation (device work not
+/// overlapped by the host, plus transfers).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTiming {
     pub build: std::time::Duration,
+    pub encode: std::time::Duration,
     pub eval: std::time::Duration,
 }
 
@@ -142,15 +152,23 @@ pub struct StepTiming {
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 impl BatchRunner {
+    /// A runner; plain decode steps run compiled where decode attention runs
+    /// the paged GPU kernel, unless `WEFT_COMPILE=off`.
     pub fn new(model: LlamaModel, kv: PagedKv) -> Self {
+        let model = std::rc::Rc::new(model);
+        let compiled = (kv.uses_kernel() && compile_from_env())
+            .then(|| crate::compiled_decode::CompiledDecode::new(model.clone(), &kv));
         Self {
             model,
             kv,
+            compiled,
             layer_hook: None,
             lanes: Lanes::single(),
             lanes_used: 0,
             open: VecDeque::new(),
             timing: StepTiming::default(),
+            census_next: false,
+            census: None,
         }
     }
 
@@ -171,6 +189,51 @@ impl BatchRunner {
     /// [`Lanes`]); a runner starts with one.
     pub fn set_lanes(&mut self, lanes: Lanes) {
         self.lanes = lanes;
+    }
+
+    /// Turns compiled decode steps on or off. On, every step whose rows all
+    /// decode one token (no drafts, no prefill) runs the traced forward of
+    /// [`crate::compiled_decode`]; on the CPU its attention gathers each
+    /// row's blocks (the default CPU path is not compiled). Refused while a
+    /// step is open, and for models whose linears run on the host GEMM.
+    pub fn set_compiled_decode(&mut self, on: bool) -> Result<()> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "compiled decode switched inside an open step".into(),
+            ));
+        }
+        if on && self.model.policy.host_gemm {
+            return Err(ModelError::Invalid(
+                "compiled decode needs MLX linears (the packed host GEMM cannot be traced)".into(),
+            ));
+        }
+        self.compiled =
+            on.then(|| crate::compiled_decode::CompiledDecode::new(self.model.clone(), &self.kv));
+        Ok(())
+    }
+
+    /// The compiled decode steps, when on: their trace count and buckets.
+    pub fn compiled_decode(&self) -> Option<&crate::compiled_decode::CompiledDecode> {
+        self.compiled.as_ref()
+    }
+
+    /// Makes the next sampled step (`forward_sampled` or `submit_sampled`)
+    /// count its graph's primitives ([`crate::graph_census`]) before it is
+    /// evaluated; [`take_census`](Self::take_census) returns the count.
+    pub fn census_next_step(&mut self) {
+        self.census_next = true;
+    }
+
+    /// The census the last requested step recorded.
+    pub fn take_census(&mut self) -> Option<std::collections::BTreeMap<String, usize>> {
+        self.census.take()
+    }
+
+    fn record_census(&mut self, pending: &[Array]) -> Result<()> {
+        if std::mem::take(&mut self.census_next) {
+            self.census = Some(crate::graph_census::census(pending)?);
+        }
+        Ok(())
     }
 
     /// Build and evaluation time of the last forward.
@@ -218,6 +281,7 @@ impl BatchRunner {
             mlx_rs::transforms::eval(pending.iter())?;
             r.timing = StepTiming {
                 build: t1 - t0,
+                encode: std::time::Duration::ZERO,
                 eval: t1.elapsed(),
             };
             drop(pending);
@@ -247,7 +311,10 @@ impl BatchRunner {
             let (w, picks) = r.sampled_graph(ops, steps, sampling, None)?;
             let mut pending = w.pending;
             pending.extend(picks.iter().flat_map(|p| p.arrays()));
+            r.record_census(&pending)?;
             let t1 = std::time::Instant::now();
+            mlx_rs::transforms::async_eval(pending.iter())?;
+            let t2 = std::time::Instant::now();
             mlx_rs::transforms::eval(pending.iter())?;
             drop(pending);
             let picked = match picks {
@@ -256,7 +323,8 @@ impl BatchRunner {
             };
             r.timing = StepTiming {
                 build: t1 - t0,
-                eval: t1.elapsed(),
+                encode: t2 - t1,
+                eval: t2.elapsed(),
             };
             Ok(StepPicks {
                 rows: w.rows,
@@ -323,7 +391,10 @@ impl BatchRunner {
         let (w, picks) = built?;
         let mut pending = w.pending;
         pending.extend(picks.iter().flat_map(|p| p.arrays()));
+        self.record_census(&pending)?;
+        let t1 = std::time::Instant::now();
         mlx_rs::transforms::async_eval(pending.iter())?;
+        let encode = t1.elapsed();
         let mut last = HashMap::with_capacity(w.rows.len());
         let mut at = 0;
         for (&row, &n) in w.rows.iter().zip(&w.counts) {
@@ -337,6 +408,7 @@ impl BatchRunner {
                 picks,
                 last,
                 build: t0.elapsed(),
+                encode,
             });
         }
         Ok(())
@@ -360,6 +432,7 @@ impl BatchRunner {
         };
         self.timing = StepTiming {
             build: q.build,
+            encode: q.encode,
             eval: t1.elapsed(),
         };
         Ok(StepPicks {
@@ -550,6 +623,26 @@ impl BatchRunner {
             }
             jobs.push((rows, plan.decode_lane, tokens, true));
         }
+        let mut no_hook = |_: usize| Ok(());
+        let hook: &mut dyn FnMut(usize) -> Result<()> = match &mut self.layer_hook {
+            Some(h) => h.as_mut(),
+            None => &mut no_hook,
+        };
+        if let (Some(c), [(rows, _, tokens, true)]) = (self.compiled.as_mut(), jobs.as_slice()) {
+            if rows
+                .iter()
+                .all(|s| s.tokens.len() == 1 && s.blocks.len() == 1)
+            {
+                let r: Vec<(&RowBlocks, usize)> =
+                    rows.iter().map(|s| (&s.blocks[0], s.start_pos)).collect();
+                let logits = c.step(&self.kv, tokens, &r)?;
+                // Fault injection sees a compiled step layer by layer too.
+                for i in 0..self.model.num_layers() {
+                    hook(i)?;
+                }
+                return self.wanted(steps, &jobs, vec![logits]);
+            }
+        }
         let kv = &self.kv;
         let mut steps_kv: Vec<KvStep<'_>> = jobs
             .iter()
@@ -561,11 +654,6 @@ impl BatchRunner {
                 kv.step(&r, *dec)
             })
             .collect::<Result<_>>()?;
-        let mut no_hook = |_: usize| Ok(());
-        let hook: &mut dyn FnMut(usize) -> Result<()> = match &mut self.layer_hook {
-            Some(h) => h.as_mut(),
-            None => &mut no_hook,
-        };
         let mut outs: Vec<Array> = Vec::with_capacity(jobs.len());
         if kv.uses_kernel() && jobs.len() > 1 {
             // On the GPU, a pool array still referenced by an earlier
@@ -598,6 +686,18 @@ impl BatchRunner {
             outs = self.model.forward_interleaved(batch, &self.lanes, hook)?;
         }
         drop(steps_kv);
+        self.wanted(steps, &jobs, outs)
+    }
+
+    /// The wanted rows' logits out of every forward's output (`outs`, one
+    /// per job), and the pool arrays to evaluate with them.
+    fn wanted(
+        &self,
+        steps: &[RowStep],
+        jobs: &[(Vec<&RowStep>, usize, Array, bool)],
+        outs: Vec<Array>,
+    ) -> Result<Wanted> {
+        let kv = &self.kv;
         if outs.len() != jobs.len() {
             return Err(ModelError::Invalid("a forward returned no logits".into()));
         }
@@ -679,6 +779,15 @@ impl BatchRunner {
     pub fn rollback(&mut self) {
         self.open.pop_back();
     }
+}
+
+/// `WEFT_COMPILE` (`off` or `0` turns compiled decode steps off; anything
+/// else, or unset, leaves them on where they apply).
+fn compile_from_env() -> bool {
+    !matches!(
+        std::env::var("WEFT_COMPILE").ok().as_deref(),
+        Some("off") | Some("0")
+    )
 }
 
 /// Decode batch sizes on the GPU: powers of two up to 8, then four sizes per

@@ -145,7 +145,7 @@ impl Driver {
     }
 
     /// One step at a time: forward, read, commit.
-    fn plain(mut self) -> Vec<Vec<u32>> {
+    fn plain(&mut self) -> Vec<Vec<u32>> {
         for s in 0..STEPS {
             let (steps, _, _) = self.open(s, false);
             let greedy = vec![SampleRow::default(); steps.len()];
@@ -157,11 +157,11 @@ impl Driver {
                 self.out[row as usize].push(t);
             }
         }
-        self.out
+        self.out.clone()
     }
 
     /// Step s+1 queued on step s's picks before step s is read.
-    fn pipelined(mut self, fault: Fault) -> Vec<Vec<u32>> {
+    fn pipelined(&mut self, fault: Fault) -> Vec<Vec<u32>> {
         self.submit(0, false);
         for s in 1..STEPS {
             let next = self.submit(s, true);
@@ -186,7 +186,17 @@ impl Driver {
         self.settle(&[]);
         assert!(!self.pool.in_transaction());
         self.pool.check_invariants().unwrap();
-        self.out
+        self.out.clone()
+    }
+
+    /// (traces, buckets) of the runner's compiled decode steps; every
+    /// bucket traced exactly once (a retrace would recompile every step of
+    /// that shape) and some steps ran compiled.
+    fn compiled_traces(&self) -> (u64, usize) {
+        let c = self.runner.compiled_decode().expect("compiled decode on");
+        let (t, b) = (c.traces(), c.buckets().len());
+        assert_eq!(t, b as u64, "traces vs buckets {:?}", c.buckets());
+        (t, b)
     }
 }
 
@@ -209,6 +219,38 @@ fn pipelined_steps_pick_exactly_what_one_step_at_a_time_picks() {
             assert_eq!(got, want, "host_gemm {host_gemm}, {fault:?}");
         }
     }
+}
+
+/// Compiled decode steps (the forward traced once per (rows, table width)
+/// bucket and replayed, every per-step value an array input) pick exactly
+/// what op-by-op steps pick: one step at a time, pipelined, and through
+/// rollbacks of the queued step and of both open steps. Rows join at steps 4
+/// and 9 (those mixed steps run uncompiled) and tables grow, so several
+/// buckets are met, each traced once.
+#[test]
+fn compiled_decode_steps_pick_exactly_what_op_by_op_steps_pick() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let want = Driver::new(runner(load_f32(&md, false), 128)).plain();
+    let compiled = || {
+        let mut r = runner(load_f32(&md, false), 128);
+        r.set_compiled_decode(true).unwrap();
+        Driver::new(r)
+    };
+    let mut d = compiled();
+    assert_eq!(d.plain(), want, "one step at a time");
+    let (_, buckets) = d.compiled_traces();
+    assert!(buckets >= 3, "{buckets} buckets: rows 3, 4 and 5 at least");
+    for fault in [Fault::None, Fault::DropQueued(6), Fault::DropBoth(7)] {
+        let mut d = compiled();
+        assert_eq!(d.pipelined(fault), want, "{fault:?}");
+        d.compiled_traces();
+    }
+    // Compiled steps refuse the packed host GEMM, which cannot be traced.
+    assert!(runner(load_f32(&md, true), 16)
+        .set_compiled_decode(true)
+        .is_err());
 }
 
 /// Contract checks: a third open step, following with nothing outstanding, a

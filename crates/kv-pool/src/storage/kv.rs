@@ -215,6 +215,41 @@ struct Layer {
     v: Stored,
 }
 
+/// `pool[blocks[i], :, offsets[i], :] = x[i]` for a dense pool array
+/// `[num_blocks, kv_heads, block_size, head_dim]` and new tokens `x`
+/// `[N, kv_heads, head_dim]` (cast to the pool's dtype), with `blocks` and
+/// `offsets` `[N]` int32 arrays: the write [`KvStorage::write`] makes, for
+/// graphs whose slots are array inputs (a compiled step) rather than a
+/// host-side [`StepLayout`]. Returns the written pool (in place when nothing
+/// else references `pool` at evaluation).
+pub fn scatter_tokens(
+    pool: &Array,
+    blocks: &Array,
+    offsets: &Array,
+    x: &Array,
+) -> Result<Array, StorageError> {
+    let ps = pool.shape();
+    let xs = x.shape();
+    if ps.len() != 4 || xs.len() != 3 || xs[1] != ps[1] || xs[2] != ps[3] {
+        return Err(StorageError::Shape {
+            what: "new K/V tokens",
+            expected: vec![
+                -1,
+                ps.get(1).copied().unwrap_or(0),
+                ps.get(3).copied().unwrap_or(0),
+            ],
+            got: xs.to_vec(),
+        });
+    }
+    let x = if x.dtype() == pool.dtype() {
+        x.clone()
+    } else {
+        x.as_dtype(pool.dtype())?
+    };
+    let u = x.reshape(&[xs[0], 1, xs[1], 1, xs[2]])?;
+    ffi::scatter(pool, &[blocks, offsets], &u, &[0, 2])
+}
+
 /// K/V storage of one layer group: per layer, K and V pool tensors shaped
 /// `[num_blocks, kv_heads, block_size, head_dim]` in the model dtype (or the
 /// packed/scales/biases triplet of [`AffineQuant`] with the same leading
@@ -375,6 +410,60 @@ impl KvStorage {
             (Stored::Dense(k), Stored::Dense(v)) => Ok((k, v)),
             _ => Err(StorageError::BadRow("dense_arrays of quantized storage")),
         }
+    }
+
+    /// Every layer's dense K and V pool arrays in order (`[k0, v0, k1, v1,
+    /// ...]`), as inputs of a compiled step that writes them and hands back
+    /// their successors through [`replace_dense`](Self::replace_dense). These
+    /// are extra references: drop them before the step is evaluated, or its
+    /// writes copy the pool instead of updating it in place.
+    pub fn dense_pools(&self) -> Result<Vec<Array>, StorageError> {
+        let mut out = Vec::with_capacity(self.layers.len() * 2);
+        for l in &self.layers {
+            for s in [&l.k, &l.v] {
+                match s {
+                    Stored::Dense(a) => out.push(a.clone()),
+                    Stored::Quant { .. } => {
+                        return Err(StorageError::BadRow("dense_pools of quantized storage"))
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replaces every dense pool array with the written version a compiled
+    /// step returned (same order as [`dense_pools`](Self::dense_pools); each
+    /// must keep its shape and dtype). Nothing is replaced if one does not
+    /// fit.
+    pub fn replace_dense(&mut self, pools: Vec<Array>) -> Result<(), StorageError> {
+        if pools.len() != self.layers.len() * 2 {
+            return Err(StorageError::Shape {
+                what: "replacement pool arrays",
+                expected: vec![self.layers.len() as i32 * 2],
+                got: vec![pools.len() as i32],
+            });
+        }
+        for (i, new) in pools.iter().enumerate() {
+            let l = &self.layers[i / 2];
+            let Stored::Dense(old) = (if i % 2 == 0 { &l.k } else { &l.v }) else {
+                return Err(StorageError::BadRow("replace_dense of quantized storage"));
+            };
+            if old.shape() != new.shape() || old.dtype() != new.dtype() {
+                return Err(StorageError::Shape {
+                    what: "replacement pool array",
+                    expected: old.shape().to_vec(),
+                    got: new.shape().to_vec(),
+                });
+            }
+        }
+        for (i, new) in pools.into_iter().enumerate() {
+            let l = &mut self.layers[i / 2];
+            if let Stored::Dense(a) = if i % 2 == 0 { &mut l.k } else { &mut l.v } {
+                *a = new;
+            }
+        }
+        Ok(())
     }
 
     /// Gathers one layer's quantized K and V without dequantizing (for

@@ -1,0 +1,280 @@
+//! Compiled decode steps: the whole forward of a plain decode step (every
+//! row one token) traced once per shape bucket with `mx.compile`, then
+//! replayed by MLX instead of rebuilt op by op on the host.
+//!
+//! Everything that changes from step to step is an array input: the token
+//! ids, each row's committed length (its RoPE offset and attention length),
+//! the block and offset its new K/V go to, its block table, and the K/V pool
+//! arrays themselves, which come back written as outputs and replace the
+//! storage's (so each write still updates the pool in place). The weights are
+//! constants of the trace. Shapes are bucketed so a changing batch meets few
+//! traces: rows are padded by the runner (`decode_bucket`, padding rows read
+//! and write only the null block) and block tables to a power of two of
+//! blocks (padded with the null block, never read: attention stops at each
+//! row's length). Each new bucket is one trace, counted in
+//! [`CompiledDecode::traces`] and in the process's `compile_traces`.
+//!
+//! A compiled step is transactional like any other: nothing is staged; the
+//! pool slots it writes belong to the step the scheduler's pool commits or
+//! rolls back, and a failure before evaluation leaves the written-pool
+//! outputs unevaluated (dead data once rolled back).
+
+use std::cell::Cell;
+use std::collections::BTreeSet;
+use std::rc::Rc;
+
+use mlx_rs::error::Exception;
+use mlx_rs::fast;
+use mlx_rs::{ops, Array};
+use weft_kv_pool::RowBlocks;
+
+use crate::error::{ModelError, Result};
+use crate::kv::{LayerKv, PagedKv};
+use crate::llama::LlamaModel;
+use crate::paged_attention::PagedAttention;
+
+type Traced = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
+
+/// Inputs before the pool arrays: tokens, start, write block, write offset,
+/// block table, tokens per row.
+const FIXED_INPUTS: usize = 6;
+
+/// The compiled decode forward of one model over one KV storage.
+pub struct CompiledDecode {
+    f: Traced,
+    traces: Rc<Cell<u64>>,
+    /// `(rows, table width)` buckets called so far.
+    buckets: BTreeSet<(i32, i32)>,
+    block_size: usize,
+    null_block: u32,
+}
+
+impl CompiledDecode {
+    /// Compiles `model`'s decode forward over `kv`'s storage: attention by
+    /// the paged kernel where `kv` runs it, else by a gather of each row's
+    /// table and MLX's attention (any device).
+    pub fn new(model: Rc<LlamaModel>, kv: &PagedKv) -> Self {
+        let traces = Rc::new(Cell::new(0u64));
+        let kernel = kv.kernel();
+        let block_size = kv.block_size() as usize;
+        let counter = traces.clone();
+        let body = move |args: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
+            counter.set(counter.get() + 1);
+            crate::llama::count_trace();
+            let fail = |e: ModelError| Exception::custom(e.to_string());
+            if args.len() < FIXED_INPUTS {
+                return Err(Exception::custom("compiled decode: too few inputs"));
+            }
+            let mut kv = TracedKv {
+                start: args[1].clone(),
+                write_block: args[2].clone(),
+                write_offset: args[3].clone(),
+                table: args[4].clone(),
+                ntok: args[5].clone(),
+                pools: args[FIXED_INPUTS..].to_vec(),
+                kernel: kernel.clone(),
+                block_size: block_size as i32,
+            };
+            let logits = model.forward_kv(&args[0], &mut kv, true).map_err(fail)?;
+            let mut out = Vec::with_capacity(1 + kv.pools.len());
+            out.push(logits);
+            out.append(&mut kv.pools);
+            Ok(out)
+        };
+        let f = mlx_rs::transforms::compile::compile(body, false);
+        Self {
+            f: Box::new(f),
+            traces,
+            buckets: BTreeSet::new(),
+            block_size,
+            null_block: kv.null_block(),
+        }
+    }
+
+    /// Traces so far (one per bucket first met, more means a retrace).
+    pub fn traces(&self) -> u64 {
+        self.traces.get()
+    }
+
+    /// `(rows, table width)` buckets stepped so far.
+    pub fn buckets(&self) -> &BTreeSet<(i32, i32)> {
+        &self.buckets
+    }
+
+    /// Builds one decode step: `tokens` `[B, 1]` int32 for rows
+    /// `(block table, committed length)` (padding rows included; B is the
+    /// runner's bucket). Writes every row's new K/V (the storage's pool
+    /// arrays are replaced by the written ones) and returns the logits
+    /// `[B, 1, vocab]`, unevaluated.
+    pub fn step(
+        &mut self,
+        kv: &PagedKv,
+        tokens: &Array,
+        rows: &[(&RowBlocks, usize)],
+    ) -> Result<Array> {
+        let b = rows.len();
+        if tokens.shape() != [b as i32, 1] {
+            return Err(ModelError::Invalid(format!(
+                "compiled decode: tokens {:?} for {b} rows",
+                tokens.shape()
+            )));
+        }
+        let bs = self.block_size;
+        let mut width = 1usize;
+        let mut start = Vec::with_capacity(b);
+        let mut write_block = Vec::with_capacity(b);
+        let mut write_offset = Vec::with_capacity(b);
+        for (t, s) in rows {
+            let need = s / bs + 1;
+            if t.offset != 0 || t.blocks.len() < need {
+                return Err(ModelError::Invalid(format!(
+                    "compiled decode: a row at {s} tokens has {} blocks from {} ({need} needed)",
+                    t.blocks.len(),
+                    t.offset
+                )));
+            }
+            width = width.max(need);
+            start.push(*s as i32);
+            write_block.push(t.blocks[s / bs] as i32);
+            write_offset.push((s % bs) as i32);
+        }
+        let width = width.next_power_of_two();
+        let mut table = Vec::with_capacity(b * width);
+        for (t, s) in rows {
+            let used = s / bs + 1;
+            table.extend(t.blocks[..used].iter().map(|&x| x as i32));
+            table.extend(std::iter::repeat_n(self.null_block as i32, width - used));
+        }
+        let (bi, wi) = (b as i32, width as i32);
+        let mut inputs = vec![
+            tokens.clone(),
+            Array::from_slice(&start, &[bi]),
+            Array::from_slice(&write_block, &[bi]),
+            Array::from_slice(&write_offset, &[bi]),
+            Array::from_slice(&table, &[bi, wi]),
+            Array::from_slice(&vec![1i32; b], &[bi]),
+        ];
+        inputs.extend(kv.dense_pools()?);
+        let mut out = (self.f)(&inputs)?;
+        // The old pools' only references are now the written ones' graph.
+        drop(inputs);
+        if out.is_empty() {
+            return Err(ModelError::Invalid(
+                "compiled decode returned nothing".into(),
+            ));
+        }
+        let pools = out.split_off(1);
+        kv.replace_dense(pools)?;
+        self.buckets.insert((bi, wi));
+        out.pop()
+            .ok_or_else(|| ModelError::Invalid("compiled decode returned no logits".into()))
+    }
+}
+
+/// The KV view a traced decode forward runs against: every per-step value is
+/// one of the trace's inputs.
+struct TracedKv {
+    start: Array,
+    write_block: Array,
+    write_offset: Array,
+    table: Array,
+    ntok: Array,
+    /// `[k0, v0, k1, v1, ...]`, replaced by the written arrays layer by layer.
+    pools: Vec<Array>,
+    kernel: Option<Rc<PagedAttention>>,
+    block_size: i32,
+}
+
+impl LayerKv for TracedKv {
+    fn batch(&self) -> usize {
+        self.start.dim(0) as usize
+    }
+
+    fn step_tokens(&self) -> i32 {
+        1
+    }
+
+    fn offsets(&self) -> &Array {
+        &self.start
+    }
+
+    fn last_index(&self) -> Option<&Array> {
+        None
+    }
+
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+    ) -> Result<Array> {
+        let (ki, vi) = (2 * layer, 2 * layer + 1);
+        if vi >= self.pools.len() {
+            return Err(ModelError::Invalid(format!(
+                "compiled decode: no pool arrays for layer {layer}"
+            )));
+        }
+        let ks = k.shape();
+        if ks.len() != 4 || ks[2] != 1 {
+            return Err(ModelError::Invalid(format!(
+                "compiled decode: new K {ks:?} is not one token per row"
+            )));
+        }
+        let (b, h, d) = (ks[0], ks[1], ks[3]);
+        for (i, x) in [(ki, k), (vi, v)] {
+            let rows = x.reshape(&[b, h, d])?;
+            self.pools[i] = weft_kv_pool::storage::scatter_tokens(
+                &self.pools[i],
+                &self.write_block,
+                &self.write_offset,
+                &rows,
+            )
+            .map_err(|e| ModelError::Invalid(e.to_string()))?;
+        }
+        let (kp, vp) = (&self.pools[ki], &self.pools[vi]);
+        let width = self.table.dim(1);
+        let keys = width * self.block_size;
+        match &self.kernel {
+            Some(kernel) => {
+                let scale = Array::from_slice(&[scale], &[1]);
+                kernel.decode(
+                    q,
+                    kp,
+                    vp,
+                    &self.table,
+                    &self.start,
+                    &self.ntok,
+                    &scale,
+                    keys as usize,
+                )
+            }
+            None => {
+                // Each row's table gathered into `[B, H, width * BS, D]`,
+                // keys past its length masked.
+                let flat = self.table.reshape(&[-1])?;
+                let ctx = |pool: &Array| -> Result<Array> {
+                    let bs = self.block_size;
+                    Ok(pool
+                        .take_axis(&flat, 0)?
+                        .reshape(&[b, width, h, bs, d])?
+                        .transpose_axes(&[0, 2, 1, 3, 4])?
+                        .reshape(&[b, h, keys, d])?)
+                };
+                let (kc, vc) = (ctx(kp)?, ctx(vp)?);
+                let pos = ops::arange::<_, i32>(0, keys, 1)?.reshape(&[1, keys])?;
+                let len = ops::add(&self.start, &self.ntok)?.reshape(&[b, 1])?;
+                let mask = pos.lt(&len)?.reshape(&[b, 1, 1, keys])?;
+                let q = if q.dtype() == kc.dtype() {
+                    q.clone()
+                } else {
+                    q.as_dtype(kc.dtype())?
+                };
+                Ok(fast::scaled_dot_product_attention(
+                    &q, &kc, &vc, scale, &mask, None,
+                )?)
+            }
+        }
+    }
+}
