@@ -14,6 +14,9 @@
 #           decode: DECODE_ROWS="1 64 128 256"; OPS_SWEEP="40 100" adds pipelined steps at
 #           SWEEP_ROWS ("1 64") with MLX_MAX_OPS_PER_BUFFER at each value;
 #           plain: the engine with WEFT_PIPELINE=off at PLAIN_STREAMS (1,8,64);
+#           nocompile: the engine with WEFT_COMPILE=off at PLAIN_STREAMS;
+#           decode: each row count one step at a time, pipelined compiled, and pipelined
+#           with WEFT_COMPILE=off, the latter two with their graph census;
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated)
 #           (call 2 within the machine's idle window after call 1)
@@ -52,10 +55,12 @@ if [[ $S == *kernel* ]]; then
 fi
 if [[ $S == *decode* ]]; then
   for b in ${DECODE_ROWS:-1 64 128 256}; do
-    echo "== runner decode step, $b rows, 1.2B bf16, device sampling" | tee -a $R
+    echo "== runner decode step, $b rows, 1.2B bf16, device sampling, one step at a time" | tee -a $R
     /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
-    echo "== runner decode step, $b rows, pipelined (each step queued on the last one's picks)" | tee -a $R
-    PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+    echo "== runner decode step, $b rows, pipelined (each step queued on the last one's picks), compiled" | tee -a $R
+    CENSUS=1 PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+    echo "== runner decode step, $b rows, pipelined, WEFT_COMPILE=off (op by op)" | tee -a $R
+    CENSUS=1 WEFT_COMPILE=off PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
   done
   for o in ${OPS_SWEEP:-}; do
     for b in ${SWEEP_ROWS:-1 64}; do
@@ -74,6 +79,11 @@ fi
 if [[ $S == *plain* ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_PIPELINE=off (one step at a time)" | tee -a $R
   WEFT_PIPELINE=off python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
+    --streams ${PLAIN_STREAMS:-1,8,64} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
+fi
+if [[ $S == *nocompile* ]]; then
+  echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_COMPILE=off (op-by-op decode steps)" | tee -a $R
+  WEFT_COMPILE=off python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
     --streams ${PLAIN_STREAMS:-1,8,64} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
 if [[ $S == *q4* ]]; then

@@ -33,6 +33,10 @@ pub struct WeightPolicy {
 pub enum Linear {
     Dense {
         weight: Array, // [out, in]
+        /// `weight` transposed, `[in, out]`: a view of the same buffer,
+        /// evaluated at load, so a step's matmul reads it without a
+        /// transpose of its own in every step's graph.
+        wt: Array,
         bias: Option<Array>,
     },
     Quantized {
@@ -66,10 +70,7 @@ impl Linear {
             .transpose()?;
         let is_quantized = weight.dtype() == Dtype::Uint32;
         if !is_quantized {
-            return Ok(Linear::Dense {
-                weight: weight.as_dtype(policy.dtype)?,
-                bias,
-            });
+            return Linear::dense(weight.as_dtype(policy.dtype)?, bias);
         }
         let (group_size, bits) = quant.ok_or_else(|| ModelError::Tensor {
             name: format!("{prefix}.weight"),
@@ -81,10 +82,7 @@ impl Linear {
         if policy.dequantize {
             let dense = ops::dequantize(&weight, &scales, &biases, group_size, bits)?
                 .as_dtype(policy.dtype)?;
-            return Ok(Linear::Dense {
-                weight: dense,
-                bias,
-            });
+            return Linear::dense(dense, bias);
         }
         Ok(Linear::Quantized {
             weight,
@@ -97,6 +95,12 @@ impl Linear {
     }
 
     /// Output features.
+    /// A dense layer of `weight` `[out, in]`.
+    pub fn dense(weight: Array, bias: Option<Array>) -> Result<Self> {
+        let wt = weight.t();
+        Ok(Linear::Dense { weight, wt, bias })
+    }
+
     pub fn out_features(&self) -> i32 {
         match self {
             Linear::Dense { weight, .. } | Linear::Quantized { weight, .. } => weight.dim(0),
@@ -119,7 +123,7 @@ impl Linear {
         {
             return Self::affine_to_host(weight, scales, biases, bias, *group_size, *bits);
         }
-        let Linear::Dense { weight, bias } = self else {
+        let Linear::Dense { weight, bias, .. } = self else {
             return Ok(None);
         };
         if weight.dtype() != Dtype::Float32 || weight.ndim() != 2 {
@@ -211,10 +215,7 @@ impl Linear {
                         _ => return Ok(None),
                     }
                 }
-                Ok(Some(Linear::Dense {
-                    weight: cat(ws)?,
-                    bias,
-                }))
+                Ok(Some(Linear::dense(cat(ws)?, bias)?))
             }
             Some(Linear::Quantized {
                 group_size: g0,
@@ -258,7 +259,7 @@ impl Linear {
     /// weight for wider inputs.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (y, bias) = match self {
-            Linear::Dense { weight, bias } => (ops::matmul(x, weight.t())?, bias),
+            Linear::Dense { wt, bias, .. } => (ops::matmul(x, wt)?, bias),
             Linear::Quantized {
                 weight,
                 scales,

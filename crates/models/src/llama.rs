@@ -55,8 +55,14 @@ impl Proj {
     /// The projections as `[B, T, heads, head_dim]` per part (`heads[i]`
     /// heads each). A fused output is reshaped once and split along the head
     /// axis, so the parts are views of it (no copy per part).
-    async fn forward_heads(&self, x: &Array, heads: &[i32], head_dim: i32) -> Result<Vec<Array>> {
-        let (b, t) = (x.dim(0), x.dim(1));
+    /// `x` is `[B * T, hidden]`.
+    async fn forward_heads(
+        &self,
+        x: &Array,
+        (b, t): (i32, i32),
+        heads: &[i32],
+        head_dim: i32,
+    ) -> Result<Vec<Array>> {
         match self {
             Proj::Fused { lin, .. } => {
                 let total: i32 = heads.iter().sum();
@@ -280,7 +286,9 @@ impl LlamaModel {
     fn materialize(&self) -> Result<()> {
         fn lin(l: &Linear) -> Vec<&Array> {
             match l {
-                Linear::Dense { weight, bias } => std::iter::once(weight).chain(bias).collect(),
+                Linear::Dense { weight, wt, bias } => {
+                    [weight, wt].into_iter().chain(bias).collect()
+                }
                 Linear::Quantized {
                     weight,
                     scales,
@@ -413,7 +421,12 @@ impl LlamaModel {
                 kv.step_tokens()
             )));
         }
-        let mut h = self.embed.embed(tokens, self.policy.dtype)?;
+        // The hidden state stays `[B * T, hidden]`: 2-D matmuls need no
+        // flatten / unflatten around them in every layer.
+        let (b, t) = (shape[0], shape[1]);
+        let mut h = self
+            .embed
+            .embed(&tokens.reshape(&[b * t])?, self.policy.dtype)?;
         let offsets = kv.offsets().clone();
         for (i, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, Some(&layer.input_norm), self.config.rms_norm_eps)?;
@@ -430,14 +443,18 @@ impl LlamaModel {
             h = ops::add(&h, &m.down.forward_async(&act).await?)?;
             after_layer(i)?;
         }
-        if last_only {
-            h = kv::last_positions(&h, kv.last_index())?;
+        let mut rows_t = t;
+        if last_only && t > 1 {
+            let last = kv::last_positions(&h.reshape(&[b, t, -1])?, kv.last_index())?;
+            rows_t = last.dim(1);
+            h = last.reshape(&[b * rows_t, -1])?;
         }
         let h = fast::rms_norm(&h, Some(&self.norm), self.config.rms_norm_eps)?;
-        match &self.lm_head {
-            Some(head) => head.forward_async(&h).await,
-            None => self.embed.forward(&h),
-        }
+        let logits = match &self.lm_head {
+            Some(head) => head.forward_async(&h).await?,
+            None => self.embed.forward(&h)?,
+        };
+        Ok(logits.reshape(&[b, rows_t, -1])?)
     }
 
     async fn attention<K: LayerKv + ?Sized>(
@@ -449,7 +466,7 @@ impl LlamaModel {
         offsets: &Array,
     ) -> Result<Array> {
         let c = &self.config;
-        let (b, t) = (x.dim(0), x.dim(1));
+        let (b, t) = (kv.batch() as i32, kv.step_tokens());
         let heads = |y: Array, norm: &Option<Array>| -> Result<Array> {
             let y = match norm {
                 Some(w) => fast::rms_norm(&y, Some(w), c.rms_norm_eps)?,
@@ -461,6 +478,7 @@ impl LlamaModel {
             .qkv
             .forward_heads(
                 x,
+                (b, t),
                 &[c.num_heads, c.num_kv_heads, c.num_kv_heads],
                 c.head_dim,
             )
@@ -477,9 +495,15 @@ impl LlamaModel {
         let k = self.rope.apply(&k, offsets)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let out = kv.attend(layer, &q, &k, &v, scale)?;
-        let out = out
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[b, t, c.num_heads * c.head_dim])?;
+        // `[B, heads, T, D]` -> `[B * T, heads * D]`; with one token per row
+        // the memory order already matches (no transpose copy).
+        let width = c.num_heads * c.head_dim;
+        let out = if t == 1 {
+            out.reshape(&[b, width])?
+        } else {
+            out.transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b * t, width])?
+        };
         attn.o.forward_async(&out).await
     }
 
