@@ -10,13 +10,15 @@
 #   bash benches/gpu_decode.sh     # here, after `cargo build --release -p weft-grpc -p weft-models --examples --bins`
 #   call 1: carry .gpu/a .gpustash/d1    bash .gpu/a/stash.sh && mkdir -p /root/ws && cp .gpustash/d1/* /root/ws/
 #   call 2: carry .gpu/b .gpustash/d2    bash .gpu/b/env.sh bash .gpustash/d2/run.sh
-#           STEPS=kernel,decode,engine,plain,q4,server picks parts; STREAMS=1,8,32,64,128,256;
+#           STEPS=check,kernel,decode,engine,plain,q4,server picks parts; STREAMS=1,8,32,64,128,256;
 #           decode: DECODE_ROWS="1 64 128 256"; OPS_SWEEP="40 100" adds pipelined steps at
-#           SWEEP_ROWS ("1 64") with MLX_MAX_OPS_PER_BUFFER at each value;
+#           SWEEP_ROWS ("1 64") with MLX_MAX_OPS_PER_BUFFER at each value; SPLIT_SWEEP="32 16"
+#           the same with WEFT_SPLIT_KEYS (fewest keys per paged-attention split);
 #           plain: the engine with WEFT_PIPELINE=off at PLAIN_STREAMS (1,8,64);
 #           nocompile: the engine with WEFT_COMPILE=off at PLAIN_STREAMS;
-#           decode: each row count one step at a time, pipelined compiled, and pipelined
-#           with WEFT_COMPILE=off, the latter two with their graph census;
+#           decode: each row count one step at a time, pipelined compiled (fused decode
+#           kernels), compiled with WEFT_FUSED=off, and WEFT_COMPILE=off, with graph census;
+#           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated)
 #           (call 2 within the machine's idle window after call 1)
@@ -25,7 +27,7 @@ cd "$(dirname "$0")/.."
 grep -qx '/.gpustash/' .git/info/exclude 2>/dev/null || echo '/.gpustash/' >> .git/info/exclude
 M=$(target/release/weft pull)
 rm -rf .gpustash/d1 .gpustash/d2 && mkdir -p .gpustash/d1 .gpustash/d2
-for b in weft examples/decode_timing examples/paged_attention_check; do
+for b in weft examples/decode_timing examples/paged_attention_check examples/fused_decode_check; do
   n=$(basename $b)
   strip -o .gpustash/$n target/release/$b
   xz -T0 -6 -c .gpustash/$n > .gpustash/d1/$n.xz && rm .gpustash/$n
@@ -35,7 +37,7 @@ cat > .gpustash/d2/run.sh <<'EOS'
 #!/usr/bin/env bash
 set -e
 W=/root/ws; O=${OUT:-/tmp}; R=$O/gpu-decode.txt
-for n in weft decode_timing paged_attention_check; do
+for n in weft decode_timing paged_attention_check fused_decode_check; do
   [ -x /root/$n ] || { xz -d -c $W/$n.xz > /root/$n && chmod +x /root/$n; }
 done
 nvidia-smi -L | tee -a $R
@@ -53,14 +55,31 @@ if [[ $S == *kernel* ]]; then
   HEADS=9,3,64 /root/paged_attention_check 1,64 512,2048 10 2>&1 | tee -a $R
   HEADS=16,8,128 DECODE_T=4 /root/paged_attention_check 1,64 512,2048 10 2>&1 | tee -a $R
 fi
+if [[ $S == *check* ]]; then
+  echo "== compiled (fused kernels) vs op-by-op decode steps, same KV, lockstep" | tee -a $R
+  for b in ${CHECK_ROWS:-1 8 64}; do
+    /root/fused_decode_check $M $b 120 24 2>&1 | tail -4 | tee -a $R
+  done
+  if [[ $S == *q4* ]]; then
+    /root/fused_decode_check $Q 8 120 24 2>&1 | tail -3 | tee -a $R
+  fi
+fi
 if [[ $S == *decode* ]]; then
   for b in ${DECODE_ROWS:-1 64 128 256}; do
     echo "== runner decode step, $b rows, 1.2B bf16, device sampling, one step at a time" | tee -a $R
     /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
     echo "== runner decode step, $b rows, pipelined (each step queued on the last one's picks), compiled" | tee -a $R
     CENSUS=1 PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+    echo "== runner decode step, $b rows, pipelined, compiled, WEFT_FUSED=off (no fused decode kernels)" | tee -a $R
+    CENSUS=1 WEFT_FUSED=off PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
     echo "== runner decode step, $b rows, pipelined, WEFT_COMPILE=off (op by op)" | tee -a $R
     CENSUS=1 WEFT_COMPILE=off PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+  done
+  for k in ${SPLIT_SWEEP:-}; do
+    for b in ${SWEEP_ROWS:-1 64}; do
+      echo "== runner decode step, $b rows, pipelined, WEFT_SPLIT_KEYS=$k (fewest keys per attention split; default 128)" | tee -a $R
+      WEFT_SPLIT_KEYS=$k PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+    done
   done
   for o in ${OPS_SWEEP:-}; do
     for b in ${SWEEP_ROWS:-1 64}; do

@@ -28,6 +28,7 @@ use mlx_rs::fast;
 use mlx_rs::{ops, Array};
 use weft_kv_pool::RowBlocks;
 
+use crate::decode_kernels::DecodeKernels;
 use crate::error::{ModelError, Result};
 use crate::kv::{LayerKv, PagedKv};
 use crate::llama::LlamaModel;
@@ -52,10 +53,13 @@ pub struct CompiledDecode {
 impl CompiledDecode {
     /// Compiles `model`'s decode forward over `kv`'s storage: attention by
     /// the paged kernel where `kv` runs it, else by a gather of each row's
-    /// table and MLX's attention (any device).
-    pub fn new(model: Rc<LlamaModel>, kv: &PagedKv) -> Self {
+    /// table and MLX's attention (any device). `fused` (GPU only: where the
+    /// paged kernel runs) makes the trace's layers the fused decode kernels'
+    /// ([`crate::decode_kernels`]) for models whose layers allow it.
+    pub fn new(model: Rc<LlamaModel>, kv: &PagedKv, fused: Option<Rc<DecodeKernels>>) -> Self {
         let traces = Rc::new(Cell::new(0u64));
         let kernel = kv.kernel();
+        let fused = if kernel.is_some() { fused } else { None };
         let block_size = kv.block_size() as usize;
         let counter = traces.clone();
         let body = move |args: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
@@ -73,6 +77,7 @@ impl CompiledDecode {
                 ntok: args[5].clone(),
                 pools: args[FIXED_INPUTS..].to_vec(),
                 kernel: kernel.clone(),
+                fused: fused.clone(),
                 block_size: block_size as i32,
             };
             let logits = model.forward_kv(&args[0], &mut kv, true).map_err(fail)?;
@@ -182,10 +187,70 @@ struct TracedKv {
     /// `[k0, v0, k1, v1, ...]`, replaced by the written arrays layer by layer.
     pools: Vec<Array>,
     kernel: Option<Rc<PagedAttention>>,
+    fused: Option<Rc<DecodeKernels>>,
     block_size: i32,
 }
 
+impl TracedKv {
+    /// Replaces layer `layer`'s K and V pool arrays by the ones written with
+    /// the new tokens `k`, `v` (`[B, kv_heads, head_dim]` or the scatter's
+    /// `[B, 1, kv_heads, 1, head_dim]`).
+    fn write(&mut self, layer: usize, k: &Array, v: &Array) -> Result<()> {
+        let (ki, vi) = (2 * layer, 2 * layer + 1);
+        if vi >= self.pools.len() {
+            return Err(ModelError::Invalid(format!(
+                "compiled decode: no pool arrays for layer {layer}"
+            )));
+        }
+        for (i, x) in [(ki, k), (vi, v)] {
+            self.pools[i] = weft_kv_pool::storage::scatter_tokens(
+                &self.pools[i],
+                &self.write_block,
+                &self.write_offset,
+                x,
+            )
+            .map_err(|e| ModelError::Invalid(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn keys(&self) -> usize {
+        (self.table.dim(1) * self.block_size) as usize
+    }
+}
+
 impl LayerKv for TracedKv {
+    fn fused(&self) -> Option<Rc<DecodeKernels>> {
+        self.fused.clone()
+    }
+
+    fn attend_rows(
+        &mut self,
+        layer: usize,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+    ) -> Result<Array> {
+        let Some(kernel) = self.kernel.clone() else {
+            return Err(ModelError::Invalid(
+                "compiled decode: fused layers need the paged kernel".into(),
+            ));
+        };
+        self.write(layer, k, v)?;
+        let scale = Array::from_slice(&[scale], &[1]);
+        kernel.decode_rows(
+            q,
+            &self.pools[2 * layer],
+            &self.pools[2 * layer + 1],
+            &self.table,
+            &self.start,
+            &self.ntok,
+            &scale,
+            self.keys(),
+        )
+    }
+
     fn batch(&self) -> usize {
         self.start.dim(0) as usize
     }
@@ -210,12 +275,6 @@ impl LayerKv for TracedKv {
         v: &Array,
         scale: f32,
     ) -> Result<Array> {
-        let (ki, vi) = (2 * layer, 2 * layer + 1);
-        if vi >= self.pools.len() {
-            return Err(ModelError::Invalid(format!(
-                "compiled decode: no pool arrays for layer {layer}"
-            )));
-        }
         let ks = k.shape();
         if ks.len() != 4 || ks[2] != 1 {
             return Err(ModelError::Invalid(format!(
@@ -223,19 +282,10 @@ impl LayerKv for TracedKv {
             )));
         }
         let (b, h, d) = (ks[0], ks[1], ks[3]);
-        for (i, x) in [(ki, k), (vi, v)] {
-            let rows = x.reshape(&[b, h, d])?;
-            self.pools[i] = weft_kv_pool::storage::scatter_tokens(
-                &self.pools[i],
-                &self.write_block,
-                &self.write_offset,
-                &rows,
-            )
-            .map_err(|e| ModelError::Invalid(e.to_string()))?;
-        }
-        let (kp, vp) = (&self.pools[ki], &self.pools[vi]);
+        self.write(layer, &k.reshape(&[b, h, d])?, &v.reshape(&[b, h, d])?)?;
+        let (kp, vp) = (&self.pools[2 * layer], &self.pools[2 * layer + 1]);
         let width = self.table.dim(1);
-        let keys = width * self.block_size;
+        let keys = self.keys() as i32;
         match &self.kernel {
             Some(kernel) => {
                 let scale = Array::from_slice(&[scale], &[1]);

@@ -375,6 +375,28 @@ pub trait LayerKv {
         v: &Array,
         scale: f32,
     ) -> Result<Array>;
+    /// The fused one-token decode kernels, where this KV runs them (a
+    /// compiled GPU decode step); `None` keeps the op-by-op layer.
+    fn fused(&self) -> Option<std::rc::Rc<crate::decode_kernels::DecodeKernels>> {
+        None
+    }
+    /// The fused layer's write and attention: stores layer `layer`'s new K/V
+    /// rows `[B, 1, kv_heads, 1, head_dim]` (as the fused RoPE kernel returns
+    /// them) and attends the rotated one-token queries `q` `[B, heads, 1,
+    /// head_dim]`, returning `[B, heads * head_dim]`. Only called where
+    /// [`fused`](Self::fused) is `Some`.
+    fn attend_rows(
+        &mut self,
+        layer: usize,
+        _q: &Array,
+        _k: &Array,
+        _v: &Array,
+        _scale: f32,
+    ) -> Result<Array> {
+        Err(ModelError::Invalid(format!(
+            "layer {layer}: this KV has no fused decode path"
+        )))
+    }
 }
 
 impl LayerKv for KvStep<'_> {

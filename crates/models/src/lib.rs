@@ -6,6 +6,8 @@ pub mod compiled_decode;
 pub mod config;
 pub mod cpu_gemm;
 pub mod cpu_kernels;
+mod cuda_kernel;
+pub mod decode_kernels;
 pub mod error;
 pub mod graph_census;
 pub mod host_attention;

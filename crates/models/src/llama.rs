@@ -9,6 +9,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::config::{Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
+use crate::decode_kernels::{self, DecodeKernels, QkvHeads};
 use crate::error::{ModelError, Result};
 use crate::kv::{self, KvShape, KvStep, LayerKv};
 use crate::linear::{Linear, WeightPolicy};
@@ -134,6 +135,34 @@ struct Rope {
     base: Option<f32>,
     scale: f32,
     freqs: Option<Array>,
+    /// `[dims / 2]` f32 inverse frequencies and `[1]` f32 scale, as the
+    /// fused decode kernels take them.
+    inv_freq: Array,
+    scale_arr: Array,
+}
+
+/// Why a model's one-token decode steps cannot run the fused decode kernels
+/// (`None`: they can).
+fn unfusable(layers: &[Layer], c: &ModelConfig, policy: WeightPolicy) -> Option<&'static str> {
+    if policy.kernels != Kernels::Stock || policy.host_gemm {
+        return Some("CPU kernels");
+    }
+    if !decode_kernels::supports(policy.dtype) {
+        return Some("dtype");
+    }
+    if c.head_dim % 2 != 0 || layers.is_empty() {
+        return Some("shape");
+    }
+    for l in layers {
+        if l.attn.q_norm.is_some() || l.attn.k_norm.is_some() {
+            return Some("per-head q/k norms");
+        }
+        if !matches!(l.attn.qkv, Proj::Fused { .. }) || !matches!(l.mlp.gate_up, Proj::Fused { .. })
+        {
+            return Some("unfused projections");
+        }
+    }
+    None
 }
 
 thread_local! {
@@ -177,6 +206,10 @@ pub struct LlamaModel {
     norm: Array,
     lm_head: Option<Linear>,
     rope: Rope,
+    /// `[1]` f32 RMSNorm epsilon for the fused kernels.
+    eps: Array,
+    /// Whether one-token steps may run the fused decode kernels.
+    fusable: bool,
 }
 
 impl LlamaModel {
@@ -249,7 +282,13 @@ impl LlamaModel {
         if !leftover.is_empty() {
             tracing::warn!(count = leftover.len(), first = %leftover[0], "unused tensors in model directory");
         }
+        let why = unfusable(&layers, &config, policy);
+        if let Some(why) = why {
+            tracing::debug!(why, "fused decode kernels off for this model");
+        }
         let mut model = Self {
+            eps: Array::from_slice(&[config.rms_norm_eps], &[1]),
+            fusable: why.is_none(),
             config,
             policy,
             embed,
@@ -424,6 +463,11 @@ impl LlamaModel {
         // The hidden state stays `[B * T, hidden]`: 2-D matmuls need no
         // flatten / unflatten around them in every layer.
         let (b, t) = (shape[0], shape[1]);
+        if t == 1 && self.fusable {
+            if let Some(k) = kv.fused() {
+                return self.forward_fused(tokens, kv, &k, after_layer).await;
+            }
+        }
         let mut h = self
             .embed
             .embed(&tokens.reshape(&[b * t])?, self.policy.dtype)?;
@@ -455,6 +499,73 @@ impl LlamaModel {
             None => self.embed.forward(&h)?,
         };
         Ok(logits.reshape(&[b, rows_t, -1])?)
+    }
+
+    /// The one-token forward over the fused decode kernels
+    /// ([`crate::decode_kernels`]): ~12 primitives per layer instead of ~28.
+    /// The residual add of each half-layer and the next norm are one kernel,
+    /// so each layer ends with the next one's normed input.
+    async fn forward_fused<K: LayerKv + ?Sized>(
+        &self,
+        tokens: &Array,
+        kv: &mut K,
+        k: &DecodeKernels,
+        after_layer: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Array> {
+        let c = &self.config;
+        let b = tokens.dim(0);
+        let heads = QkvHeads {
+            q: c.num_heads,
+            kv: c.num_kv_heads,
+            dim: c.head_dim,
+        };
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let mut h = self
+            .embed
+            .embed(&tokens.reshape(&[b])?, self.policy.dtype)?;
+        let first = self
+            .layers
+            .first()
+            .ok_or_else(|| ModelError::Invalid("model has no layers".into()))?;
+        let mut x = fast::rms_norm(&h, Some(&first.input_norm), c.rms_norm_eps)?;
+        let add_norm = |h: &Array, a: &Array, w: &Array| -> Result<(Array, Array)> {
+            let a = if a.dtype() == h.dtype() {
+                a.clone()
+            } else {
+                a.as_dtype(h.dtype())?
+            };
+            k.add_rms_norm(h, &a, w, &self.eps)
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (Proj::Fused { lin: qkv, .. }, Proj::Fused { lin: gate_up, .. }) =
+                (&layer.attn.qkv, &layer.mlp.gate_up)
+            else {
+                return Err(ModelError::Invalid(format!(
+                    "layer {i}: fused decode needs fused projections"
+                )));
+            };
+            let (q, kr, vr) = k.rope_qkv(
+                &qkv.forward_async(&x).await?,
+                kv.offsets(),
+                &self.rope.inv_freq,
+                &self.rope.scale_arr,
+                heads,
+            )?;
+            let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
+            let a = layer.attn.o.forward_async(&a).await?;
+            let (s, n) = add_norm(&h, &a, &layer.post_norm)?;
+            let act = k.silu_mul(&gate_up.forward_async(&n).await?)?;
+            let m = layer.mlp.down.forward_async(&act).await?;
+            let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
+            (h, x) = add_norm(&s, &m, next)?;
+            after_layer(i)?;
+        }
+        drop(h);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward_async(&x).await?,
+            None => self.embed.forward(&x)?,
+        };
+        Ok(logits.reshape(&[b, 1, -1])?)
     }
 
     async fn attention<K: LayerKv + ?Sized>(
@@ -521,10 +632,29 @@ impl Rope {
             base: Some(c.rope_theta),
             scale: 1.0,
             freqs: None,
+            inv_freq: Array::from_slice(&[0f32], &[1]),
+            scale_arr: Array::from_slice(&[0f32], &[1]),
         };
-        let Some(s) = &c.rope_scaling else {
-            return Ok(rope);
-        };
+        let mut freqs = None;
+        if let Some(s) = &c.rope_scaling {
+            freqs = rope.scaled(c, s)?;
+        }
+        rope.inv_freq = Array::from_slice(
+            &decode_kernels::inv_freq(dims, rope.base, freqs.as_deref()),
+            &[(dims / 2).max(1)],
+        );
+        rope.scale_arr = Array::from_slice(&[rope.scale], &[1]);
+        Ok(rope)
+    }
+
+    /// Applies `rope_scaling`; returns llama3's explicit frequencies.
+    fn scaled(
+        &mut self,
+        c: &ModelConfig,
+        s: &crate::config::RopeScaling,
+    ) -> Result<Option<Vec<f32>>> {
+        let dims = self.dims;
+        let rope = self;
         let kind = s.rope_type.as_deref().unwrap_or("default");
         match kind {
             "default" => {}
@@ -557,6 +687,7 @@ impl Rope {
                     .collect();
                 rope.freqs = Some(Array::from_slice(&freqs, &[dims / 2]));
                 rope.base = None;
+                return Ok(Some(freqs));
             }
             other => {
                 return Err(bad_scaling(&format!(
@@ -564,7 +695,7 @@ impl Rope {
                 )))
             }
         }
-        Ok(rope)
+        Ok(None)
     }
 
     fn apply(&self, x: &Array, offsets: &Array) -> Result<Array> {

@@ -21,10 +21,9 @@
 //! length before the step, `t` the query's index in the step); queries past a
 //! row's `tokens` (padding of a ragged decode step) repeat its last query.
 
-use std::ffi::CString;
-
 use mlx_rs::{Array, Dtype};
 
+use crate::cuda_kernel::Kernel;
 use crate::error::{ModelError, Result};
 
 const SOURCE: &str = r#"
@@ -216,145 +215,28 @@ pub struct PagedAttention {
     combine: Kernel,
 }
 
-/// One NVRTC kernel object.
-struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
-
-impl Drop for Kernel {
-    fn drop(&mut self) {
-        // SAFETY: created by mlx_fast_cuda_kernel_new, freed once here.
-        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.0) };
-    }
-}
-
-impl Kernel {
-    fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str) -> Result<Self> {
-        let ins = strings(inputs)?;
-        let outs = strings(outputs)?;
-        let name = CString::new(name).map_err(|e| ModelError::Invalid(e.to_string()))?;
-        let source = CString::new(source).map_err(|e| ModelError::Invalid(e.to_string()))?;
-        let header = CString::new("").expect("static header");
-        // SAFETY: all arguments are live for the call; the vectors are freed
-        // after it (MLX copied them).
-        let kernel = unsafe {
-            let k = mlx_sys::mlx_fast_cuda_kernel_new(
-                name.as_ptr(),
-                ins,
-                outs,
-                source.as_ptr(),
-                header.as_ptr(),
-                true,
-                0,
-            );
-            mlx_sys::mlx_vector_string_free(ins);
-            mlx_sys::mlx_vector_string_free(outs);
-            k
-        };
-        if kernel.ctx.is_null() {
-            return Err(ModelError::Invalid(
-                "mlx_fast_cuda_kernel_new returned null".into(),
-            ));
-        }
-        Ok(Self(kernel))
-    }
-
-    /// Launches the kernel over `inputs`: `outputs` are (shape, dtype), the
-    /// grid and block are in threads, `ints` and `dtype` are template
-    /// arguments (the dtype is part of the compiled kernel's cache key).
-    fn apply(
-        &self,
-        inputs: &[&Array],
-        outputs: &[(&[i32], Dtype)],
-        grid: (i32, i32),
-        threads: i32,
-        ints: &[(&str, i32)],
-        dtype: (&str, Dtype),
-    ) -> Result<Vec<Array>> {
-        let names: Vec<CString> = ints
-            .iter()
-            .map(|(n, _)| CString::new(*n))
-            .chain(std::iter::once(CString::new(dtype.0)))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| ModelError::Invalid(e.to_string()))?;
-        let ptrs: Vec<mlx_sys::mlx_array> = inputs.iter().map(|a| a.as_ptr()).collect();
-        // SAFETY: every handle is live for the call; the config and vectors
-        // are freed before returning; outputs are taken over by `Array`s.
-        unsafe {
-            let cfg = mlx_sys::mlx_fast_cuda_kernel_config_new();
-            for (shape, dt) in outputs {
-                mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
-                    cfg,
-                    shape.as_ptr(),
-                    shape.len(),
-                    mlx_dtype(*dt),
-                );
-            }
-            mlx_sys::mlx_fast_cuda_kernel_config_set_grid(cfg, grid.0, grid.1, 1);
-            mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(cfg, threads, 1, 1);
-            for ((_, v), n) in ints.iter().zip(&names) {
-                mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg, n.as_ptr(), *v);
-            }
-            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
-                cfg,
-                names[ints.len()].as_ptr(),
-                mlx_dtype(dtype.1),
-            );
-            let inputs = mlx_sys::mlx_vector_array_new_data(ptrs.as_ptr(), ptrs.len());
-            let mut outs = mlx_sys::mlx_vector_array_new();
-            let stream = mlx_rs::Stream::thread_local_or_default();
-            let rc = mlx_sys::mlx_fast_cuda_kernel_apply(
-                &mut outs,
-                self.0,
-                inputs,
-                cfg,
-                stream.as_ptr(),
-            );
-            mlx_sys::mlx_vector_array_free(inputs);
-            mlx_sys::mlx_fast_cuda_kernel_config_free(cfg);
-            if rc != 0 {
-                mlx_sys::mlx_vector_array_free(outs);
-                return Err(ModelError::Invalid(
-                    "mlx_fast_cuda_kernel_apply failed".into(),
-                ));
-            }
-            let n = mlx_sys::mlx_vector_array_size(outs);
-            let mut v = Vec::with_capacity(n);
-            for i in 0..n {
-                let mut a = mlx_sys::mlx_array_new();
-                mlx_sys::mlx_vector_array_get(&mut a, outs, i);
-                v.push(Array::from_ptr(a));
-            }
-            mlx_sys::mlx_vector_array_free(outs);
-            Ok(v)
-        }
-    }
-}
-
-fn strings(names: &[&str]) -> Result<mlx_sys::mlx_vector_string> {
-    // SAFETY: the vector is created here and returned to the caller, who frees
-    // it; every appended C string outlives its append (MLX copies it).
-    unsafe {
-        let v = mlx_sys::mlx_vector_string_new();
-        for n in names {
-            let c = CString::new(*n).map_err(|e| ModelError::Invalid(e.to_string()))?;
-            mlx_sys::mlx_vector_string_append_value(v, c.as_ptr());
-        }
-        Ok(v)
-    }
-}
-
-fn mlx_dtype(d: Dtype) -> mlx_sys::mlx_dtype {
-    match d {
-        Dtype::Float32 => mlx_sys::mlx_dtype__MLX_FLOAT32,
-        Dtype::Float16 => mlx_sys::mlx_dtype__MLX_FLOAT16,
-        _ => mlx_sys::mlx_dtype__MLX_BFLOAT16,
-    }
-}
-
 /// How many context splits a decode step of `warps` warps (rows x query
 /// heads x query positions) over at most `keys` keys per row should use.
 pub fn splits_for(warps: usize, keys: usize) -> usize {
+    splits_with(warps, keys, min_split_keys())
+}
+
+/// [`MIN_SPLIT_KEYS`], or `WEFT_SPLIT_KEYS` (a measurement knob: fewer keys
+/// per split give a small batch more warps, each a shorter walk).
+fn min_split_keys() -> usize {
+    static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *KEYS.get_or_init(|| {
+        std::env::var("WEFT_SPLIT_KEYS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .filter(|&k: &usize| k >= 8)
+            .unwrap_or(MIN_SPLIT_KEYS)
+    })
+}
+
+fn splits_with(warps: usize, keys: usize, min_keys: usize) -> usize {
     let by_occupancy = TARGET_WARPS.div_ceil(warps.max(1));
-    let by_length = keys.div_ceil(MIN_SPLIT_KEYS).max(1);
+    let by_length = keys.div_ceil(min_keys).max(1);
     by_occupancy.min(by_length).clamp(1, MAX_SPLITS)
 }
 
@@ -396,6 +278,48 @@ impl PagedAttention {
         scale: &Array,
         max_keys: usize,
     ) -> Result<Array> {
+        let out = q.shape().to_vec();
+        self.run(q, k_pool, v_pool, table, start, ntok, scale, max_keys, &out)
+    }
+
+    /// As [`decode`](Self::decode) for one query per row (`q` `[B, HQ, 1,
+    /// D]`), returning `[B, HQ * D]`: the layout the output projection takes,
+    /// with no reshape between.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_rows(
+        &self,
+        q: &Array,
+        k_pool: &Array,
+        v_pool: &Array,
+        table: &Array,
+        start: &Array,
+        ntok: &Array,
+        scale: &Array,
+        max_keys: usize,
+    ) -> Result<Array> {
+        let qs = q.shape();
+        if qs.len() != 4 || qs[2] != 1 {
+            return Err(ModelError::Invalid(format!(
+                "paged decode_rows: q {qs:?} is not one query per row"
+            )));
+        }
+        let out = [qs[0], qs[1] * qs[3]];
+        self.run(q, k_pool, v_pool, table, start, ntok, scale, max_keys, &out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        q: &Array,
+        k_pool: &Array,
+        v_pool: &Array,
+        table: &Array,
+        start: &Array,
+        ntok: &Array,
+        scale: &Array,
+        max_keys: usize,
+        out_shape: &[i32],
+    ) -> Result<Array> {
         let qs = q.shape();
         let ps = k_pool.shape();
         if qs.len() != 4 || ps.len() != 4 || qs[3] != ps[3] || !matches!(qs[3], 64 | 128 | 256) {
@@ -421,8 +345,11 @@ impl PagedAttention {
         let s = splits_for(warps, max_keys) as i32;
         let threads = 32 * WARPS_PER_BLOCK;
         let grid_x = (warps.div_ceil(WARPS_PER_BLOCK as usize) as i32) * threads;
-        let o_shape = [b, hq, t, s, d];
-        let ml_shape = [b, hq, t, s];
+        // Both kernels index the parts linearly; the combine kernel reads
+        // them as [W, S, D] and [W, S] (no reshape primitive between).
+        let w_all = b * hq * t;
+        let o_shape = [w_all, s, d];
+        let ml_shape = [w_all, s];
         let dtype = q.dtype();
         let parts = self.kernel.apply(
             &[q, k_pool, v_pool, table, start, ntok, scale],
@@ -439,15 +366,10 @@ impl PagedAttention {
         let [o, m, l]: [Array; 3] = parts
             .try_into()
             .map_err(|_| ModelError::Invalid("paged decode: expected 3 outputs".into()))?;
-        // The combine kernel reads the parts as [W, S, D] and [W, S].
-        let w_all = b * hq * t;
-        let m = m.reshape(&[w_all, s])?;
-        let l = l.reshape(&[w_all, s])?;
-        let out_shape = [b, hq, t, d];
         let combine_x = ((w_all as usize).div_ceil(WARPS_PER_BLOCK as usize) as i32) * threads;
         let mut out = self.combine.apply(
             &[&o, &m, &l],
-            &[(&out_shape, dtype)],
+            &[(out_shape, dtype)],
             (combine_x, 1),
             threads,
             &[("HD", d)],
@@ -465,10 +387,12 @@ mod tests {
     #[test]
     fn splits_fill_the_gpu_but_not_past_the_context() {
         // 256 rows x 32 heads already fill it.
-        assert_eq!(splits_for(256 * 32, 8192), 1);
+        let k = MIN_SPLIT_KEYS;
+        assert_eq!(splits_with(256 * 32, 8192, k), 1);
         // One row of 8K context: split, but each split keeps >= 128 keys.
-        assert_eq!(splits_for(32, 8192), 64);
-        assert_eq!(splits_for(32, 512), 4);
-        assert_eq!(splits_for(32, 1), 1);
+        assert_eq!(splits_with(32, 8192, k), 64);
+        assert_eq!(splits_with(32, 512, k), 4);
+        assert_eq!(splits_with(32, 1, k), 1);
+        assert_eq!(splits_with(32, 512, 32), 16);
     }
 }

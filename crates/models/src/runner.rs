@@ -156,8 +156,9 @@ impl BatchRunner {
     /// the paged GPU kernel, unless `WEFT_COMPILE=off`.
     pub fn new(model: LlamaModel, kv: PagedKv) -> Self {
         let model = std::rc::Rc::new(model);
-        let compiled = (kv.uses_kernel() && compile_from_env())
-            .then(|| crate::compiled_decode::CompiledDecode::new(model.clone(), &kv));
+        let compiled = (kv.uses_kernel() && compile_from_env()).then(|| {
+            crate::compiled_decode::CompiledDecode::new(model.clone(), &kv, fused_kernels())
+        });
         Self {
             model,
             kv,
@@ -207,8 +208,13 @@ impl BatchRunner {
                 "compiled decode needs MLX linears (the packed host GEMM cannot be traced)".into(),
             ));
         }
-        self.compiled =
-            on.then(|| crate::compiled_decode::CompiledDecode::new(self.model.clone(), &self.kv));
+        self.compiled = on.then(|| {
+            crate::compiled_decode::CompiledDecode::new(
+                self.model.clone(),
+                &self.kv,
+                fused_kernels(),
+            )
+        });
         Ok(())
     }
 
@@ -788,6 +794,24 @@ fn compile_from_env() -> bool {
         std::env::var("WEFT_COMPILE").ok().as_deref(),
         Some("off") | Some("0")
     )
+}
+
+/// The fused decode kernels for compiled GPU decode steps, unless
+/// `WEFT_FUSED=off` (or `0`) keeps their layers op by op.
+fn fused_kernels() -> Option<std::rc::Rc<crate::decode_kernels::DecodeKernels>> {
+    if matches!(
+        std::env::var("WEFT_FUSED").ok().as_deref(),
+        Some("off") | Some("0")
+    ) {
+        return None;
+    }
+    match crate::decode_kernels::DecodeKernels::new() {
+        Ok(k) => Some(std::rc::Rc::new(k)),
+        Err(e) => {
+            tracing::warn!(error = %e, "fused decode kernels unavailable; decode layers run op by op");
+            None
+        }
+    }
 }
 
 /// Decode batch sizes on the GPU: powers of two up to 8, then four sizes per

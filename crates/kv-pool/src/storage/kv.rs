@@ -220,8 +220,10 @@ struct Layer {
 /// `[N, kv_heads, head_dim]` (cast to the pool's dtype), with `blocks` and
 /// `offsets` `[N]` int32 arrays: the write [`KvStorage::write`] makes, for
 /// graphs whose slots are array inputs (a compiled step) rather than a
-/// host-side [`StepLayout`]. Returns the written pool (in place when nothing
-/// else references `pool` at evaluation).
+/// host-side [`StepLayout`]. `x` may also come as `[N, 1, kv_heads, 1,
+/// head_dim]`, the scatter's own update shape (no reshape in the graph).
+/// Returns the written pool (in place when nothing else references `pool`
+/// at evaluation).
 pub fn scatter_tokens(
     pool: &Array,
     blocks: &Array,
@@ -229,7 +231,12 @@ pub fn scatter_tokens(
     x: &Array,
 ) -> Result<Array, StorageError> {
     let ps = pool.shape();
-    let xs = x.shape();
+    let shaped = x.ndim() == 5 && x.dim(1) == 1 && x.dim(3) == 1;
+    let xs: Vec<i32> = if shaped {
+        vec![x.dim(0), x.dim(2), x.dim(4)]
+    } else {
+        x.shape().to_vec()
+    };
     if ps.len() != 4 || xs.len() != 3 || xs[1] != ps[1] || xs[2] != ps[3] {
         return Err(StorageError::Shape {
             what: "new K/V tokens",
@@ -246,7 +253,11 @@ pub fn scatter_tokens(
     } else {
         x.as_dtype(pool.dtype())?
     };
-    let u = x.reshape(&[xs[0], 1, xs[1], 1, xs[2]])?;
+    let u = if shaped {
+        x
+    } else {
+        x.reshape(&[xs[0], 1, xs[1], 1, xs[2]])?
+    };
     ffi::scatter(pool, &[blocks, offsets], &u, &[0, 2])
 }
 

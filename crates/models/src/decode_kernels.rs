@@ -1,0 +1,335 @@
+//! Fused one-token decode kernels for the compiled GPU decode step: fewer
+//! MLX primitives per layer, because on the GPU a decode step's time is the
+//! host's (MLX builds and encodes every primitive of the graph, measured at
+//! ~3-4 us each on the H200's host; the device waits for it, see
+//! benches/RESULTS.md).
+//!
+//! A Llama layer of a one-token step, op by op, is ~28 primitives (norm,
+//! matmul, reshape, split, three transposes, two RoPEs, four reshapes and two
+//! scatters for the K/V write, two attention kernels, ...). With these
+//! kernels it is 12: `add_rms_norm` (residual add and the next norm in one
+//! pass), the QKV matmul, `rope_qkv` (RoPE of the query and key heads read
+//! straight from the fused projection, written in the shapes the attention
+//! kernel and the pool's scatter take), two scatters, the paged attention
+//! (two kernels, output already `[B, heads * head_dim]`), the output matmul,
+//! `add_rms_norm`, the gate/up matmul, `silu_mul` (read from the fused
+//! projection, no split), the down matmul.
+//!
+//! Each kernel rounds where MLX's own ops round (the residual sum to the
+//! model dtype before its norm; the norm's `x * rsqrt(mean(x^2) + eps)` to
+//! the dtype before the weight; RoPE in f32 with MLX's `exp2(-d * log2
+//! base)` frequencies; sigmoid, `g * sigmoid(g)` and the product each in the
+//! dtype), so fused and op-by-op steps agree to within bf16 rounding of the
+//! matmuls' different reduction orders (`examples/fused_decode_check.rs`
+//! measures it on the GPU). They are CUDA only (MLX's NVRTC path); the CPU
+//! runs the op-by-op layer.
+
+use mlx_rs::{Array, Dtype};
+
+use crate::cuda_kernel::Kernel;
+use crate::error::{ModelError, Result};
+
+/// `sum = h + a` (in the dtype), `normed = rms_norm(sum) * w`: one thread
+/// block per row.
+const ADD_NORM_SOURCE: &str = r#"
+    const int N = h_shape[0];
+    const int H = h_shape[1];
+    const int row = blockIdx.x;
+    if (row >= N) {
+        return;
+    }
+    const size_t base = (size_t)row * H;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        const DT s = static_cast<DT>(
+            static_cast<float>(h[base + i]) + static_cast<float>(a[base + i]));
+        sum[base + i] = s;
+        const float f = static_cast<float>(s);
+        ss += f * f;
+    }
+    __shared__ float red[32];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        red[threadIdx.x >> 5] = ss;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            v += __shfl_xor_sync(0xffffffffu, v, o);
+        }
+        if (threadIdx.x == 0) {
+            red[0] = v;
+        }
+    }
+    __syncthreads();
+    const float inv = rsqrtf(red[0] / H + eps[0]);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        const DT y = static_cast<DT>(static_cast<float>(sum[base + i]) * inv);
+        normed[base + i] = static_cast<DT>(static_cast<float>(w[i]) * static_cast<float>(y));
+    }
+"#;
+
+/// RoPE of the query and key heads of a fused `[B, (HQ + 2 KVH) * HD]`
+/// projection (MLX's non-traditional layout: element `i` pairs with
+/// `i + HD / 2`), the value heads copied: one thread per (row, head, pair).
+const ROPE_QKV_SOURCE: &str = r#"
+    const int B = qkv_shape[0];
+    constexpr int HALF = HD / 2;
+    constexpr int NH = HQ + 2 * KVH;
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= B * NH * HALF) {
+        return;
+    }
+    const int i = idx % HALF;
+    const int h = (idx / HALF) % NH;
+    const int b = idx / (HALF * NH);
+    const size_t src = ((size_t)b * NH + h) * HD + i;
+    if (h < HQ + KVH) {
+        const float x1 = static_cast<float>(qkv[src]);
+        const float x2 = static_cast<float>(qkv[src + HALF]);
+        const float L = scale[0] * static_cast<float>(start[b]);
+        const float theta = L * inv_freq[i];
+        const float c = cos(theta);
+        const float s = sin(theta);
+        const DT r1 = static_cast<DT>(x1 * c - x2 * s);
+        const DT r2 = static_cast<DT>(x1 * s + x2 * c);
+        if (h < HQ) {
+            const size_t dst = ((size_t)b * HQ + h) * HD + i;
+            q_out[dst] = r1;
+            q_out[dst + HALF] = r2;
+        } else {
+            const size_t dst = ((size_t)b * KVH + (h - HQ)) * HD + i;
+            k_out[dst] = r1;
+            k_out[dst + HALF] = r2;
+        }
+    } else {
+        const size_t dst = ((size_t)b * KVH + (h - HQ - KVH)) * HD + i;
+        v_out[dst] = qkv[src];
+        v_out[dst + HALF] = qkv[src + HALF];
+    }
+"#;
+
+/// `silu(g) * u` of a fused `[N, 2F]` gate/up projection: one thread per
+/// output element.
+const SILU_MUL_SOURCE: &str = r#"
+    const int N = gu_shape[0];
+    const int F = gu_shape[1] / 2;
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)N * F) {
+        return;
+    }
+    const size_t n = idx / F;
+    const size_t j = idx % F;
+    const float g = static_cast<float>(gu[n * 2 * F + j]);
+    const float u = static_cast<float>(gu[n * 2 * F + F + j]);
+    const DT sig = static_cast<DT>(1.f / (1.f + expf(-g)));
+    const DT gs = static_cast<DT>(g * static_cast<float>(sig));
+    out[idx] = static_cast<DT>(static_cast<float>(gs) * u);
+"#;
+
+const THREADS: i32 = 256;
+
+/// The fused decode kernels; live on the engine thread with the model.
+pub struct DecodeKernels {
+    add_norm: Kernel,
+    rope_qkv: Kernel,
+    silu_mul: Kernel,
+}
+
+/// Head counts of the fused QKV projection.
+#[derive(Debug, Clone, Copy)]
+pub struct QkvHeads {
+    pub q: i32,
+    pub kv: i32,
+    pub dim: i32,
+}
+
+impl DecodeKernels {
+    /// Builds the kernel objects (NVRTC compiles each at its first use).
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            add_norm: Kernel::new(
+                "weft_add_rms_norm",
+                &["h", "a", "w", "eps"],
+                &["sum", "normed"],
+                ADD_NORM_SOURCE,
+            )?,
+            rope_qkv: Kernel::new(
+                "weft_rope_qkv",
+                &["qkv", "start", "inv_freq", "scale"],
+                &["q_out", "k_out", "v_out"],
+                ROPE_QKV_SOURCE,
+            )?,
+            silu_mul: Kernel::new("weft_silu_mul", &["gu"], &["out"], SILU_MUL_SOURCE)?,
+        })
+    }
+
+    /// `(h + a, rms_norm(h + a) * w)` for `h`, `a` `[N, H]` and `w` `[H]`
+    /// (`eps` `[1]` f32).
+    pub fn add_rms_norm(
+        &self,
+        h: &Array,
+        a: &Array,
+        w: &Array,
+        eps: &Array,
+    ) -> Result<(Array, Array)> {
+        let s = h.shape();
+        if s.len() != 2 || a.shape() != s || w.shape() != [s[1]] || h.dtype() != a.dtype() {
+            return Err(ModelError::Invalid(format!(
+                "add_rms_norm: h {s:?} {:?}, a {:?} {:?}, w {:?}",
+                h.dtype(),
+                a.shape(),
+                a.dtype(),
+                w.shape()
+            )));
+        }
+        let dt = h.dtype();
+        let mut out = self.add_norm.apply(
+            &[h, a, w, eps],
+            &[(s, dt), (s, dt)],
+            (s[0] * THREADS, 1),
+            THREADS,
+            &[],
+            ("DT", dt),
+        )?;
+        let normed = out.pop();
+        match (out.pop(), normed) {
+            (Some(sum), Some(normed)) => Ok((sum, normed)),
+            _ => Err(ModelError::Invalid(
+                "add_rms_norm: expected 2 outputs".into(),
+            )),
+        }
+    }
+
+    /// Rotated queries `[B, HQ, 1, D]` and keys, and values, both `[B, 1,
+    /// KVH, 1, D]` (the pool scatter's update shape), of the fused
+    /// projection `qkv` `[B, (HQ + 2 KVH) * D]` at each row's position
+    /// `start` `[B]` int32. `inv_freq` `[D / 2]` and `scale` `[1]` are f32.
+    pub fn rope_qkv(
+        &self,
+        qkv: &Array,
+        start: &Array,
+        inv_freq: &Array,
+        scale: &Array,
+        heads: QkvHeads,
+    ) -> Result<(Array, Array, Array)> {
+        let s = qkv.shape();
+        let width = (heads.q + 2 * heads.kv) * heads.dim;
+        if s.len() != 2
+            || s[1] != width
+            || heads.dim % 2 != 0
+            || inv_freq.shape() != [heads.dim / 2]
+        {
+            return Err(ModelError::Invalid(format!(
+                "rope_qkv: qkv {s:?} for {heads:?}, inv_freq {:?}",
+                inv_freq.shape()
+            )));
+        }
+        let (b, dt) = (s[0], qkv.dtype());
+        let total = b * (heads.q + 2 * heads.kv) * heads.dim / 2;
+        let grid = (total + THREADS - 1) / THREADS * THREADS;
+        let q = [b, heads.q, 1, heads.dim];
+        let kv = [b, 1, heads.kv, 1, heads.dim];
+        let out = self.rope_qkv.apply(
+            &[qkv, start, inv_freq, scale],
+            &[(&q, dt), (&kv, dt), (&kv, dt)],
+            (grid, 1),
+            THREADS,
+            &[("HQ", heads.q), ("KVH", heads.kv), ("HD", heads.dim)],
+            ("DT", dt),
+        )?;
+        let [q, k, v]: [Array; 3] = out
+            .try_into()
+            .map_err(|_| ModelError::Invalid("rope_qkv: expected 3 outputs".into()))?;
+        Ok((q, k, v))
+    }
+
+    /// `silu(g) * u` `[N, F]` of the fused gate/up projection `gu` `[N, 2F]`.
+    pub fn silu_mul(&self, gu: &Array) -> Result<Array> {
+        let s = gu.shape();
+        if s.len() != 2 || s[1] % 2 != 0 {
+            return Err(ModelError::Invalid(format!("silu_mul: gate/up {s:?}")));
+        }
+        let (n, f) = (s[0], s[1] / 2);
+        let grid = (n * f + THREADS - 1) / THREADS * THREADS;
+        let dt = gu.dtype();
+        let mut out =
+            self.silu_mul
+                .apply(&[gu], &[(&[n, f], dt)], (grid, 1), THREADS, &[], ("DT", dt))?;
+        out.pop()
+            .ok_or_else(|| ModelError::Invalid("silu_mul: no output".into()))
+    }
+}
+
+/// MLX's RoPE frequencies, `exp2(-(i / (dims / 2)) * log2(base))` for `i <
+/// dims / 2`, or `1 / freqs[i]` for explicit frequencies (llama3 scaling).
+pub fn inv_freq(dims: i32, base: Option<f32>, freqs: Option<&[f32]>) -> Vec<f32> {
+    let half = (dims / 2).max(1);
+    match (freqs, base) {
+        (Some(f), _) => f.iter().map(|&x| 1.0 / x).collect(),
+        (None, Some(base)) => {
+            let l = base.log2();
+            (0..half)
+                .map(|i| (-(i as f32 / half as f32) * l).exp2())
+                .collect()
+        }
+        (None, None) => vec![1.0; half as usize],
+    }
+}
+
+/// The dtypes the kernels are built for.
+pub fn supports(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::Bfloat16 | Dtype::Float16 | Dtype::Float32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::fast;
+
+    /// The rotation `rope_qkv` computes from [`inv_freq`], written out on the
+    /// host, against MLX's own RoPE (the op-by-op layer's) on the CPU.
+    fn check(base: Option<f32>, freqs: Option<&[f32]>, scale: f32) {
+        let (d, pos) = (64i32, [0i32, 5, 131, 1000]);
+        let inv = inv_freq(d, base, freqs);
+        let half = (d / 2) as usize;
+        let x: Vec<f32> = (0..pos.len() * d as usize)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+            .collect();
+        let xa = Array::from_slice(&x, &[pos.len() as i32, 1, 1, d]);
+        let offs = Array::from_slice(&pos, &[pos.len() as i32]);
+        let fa = freqs.map(|f| Array::from_slice(f, &[f.len() as i32]));
+        let want = fast::rope_dynamic(&xa, d, false, base, scale, &offs, fa.as_ref()).unwrap();
+        let want: Vec<f32> = want.as_slice().to_vec();
+        for (r, &p) in pos.iter().enumerate() {
+            for i in 0..half {
+                let theta = scale * p as f32 * inv[i];
+                let (c, s) = (theta.cos(), theta.sin());
+                let (x1, x2) = (x[r * d as usize + i], x[r * d as usize + i + half]);
+                let got = [x1 * c - x2 * s, x1 * s + x2 * c];
+                let w = [want[r * d as usize + i], want[r * d as usize + i + half]];
+                for k in 0..2 {
+                    assert!(
+                        (got[k] - w[k]).abs() < 2e-3,
+                        "pos {p} pair {i}: {} vs MLX {}",
+                        got[k],
+                        w[k]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rope_frequencies_match_mlx() {
+        check(Some(10000.0), None, 1.0);
+        check(Some(500000.0), None, 0.25);
+        let freqs: Vec<f32> = (0..32).map(|i| 1.5f32.powi(i)).collect();
+        check(None, Some(&freqs), 1.0);
+    }
+}
