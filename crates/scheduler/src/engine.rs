@@ -58,6 +58,11 @@ struct Shared {
     stats: Mutex<Stats>,
     info: ModelInfo,
     detok: Arc<dyn Detokenizer>,
+    /// Set (before `alive` disconnects) when the engine thread panicked.
+    failure: Mutex<Option<String>>,
+    /// Never sent on: it disconnects when the engine thread ends, for any reason,
+    /// which wakes every [`EngineHandle::stopped`].
+    alive: flume::Receiver<()>,
 }
 
 /// Cheap to clone; every clone talks to the same engine thread.
@@ -120,6 +125,22 @@ impl EngineHandle {
     pub fn model_info(&self) -> &ModelInfo {
         &self.shared.info
     }
+
+    /// Why the engine thread stopped on its own (it panicked), once it has.
+    pub fn failure(&self) -> Option<String> {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Resolves once the engine thread has ended: after [`Engine::shutdown`], or on
+    /// its own after a panic (then [`failure`](Self::failure) says why, and every
+    /// request that was live has had its final event).
+    pub async fn stopped(&self) {
+        let _ = self.shared.alive.recv_async().await;
+    }
 }
 
 /// Owns the engine thread; dropping it shuts the engine down (live requests get an
@@ -162,16 +183,26 @@ impl Engine {
                         }
                     },
                 };
+                let (alive_tx, alive) = flume::bounded::<()>(0);
                 let shared = Arc::new(Shared {
                     admission: sched.admission(),
                     stats: Mutex::new(sched.stats()),
                     info: sched.info().clone(),
                     detok: sched.detokenizer(),
+                    failure: Mutex::new(None),
+                    alive,
                 });
                 if ready_tx.send(Ok(shared.clone())).is_err() {
                     return;
                 }
-                run_loop(sched, cmd_rx, shared);
+                let mut sched = sched;
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    run_loop(&mut sched, cmd_rx, &shared)
+                }));
+                if let Err(p) = ran {
+                    fail_after_panic(sched, &shared, panic_message(p.as_ref()));
+                }
+                drop(alive_tx);
             })
             .map_err(|e| EngineError::Spawn(e.to_string()))?;
         let shared = match ready_rx.recv() {
@@ -239,11 +270,38 @@ impl Drop for CloseOnExit {
     }
 }
 
-fn run_loop<M: Model>(
-    mut sched: Scheduler<M>,
-    rx: std_mpsc::Receiver<Command>,
-    shared: Arc<Shared>,
-) {
+/// What a panic payload says (panics carry a `&str` or a `String`).
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// The engine thread panicked: its state may be torn mid-step, so nothing of it is
+/// trusted again. Every live request gets its final event (an error naming the
+/// panic), admission closes, and the failure is published before the thread ends
+/// (`EngineHandle::stopped` wakes; the server turns unhealthy and exits for its
+/// supervisor to restart it).
+fn fail_after_panic<M: Model>(sched: Scheduler<M>, shared: &Shared, msg: String) {
+    error!(panic = %msg, "the engine thread panicked; failing every live request");
+    shared.admission.close();
+    *shared.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg.clone());
+    let error = format!("the engine thread panicked ({msg}); the server is stopping");
+    let mut sched = sched;
+    let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        sched.abandon_all(&error);
+    }));
+    if failed.is_err() {
+        error!("failing the live requests panicked too: their streams end without a final event");
+    }
+    // Dropping a torn model or pool may panic again; the thread ends either way.
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(sched))).is_err() {
+        error!("dropping the engine's state after the panic panicked too");
+    }
+}
+
+fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: std_mpsc::Receiver<Command>, shared: &Shared) {
     let _close = CloseOnExit(shared.admission.clone());
     let mut stalled = false;
     'outer: loop {
@@ -256,12 +314,12 @@ fn run_loop<M: Model>(
                     .next_deadline(now)
                     .map_or(IDLE_POLL, |d| d.min(IDLE_POLL))
             };
-            if take(&rx, &mut sched, Some(wait)) == Got::Stop {
+            if take(&rx, sched, Some(wait)) == Got::Stop {
                 break 'outer;
             }
         }
         loop {
-            match take(&rx, &mut sched, None) {
+            match take(&rx, sched, None) {
                 Got::Handled => {}
                 Got::Nothing => break,
                 Got::Stop => break 'outer,
@@ -276,7 +334,7 @@ fn run_loop<M: Model>(
                 if left.is_zero() {
                     break;
                 }
-                match take(&rx, &mut sched, Some(gap.min(left))) {
+                match take(&rx, sched, Some(gap.min(left))) {
                     Got::Handled => {}
                     Got::Nothing => break,
                     Got::Stop => break 'outer,

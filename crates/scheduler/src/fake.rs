@@ -95,6 +95,12 @@ pub struct FakeFaults {
     /// fails: a request that can never be served, to exercise isolation of persistent
     /// failures without hitting rows that merely generate the token.
     pub poison_token: Option<u32>,
+    /// 1-based forward calls that run out of memory (`ModelError::OutOfMemory`), torn
+    /// after layer `fail_after_layer` like other forward faults.
+    pub oom_calls: Vec<u64>,
+    /// Device memory for this many fed tokens: a forward feeding more runs out of
+    /// memory (a batch too large for what is left; its halves fit).
+    pub memory_tokens: Option<usize>,
 }
 
 /// What the fake knows of a row between steps: the lengths its committed KV may have.
@@ -143,6 +149,12 @@ pub struct FakeStats {
     pub rollbacks: u64,
     pub failed_forwards: u64,
     pub failed_commits: u64,
+    /// Forwards that ran out of memory, and `release_memory` calls.
+    pub out_of_memory: u64,
+    pub memory_releases: u64,
+    /// Forwards of exactly the rows of the forward just before, which ran out of
+    /// memory (a batch of several rows retried as it was).
+    pub repeated_after_oom: u64,
     pub tokens: u64,
     pub max_batch_rows: usize,
     /// Storage ops applied (copy-on-write block copies).
@@ -173,6 +185,8 @@ pub struct FakeModel {
     sampler: HostSampler,
     /// The logits the last successful forward sampled from.
     last_logits: Vec<f32>,
+    /// The rows of the previous forward if it ran out of memory.
+    last_oom_rows: Option<Vec<RowId>>,
 }
 
 /// Packs (group, block, offset) into one map key: offsets stay below the block size
@@ -202,6 +216,7 @@ impl FakeModel {
             violations: Vec::new(),
             sampler: HostSampler::default(),
             last_logits: Vec::new(),
+            last_oom_rows: None,
         }
     }
 
@@ -419,7 +434,16 @@ impl FakeModel {
             let lo = if r.draft > 0 { r.start_pos + 1 } else { end };
             staged.insert(r.row, RowState { lo, hi: end });
         }
-        let fail_here = self.faults.forward_fail_calls.contains(&call) || self.random_fault();
+        let fed: usize = batch.iter().map(|r| r.tokens.len()).sum();
+        let rows: Vec<RowId> = batch.iter().map(|r| r.row).collect();
+        if rows.len() > 1 && self.last_oom_rows.as_ref() == Some(&rows) {
+            self.stats.repeated_after_oom += 1;
+        }
+        self.last_oom_rows = None;
+        let oom_here = self.faults.oom_calls.contains(&call)
+            || self.faults.memory_tokens.is_some_and(|m| fed > m);
+        let fail_here =
+            oom_here || self.faults.forward_fail_calls.contains(&call) || self.random_fault();
         let poisoned = self.faults.poison_token.is_some_and(|p| {
             batch
                 .iter()
@@ -498,6 +522,13 @@ impl FakeModel {
                 ..Default::default()
             });
             self.stats.failed_forwards += 1;
+            if oom_here && !poisoned {
+                self.stats.out_of_memory += 1;
+                self.last_oom_rows = Some(rows);
+                return Err(ModelError::OutOfMemory(format!(
+                    "injected: {fed} tokens do not fit (after layer {layer})"
+                )));
+            }
             return Err(ModelError::Failed(format!(
                 "injected fault after layer {layer}"
             )));
@@ -587,6 +618,10 @@ impl Model for FakeModel {
 
     fn pipelines(&self) -> bool {
         true
+    }
+
+    fn release_memory(&mut self) {
+        self.stats.memory_releases += 1;
     }
 
     fn submit(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<(), ModelError> {

@@ -41,7 +41,12 @@ pub struct FaultPlan {
     pub at: Vec<(FaultPoint, u64)>,
     /// Fail each point with this probability, from a seeded RNG (deterministic runs).
     pub random: Option<(u64, f64)>,
+    /// The engine thread panics in its `n`th (1-based) step that runs rows: a fault
+    /// outside the step transaction, which nothing rolls back (the engine fails every
+    /// live request and stops; see `Engine`).
+    pub panic_at_step: Option<u64>,
     counters: [u64; 4],
+    steps: u64,
     rng: Option<ChaCha8Rng>,
 }
 
@@ -58,8 +63,23 @@ impl FaultPlan {
         }
     }
 
+    /// Panic in the `n`th step that runs rows.
+    pub fn panic_at_step(mut self, n: u64) -> Self {
+        self.panic_at_step = Some(n);
+        self
+    }
+
     pub fn is_empty(&self) -> bool {
         self.at.is_empty() && self.random.is_none()
+    }
+
+    /// Counts a step that runs rows; true when it is the one to panic in.
+    pub(crate) fn step_panics(&mut self) -> bool {
+        let Some(n) = self.panic_at_step else {
+            return false;
+        };
+        self.steps += 1;
+        self.steps == n
     }
 
     /// Faults fired so far at each point.

@@ -17,6 +17,7 @@ pub const KV_BLOCKS_CACHED: &str = "weft_kv_blocks_cached";
 pub const KV_USAGE_RATIO: &str = "weft_kv_usage_ratio";
 pub const PREEMPTIONS: &str = "weft_preemptions_total";
 pub const STEP_ROLLBACKS: &str = "weft_step_rollbacks_total";
+pub const STEP_OUT_OF_MEMORY: &str = "weft_step_out_of_memory_total";
 pub const STEPS_PIPELINED: &str = "weft_steps_pipelined_total";
 pub const STEP_DURATION: &str = "weft_step_duration_seconds";
 pub const BATCH_SIZE: &str = "weft_batch_size";
@@ -64,6 +65,10 @@ pub fn describe() {
         "Decode steps queued on the device behind the step it follows, before that step was read"
     );
     describe_counter!(STEP_ROLLBACKS, "Step attempts rolled back after a failure");
+    describe_counter!(
+        STEP_OUT_OF_MEMORY,
+        "Step attempts that ran out of device memory (rolled back, then split)"
+    );
     describe_histogram!(
         STEP_DURATION,
         Unit::Seconds,
@@ -106,6 +111,7 @@ pub(crate) struct EngineMetrics {
     pub kv_ratio: Gauge,
     pub preemptions: Counter,
     pub rollbacks: Counter,
+    pub out_of_memory: Counter,
     pub pipelined: Counter,
     pub step_duration: Histogram,
     pub batch_size: Histogram,
@@ -129,6 +135,7 @@ impl EngineMetrics {
             kv_ratio: gauge!(KV_USAGE_RATIO),
             preemptions: counter!(PREEMPTIONS),
             rollbacks: counter!(STEP_ROLLBACKS),
+            out_of_memory: counter!(STEP_OUT_OF_MEMORY),
             pipelined: counter!(STEPS_PIPELINED),
             step_duration: histogram!(STEP_DURATION),
             batch_size: histogram!(BATCH_SIZE),

@@ -171,6 +171,10 @@ pub trait Model {
     /// scheduler releases a row that finished while the step after it is in flight;
     /// that step's output for the row is ignored). Not staged.
     fn release_row(&mut self, row: RowId);
+    /// A step just failed with [`ModelError::OutOfMemory`] and was rolled back: free
+    /// what the model can spare (MLX's buffer cache, scratch buffers) before the
+    /// scheduler retries the step's rows in smaller batches.
+    fn release_memory(&mut self) {}
 }
 
 /// Token ids -> text. Must be pure: the same ids always give the same text, because the

@@ -26,7 +26,7 @@ use crate::detok::{TextState, TextUpdate};
 use crate::draft::{self, Seq};
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::metrics::{EngineMetrics, TenantMetrics};
-use crate::model::{Detokenizer, Model, ModelInfo, RowId, RowInput};
+use crate::model::{Detokenizer, Model, ModelError, ModelInfo, RowId, RowInput};
 use crate::model::{RowSampling, StepOutput};
 use crate::request::TokenLogprob;
 use crate::request::{
@@ -81,12 +81,41 @@ pub struct Stats {
     pub failed_steps: u64,
     /// Requests finished with `FinishReason::Error` because their step kept failing.
     pub failed_requests: u64,
+    /// Step attempts that failed with `ModelError::OutOfMemory` (each rolled back; a
+    /// batch of several rows is then split in two at once).
+    pub out_of_memory: u64,
     /// With `verify_rollback`: rolled-back attempts whose state differed from the
     /// pre-step state. Must stay 0.
     pub rollback_mismatches: u64,
     /// Speculative draft tokens verified in committed steps, and those accepted.
     pub draft_tokens: u64,
     pub accepted_tokens: u64,
+}
+
+/// Why one attempt of a step failed.
+struct StepFault {
+    msg: String,
+    /// The model ran out of memory ([`ModelError::OutOfMemory`]): retrying the same
+    /// batch asks for the same memory, so it is split instead.
+    out_of_memory: bool,
+}
+
+impl StepFault {
+    fn model(e: ModelError) -> Self {
+        Self {
+            out_of_memory: matches!(e, ModelError::OutOfMemory(_)),
+            msg: e.to_string(),
+        }
+    }
+}
+
+impl From<String> for StepFault {
+    fn from(msg: String) -> Self {
+        Self {
+            msg,
+            out_of_memory: false,
+        }
+    }
 }
 
 /// What one call to [`Scheduler::step`] did.
@@ -359,6 +388,10 @@ struct StepBufs {
     /// Forward inputs. Only the first `rows.len()` go to the model; the rest keep their
     /// token buffers for later steps.
     inputs: Vec<RowInput>,
+    /// Per input buffer: the row's committed length when the buffer was filled. Its
+    /// table's first `ceil(held / bs)` blocks were committed then, and stay the row's
+    /// for as long as the row lives, whatever rolls back since.
+    held: Vec<usize>,
     wanted: Vec<RowId>,
     commits: Vec<RowCommit>,
     done: Vec<(RequestKey, FinishReason, Option<StopMatch>)>,
@@ -677,6 +710,37 @@ impl<M: Model> Scheduler<M> {
         true
     }
 
+    /// After a panic on the engine thread, when the scheduler's state may be torn
+    /// mid-step: sends every live request its final event (`FinishReason::Error` with
+    /// `error`) without touching the pool or the model, and closes admission. The
+    /// scheduler must not step again.
+    pub fn abandon_all(&mut self, error: &str) {
+        self.admission.close();
+        let mut live: Vec<&Req> = self.reqs.values().collect();
+        live.sort_by_key(|r| r.key);
+        for r in live {
+            crate::metrics::finished(FinishReason::Error);
+            let _ = r.tx.send(Msg::Finished(Box::new(Finished {
+                reason: FinishReason::Error,
+                stop: None,
+                usage: Usage {
+                    prompt_tokens: r.r.prompt.len(),
+                    cached_prompt_tokens: r.cached,
+                    generated_tokens: r.generated.len(),
+                    queue_time: r
+                        .scheduled_at
+                        .unwrap_or(r.arrival)
+                        .saturating_duration_since(r.arrival),
+                    time_to_first_token: r
+                        .first_token_at
+                        .map(|f| f.saturating_duration_since(r.arrival)),
+                    preemptions: r.preemptions,
+                },
+                error: Some(error.to_string()),
+            })));
+        }
+    }
+
     /// Finish every live request with an error (engine shutdown).
     pub fn shutdown(&mut self, now: Instant) {
         if self.inflight.take().is_some() {
@@ -702,16 +766,24 @@ impl<M: Model> Scheduler<M> {
         let wall = Instant::now();
         self.reap(now);
         let report = if let Some(rows) = self.inflight.take() {
+            self.injected_panic();
             self.resolve(rows, now)
         } else {
             let plan = self.plan(now);
             if plan.rows.is_empty() {
                 self.bufs.rows = plan.rows;
                 StepReport::default()
-            } else if self.pipelinable(&plan) {
+            } else if {
+                self.injected_panic();
+                self.pipelinable(&plan)
+            } {
                 match self.launch(plan.rows) {
                     // Queued: collected at once, after its successor is queued.
                     Ok(rows) => self.resolve(rows, now),
+                    Err(rows) if rows.is_empty() => {
+                        self.bufs.rows = rows;
+                        StepReport::default()
+                    }
                     Err(rows) => {
                         let plan = Plan {
                             rows,
@@ -737,6 +809,13 @@ impl<M: Model> Scheduler<M> {
         }
         self.publish();
         report
+    }
+
+    /// Test-only ([`FaultPlan::panic_at_step`]): a panic outside the step transaction.
+    fn injected_panic(&mut self) {
+        if self.faults.step_panics() {
+            panic!("injected engine-thread panic (test-only fault injection)");
+        }
     }
 
     fn reap(&mut self, now: Instant) {
@@ -1255,10 +1334,14 @@ impl<M: Model> Scheduler<M> {
     fn run(&mut self, plan: &Plan, now: Instant) -> StepReport {
         let before = self.cfg.verify_rollback.then(|| self.fingerprint());
         let mut last_err = String::new();
-        for attempt in 1..=self.cfg.max_step_retries.max(1) {
+        let retries = self.cfg.max_step_retries.max(1);
+        let mut tried = 0;
+        let mut out_of_memory = false;
+        while tried < retries {
+            tried += 1;
             match self.attempt(&plan.rows, now) {
                 Ok(mut rep) => {
-                    rep.attempts = attempt;
+                    rep.attempts = tried;
                     if plan.probation {
                         self.probation.pop_front();
                     }
@@ -1277,33 +1360,55 @@ impl<M: Model> Scheduler<M> {
                             error!("state after rollback differs from the pre-step state");
                         }
                     }
-                    warn!(attempt, rows = plan.rows.len(), error = %e, "step rolled back");
-                    last_err = e;
+                    warn!(attempt = tried, rows = plan.rows.len(), out_of_memory = e.out_of_memory, error = %e.msg, "step rolled back");
+                    last_err = e.msg;
+                    if e.out_of_memory {
+                        out_of_memory = true;
+                        // The same batch would ask for the same memory again: split it
+                        // at once. A row alone gets its retries (the memory freed, or
+                        // other work finishing, may be enough for it).
+                        let group = plan.probation.then(|| self.probation.pop_front());
+                        if self.split_after_oom(&plan.rows) {
+                            return StepReport {
+                                rows: plan.rows.len(),
+                                attempts: tried,
+                                ..Default::default()
+                            };
+                        }
+                        if let Some(Some(g)) = group {
+                            self.probation.push_front(g);
+                        }
+                    }
                 }
             }
         }
-        self.stats.failed_steps += 1;
         if plan.probation {
             self.probation.pop_front();
         }
         let keys: Vec<RequestKey> = plan.rows.iter().map(|p| p.key).collect();
         if let [k] = keys[..] {
+            self.stats.failed_steps += 1;
             self.stats.failed_requests += 1;
-            let msg = format!(
-                "step failed {} times: {last_err}",
-                self.cfg.max_step_retries.max(1)
-            );
+            let msg = if out_of_memory {
+                format!("the device ran out of memory for this request alone ({tried} attempts): {last_err}")
+            } else {
+                format!("step failed {tried} times: {last_err}")
+            };
             error!(request = k.0, error = %msg, "failing request");
             self.finish(k, FinishReason::Error, None, Some(msg), now);
         } else {
-            // Bisect: some row may be poisoned; isolate it without failing the others.
+            if !out_of_memory {
+                self.stats.failed_steps += 1;
+            }
+            // Bisect: some row may be poisoned, or the batch too large for the memory
+            // left; isolate it without failing the others.
             let (a, b) = keys.split_at(keys.len() / 2);
             self.probation.push_front(b.to_vec());
             self.probation.push_front(a.to_vec());
         }
         StepReport {
             rows: plan.rows.len(),
-            attempts: self.cfg.max_step_retries.max(1),
+            attempts: tried,
             ..Default::default()
         }
     }
@@ -1313,14 +1418,14 @@ impl<M: Model> Scheduler<M> {
     /// model returns picked ids), take rejected draft tokens back, commit model then
     /// pool. Touches nothing but the model's and the pool's staged state until the
     /// model has committed; after that nothing can fail.
-    fn attempt(&mut self, rows: &[Planned], now: Instant) -> Result<StepReport, String> {
+    fn attempt(&mut self, rows: &[Planned], now: Instant) -> Result<StepReport, StepFault> {
         self.open_step(rows, false)?;
         let out = self
             .model
             .forward(self.pool.step_ops(), &self.bufs.inputs[..rows.len()])
-            .map_err(|e| e.to_string())?;
+            .map_err(StepFault::model)?;
         self.settle(rows, &out)?;
-        self.model.commit().map_err(|e| e.to_string())?;
+        self.model.commit().map_err(StepFault::model)?;
         self.pool_commit();
         let mut commits = std::mem::take(&mut self.bufs.commits);
         let rep = self.apply(rows, &mut commits, now);
@@ -1357,7 +1462,9 @@ impl<M: Model> Scheduler<M> {
     }
 
     /// Opens `rows` as a step and submits it without waiting for its tokens. On
-    /// failure nothing of it stays and the rows come back to run as a plain step.
+    /// failure nothing of it stays and the rows come back to run as a plain step —
+    /// unless the model ran out of memory: then they were split into probation groups
+    /// and come back empty.
     fn launch(&mut self, rows: Vec<Planned>) -> Result<Vec<Planned>, Vec<Planned>> {
         if let Err(e) = self.open_step(&rows, false) {
             self.count_rollback(&e, "pipelined step not opened");
@@ -1371,6 +1478,11 @@ impl<M: Model> Scheduler<M> {
             Err(e) => {
                 self.undo_newest();
                 self.count_rollback(&e.to_string(), "pipelined step not submitted");
+                if matches!(e, ModelError::OutOfMemory(_)) && self.split_after_oom(&rows) {
+                    let mut rows = rows;
+                    rows.clear();
+                    return Err(rows);
+                }
                 Err(rows)
             }
         }
@@ -1434,6 +1546,9 @@ impl<M: Model> Scheduler<M> {
                     Err(e) => {
                         self.undo_newest();
                         self.count_rollback(&e.to_string(), "following step not submitted");
+                        if matches!(e, ModelError::OutOfMemory(_)) {
+                            self.split_after_oom(&next);
+                        }
                     }
                 },
                 Err(e) => self.count_rollback(&e, "following step not opened"),
@@ -1442,15 +1557,18 @@ impl<M: Model> Scheduler<M> {
         let settled = self
             .model
             .collect()
-            .map_err(|e| e.to_string())
-            .and_then(|out| self.settle(&rows, &out))
-            .and_then(|()| self.model.commit().map_err(|e| e.to_string()));
+            .map_err(StepFault::model)
+            .and_then(|out| self.settle(&rows, &out).map_err(StepFault::from))
+            .and_then(|()| self.model.commit().map_err(StepFault::model));
         if let Err(e) = settled {
             if chained {
                 self.undo_newest();
             }
             self.undo_newest();
-            self.count_rollback(&e, "pipelined step rolled back");
+            self.count_rollback(&e.msg, "pipelined step rolled back");
+            if e.out_of_memory && self.split_after_oom(&rows) {
+                return StepReport::default();
+            }
             let rows: Vec<Planned> = rows
                 .into_iter()
                 .filter(|p| {
@@ -1532,6 +1650,10 @@ impl<M: Model> Scheduler<M> {
     fn fill_inputs(&mut self, rows: &[Planned], follows: bool) -> Result<(), String> {
         let shift = self.bs_shift;
         let inputs = &mut self.bufs.inputs;
+        let held = &mut self.bufs.held;
+        if held.len() < rows.len() {
+            held.resize(rows.len(), 0);
+        }
         if inputs.len() < rows.len() {
             inputs.resize_with(rows.len(), || RowInput {
                 row: 0,
@@ -1544,22 +1666,23 @@ impl<M: Model> Scheduler<M> {
                 follows: false,
             });
         }
-        for (p, input) in rows.iter().zip(inputs.iter_mut()) {
+        for ((p, input), held) in rows.iter().zip(inputs.iter_mut()).zip(held.iter_mut()) {
             // What this buffer last held: a table of the same row whose first
-            // `ceil(committed / bs)` blocks were committed then and are still the
-            // row's (a step that followed another had one token less committed: the
-            // one its predecessor, perhaps rolled back since, was computing).
-            let (held_row, held_committed) = (
-                input.row,
-                input.start_pos - usize::from(input.follows && input.start_pos > 0),
-            );
+            // `ceil(held / bs)` blocks were committed then and are still the row's.
+            // (Not `start_pos`: a step that follows another starts past what its
+            // predecessor feeds — a whole last prefill chunk, not only one token —
+            // and that predecessor may have rolled back since, its blocks reused.)
+            let (held_row, held_committed) = (input.row, *held);
             input.row = p.row;
             input.start_pos = p.start;
             input.want_logits = p.want_logits;
             input.draft = p.draft;
             input.follows = follows;
             input.tokens.clear();
+            *held = 0;
             if let Some(r) = self.reqs.at(p.slot) {
+                // Committed now: before this step, and before the one it follows.
+                *held = r.computed.min(p.start);
                 if follows {
                     input.tokens.push(FOLLOW_PLACEHOLDER);
                 } else {
@@ -1736,6 +1859,28 @@ impl<M: Model> Scheduler<M> {
     }
 
     /// A pipelined step (or the one queued after it) that was undone.
+    /// A step of `rows` ran out of memory and was rolled back: counted, the model
+    /// frees what it can, and a batch of several rows is split in two probation
+    /// groups (run next, one at a time) instead of being tried again as it was.
+    /// Returns whether it split.
+    fn split_after_oom(&mut self, rows: &[Planned]) -> bool {
+        self.stats.out_of_memory += 1;
+        self.metrics.out_of_memory.increment(1);
+        self.model.release_memory();
+        let keys: Vec<RequestKey> = rows
+            .iter()
+            .filter(|p| self.reqs.at(p.slot).is_some_and(|r| r.key == p.key))
+            .map(|p| p.key)
+            .collect();
+        if keys.len() < 2 {
+            return false;
+        }
+        let (a, b) = keys.split_at(keys.len() / 2);
+        self.probation.push_front(b.to_vec());
+        self.probation.push_front(a.to_vec());
+        true
+    }
+
     fn count_rollback(&mut self, error: &str, what: &str) {
         self.stats.rollbacks += 1;
         self.metrics.rollbacks.increment(1);

@@ -229,3 +229,66 @@ async fn burst_coalescing_batches_close_arrivals_into_one_step() {
         engine.shutdown();
     }
 }
+
+/// A panic on the engine thread (outside any step transaction): every live request,
+/// running or queued, gets a final error event naming the panic; the handle reports
+/// the failure and `stopped` resolves; later submits are refused at once.
+#[tokio::test]
+async fn a_panic_on_the_engine_thread_fails_every_live_request() {
+    let mut cfg = sched_config();
+    cfg.max_batch_rows = 2;
+    cfg.coalesce_gap = Duration::ZERO;
+    cfg.faults = weft_scheduler::FaultPlan::default().panic_at_step(4);
+    let e = Engine::start(
+        cfg,
+        || Ok::<_, String>(FakeModel::new(fake_config())),
+        Arc::new(FakeDetokenizer),
+    )
+    .expect("engine starts");
+    let h = e.handle();
+    assert!(h.failure().is_none());
+    // Two rows run, the third waits: all three are live when step 4 panics.
+    let streams: Vec<EventStream> = (0..3)
+        .map(|i| {
+            let mut r = Request::new("t", vec![1 + i, 2, 3], 1000);
+            r.ignore_eos = true;
+            h.submit(r).expect("admitted")
+        })
+        .collect();
+    for s in streams {
+        let (_, _, f) = tokio::time::timeout(Duration::from_secs(10), collect(s))
+            .await
+            .expect("the stream ends");
+        assert_eq!(f.reason, FinishReason::Error);
+        let msg = f.error.unwrap_or_default();
+        assert!(
+            msg.contains("engine thread panicked") && msg.contains("injected"),
+            "{msg}"
+        );
+    }
+    tokio::time::timeout(Duration::from_secs(10), h.stopped())
+        .await
+        .expect("stopped resolves");
+    let why = h.failure().expect("the failure is published");
+    assert!(why.contains("injected engine-thread panic"), "{why}");
+    assert!(matches!(
+        h.submit(Request::new("t", vec![1], 4)),
+        Err(SubmitError::ShuttingDown)
+    ));
+    // Dropping the engine after its thread died neither hangs nor panics.
+    drop(e);
+}
+
+/// `stopped` also resolves after a plain shutdown, with no failure.
+#[tokio::test]
+async fn stopped_resolves_after_shutdown_without_a_failure() {
+    let e = start();
+    let h = e.handle();
+    tokio::task::spawn_blocking(move || e.shutdown())
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), h.stopped())
+        .await
+        .expect("stopped resolves");
+    assert!(h.failure().is_none());
+}
