@@ -6,6 +6,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_build::configure()
+        // Undecodable messages are INVALID_ARGUMENT, not INTERNAL (src/codec.rs).
+        .codec_path("crate::codec::WeftCodec")
         .file_descriptor_set_path(out.join("weft_descriptor.bin"))
         .compile_protos(&["../../proto/weft/v1/weft.proto"], &["../../proto"])?;
     println!("cargo:rerun-if-changed=../../proto/weft/v1/weft.proto");

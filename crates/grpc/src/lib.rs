@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod blas;
+pub mod codec;
 pub mod engine_bench;
 pub mod generate;
 pub mod malloc;

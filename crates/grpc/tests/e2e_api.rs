@@ -754,3 +754,132 @@ async fn metrics_families() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 404);
 }
+
+/// A gRPC request whose body is raw bytes (not necessarily a valid message).
+#[derive(Clone, Default)]
+struct RawCodec;
+struct RawEncoder;
+
+impl tonic::codec::Encoder for RawEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        buf: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use prost::bytes::BufMut;
+        buf.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = pb::GenerateResponse;
+    type Encoder = RawEncoder;
+    type Decoder = <tonic::codec::ProstCodec<pb::GenerateRequest, pb::GenerateResponse> as tonic::codec::Codec>::Decoder;
+    fn encoder(&mut self) -> RawEncoder {
+        RawEncoder
+    }
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic::codec::ProstCodec::<pb::GenerateRequest, pb::GenerateResponse>::raw_decoder(
+            Default::default(),
+        )
+    }
+}
+
+/// Undecodable request bodies (truncated field, invalid UTF-8 in a string, a
+/// bad wire type) get INVALID_ARGUMENT naming the message type — not INTERNAL,
+/// which the contract keeps for engine failures — and the same connection keeps
+/// serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_messages_get_invalid_argument() {
+    let s = server().await;
+    let ch = s.channel().await;
+    let mut g = tonic::client::Grpc::new(ch.clone());
+    for (what, body) in [
+        ("truncated field", vec![0x12u8, 100, b'x']),
+        ("invalid UTF-8", vec![0x12, 2, 0xff, 0xfe]),
+        ("bad wire type", vec![0x17, 1]),
+        ("varint past the end", vec![0x30, 0xff]),
+    ] {
+        for path in [
+            "/weft.v1.Generation/Generate",
+            "/weft.v1.Generation/GenerateStream",
+        ] {
+            g.ready().await.unwrap();
+            let p = tonic::codegen::http::uri::PathAndQuery::from_static(path);
+            let st = if path.ends_with("Stream") {
+                g.server_streaming(tonic::Request::new(body.clone()), p, RawCodec)
+                    .await
+                    .map(|_| ())
+                    .unwrap_err()
+            } else {
+                g.unary(tonic::Request::new(body.clone()), p, RawCodec)
+                    .await
+                    .map(|_| ())
+                    .unwrap_err()
+            };
+            assert_eq!(st.code(), Code::InvalidArgument, "{what} {path}: {st:?}");
+            assert!(
+                st.message().contains("weft.v1.GenerateRequest"),
+                "{what}: {}",
+                st.message()
+            );
+        }
+    }
+    // A valid message as raw bytes on the same channel is served.
+    use prost::Message;
+    g.ready().await.unwrap();
+    let out = g
+        .unary(
+            tonic::Request::new(text_req("The capital of France is", 3).encode_to_vec()),
+            tonic::codegen::http::uri::PathAndQuery::from_static("/weft.v1.Generation/Generate"),
+            RawCodec,
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(out.ids.len(), 3);
+    let mut c = pb::generation_client::GenerationClient::new(ch);
+    assert!(c.generate(text_req("Hello", 2)).await.is_ok());
+}
+
+/// `usage.generated_tokens` is `len(ids)` on both RPCs: a stop token id ends the
+/// request and is neither returned nor counted; an EOS id that ends it is both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_counts_exactly_the_ids_returned() {
+    let s = server().await;
+    let mut c = s.client().await;
+    let base = c
+        .generate(text_req("The capital of France is", 6))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut r = text_req("The capital of France is", 6);
+    r.stop_token_ids = vec![base.ids[2]];
+    let unary = c.generate(r.clone()).await.unwrap().into_inner();
+    let streamed = collect(&mut c, with(r, None, None)).await.unwrap();
+    let f = streamed.finished.expect("finished");
+    assert_eq!(streamed.ids, unary.ids);
+    assert!(!unary.ids.contains(&base.ids[2]));
+    let u = f.usage.unwrap();
+    assert_eq!(u.generated_tokens as usize, streamed.ids.len());
+    assert_eq!(
+        unary.usage.unwrap().generated_tokens as usize,
+        unary.ids.len()
+    );
+    // A chat answer that ends by EOS: the EOS id is the last id and counted.
+    let mut r = text_req("", 64);
+    r.input = Some(pb::generate_request::Input::Chat(pb::Chat {
+        messages: vec![pb::ChatMessage {
+            role: "user".into(),
+            content: "Say yes.".into(),
+        }],
+    }));
+    let out = c.generate(r).await.unwrap().into_inner();
+    if out.finish_reason == pb::FinishReason::Eos as i32 {
+        assert_eq!(out.usage.unwrap().generated_tokens as usize, out.ids.len());
+    }
+}

@@ -64,6 +64,23 @@ fn open_server_refuses_non_loopback() {
     let (ok, stdout, stderr) = run(c);
     assert!(!ok && stderr.contains("HTTP API"), "{stderr}");
     assert!(!stdout.contains("listening"), "{stdout}");
+    // And the metrics listener (issue 17: it used to bind 0.0.0.0 regardless).
+    let mut c = weft();
+    c.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "off",
+        "--metrics-listen",
+        "0.0.0.0:0",
+    ]);
+    let (ok, stdout, stderr) = run(c);
+    assert!(
+        !ok && stderr.contains("metrics on 0.0.0.0:0 without a tenant file"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("listening"), "{stdout}");
 }
 
 #[test]
