@@ -98,6 +98,9 @@ pub struct MlxModel {
     sampling: Vec<SampleRow>,
     /// Per step row: whether it follows the previous submitted step's pick.
     follows: Vec<bool>,
+    faults: ModelFaults,
+    /// Forward and submit calls so far (for `faults`).
+    calls: u64,
 }
 
 impl MlxModel {
@@ -134,7 +137,28 @@ impl MlxModel {
             host: HostSampler::default(),
             sampling: Vec::new(),
             follows: Vec::new(),
+            faults: ModelFaults::default(),
+            calls: 0,
         }
+    }
+
+    /// Test-only fault injection (see [`ModelFaults`]).
+    pub fn with_faults(mut self, faults: ModelFaults) -> Self {
+        self.faults = faults;
+        self
+    }
+
+    /// Counts a forward or submit; Err when it is one to fail to allocate.
+    fn injected(&mut self) -> Result<(), ModelError> {
+        self.calls += 1;
+        if self.faults.alloc_calls.contains(&self.calls) {
+            let e = failed(weft_models::ModelError::Weights(
+                INJECTED_ALLOCATION_FAILURE.into(),
+            ));
+            tracing::warn!(call = self.calls, error = %e, "injected allocation failure (testing only)");
+            return Err(e);
+        }
+        Ok(())
     }
 
     pub fn sample_on(&self) -> SampleOn {
@@ -181,9 +205,44 @@ pub struct KvSpec {
 fn failed(e: weft_models::ModelError) -> ModelError {
     match e {
         weft_models::ModelError::Invalid(m) => ModelError::Contract(m),
-        other => ModelError::Failed(other.to_string()),
+        other => {
+            let msg = other.to_string();
+            if is_allocation_failure(&msg) {
+                ModelError::OutOfMemory(msg)
+            } else {
+                ModelError::Failed(msg)
+            }
+        }
     }
 }
+
+/// Whether an MLX error is an allocation failure: MLX's allocators throw
+/// `[malloc] Unable to allocate N bytes.` (CPU), `[metal::malloc] ...` or a
+/// CUDA out-of-memory error, which mlx-c hands back as the message. The
+/// scheduler splits a batch that failed so instead of retrying it whole.
+pub fn is_allocation_failure(msg: &str) -> bool {
+    let m = msg.to_ascii_lowercase();
+    m.contains("unable to allocate")
+        || m.contains("out of memory")
+        || m.contains("bad_alloc")
+        || m.contains("cudaerrormemoryallocation")
+        || (m.contains("malloc]") && m.contains("allocat"))
+}
+
+/// Test-only allocation failures (`WEFT_TEST_FAULTS=alloc:N`): the `N`th
+/// forward (or submitted step) of the served model fails with the error MLX's
+/// CPU allocator raises when memory runs out (provoking a real one is not an
+/// option: MLX's CPU backend does not survive an allocation no machine can
+/// satisfy), classified by [`is_allocation_failure`] like a real one.
+#[derive(Debug, Clone, Default)]
+pub struct ModelFaults {
+    /// 1-based forward/submit calls that fail to allocate.
+    pub alloc_calls: Vec<u64>,
+}
+
+/// The message of MLX's CPU allocator when `malloc` fails.
+pub const INJECTED_ALLOCATION_FAILURE: &str =
+    "[malloc_or_wait] Unable to allocate 68719476736 bytes. (injected: WEFT_TEST_FAULTS)";
 
 impl Model for MlxModel {
     fn info(&self) -> ModelInfo {
@@ -191,6 +250,7 @@ impl Model for MlxModel {
     }
 
     fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
+        self.injected()?;
         let t0 = std::time::Instant::now();
         self.fill_steps(batch);
         let out = self.forward_steps(ops, batch);
@@ -212,6 +272,7 @@ impl Model for MlxModel {
                 "pipelined steps need device sampling".into(),
             ));
         }
+        self.injected()?;
         self.fill_steps(batch);
         let n = self.fill_sampling(batch);
         self.follows.clear();
@@ -250,6 +311,13 @@ impl Model for MlxModel {
     /// Attention rows keep nothing beyond their KV blocks, which the
     /// scheduler's pool releases.
     fn release_row(&mut self, _row: RowId) {}
+
+    /// After an allocation failure: MLX's buffer cache gives back what it holds.
+    fn release_memory(&mut self) {
+        if let Err(e) = mlx_rs::memory::clear_cache() {
+            tracing::warn!(error = %e, "clearing MLX's buffer cache failed");
+        }
+    }
 }
 
 /// The device sampler's picks as the contract's output.
@@ -384,8 +452,19 @@ pub fn pipeline_from_env() -> anyhow::Result<bool> {
 pub fn start_engine(
     dir: &Path,
     opts: LoadOptions,
+    config: SchedulerConfig,
+    kv: KvSpec,
+) -> anyhow::Result<(Engine, Arc<Tokenizer>, ServedModel)> {
+    start_engine_with(dir, opts, config, kv, ModelFaults::default())
+}
+
+/// [`start_engine`] with test-only model faults.
+pub fn start_engine_with(
+    dir: &Path,
+    opts: LoadOptions,
     mut config: SchedulerConfig,
     kv: KvSpec,
+    faults: ModelFaults,
 ) -> anyhow::Result<(Engine, Arc<Tokenizer>, ServedModel)> {
     config.pipeline &= pipeline_from_env()?;
     let tokenizer = Arc::new(Tokenizer::load(dir)?);
@@ -430,11 +509,7 @@ pub fn start_engine(
             log_kv(&runner, kv.max_batch_rows, context);
             warm_up(&mut runner)?;
             let gpu = runner.kv().uses_kernel();
-            Ok(MlxModel::with_sampling(
-                runner,
-                eos,
-                SampleOn::from_env(gpu)?,
-            ))
+            Ok(MlxModel::with_sampling(runner, eos, SampleOn::from_env(gpu)?).with_faults(faults))
         },
         Arc::new(TokenizerDetok(tokenizer.clone())),
     )?;
@@ -493,4 +568,38 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
         start += steps[0].tokens.len();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// MLX's allocation failures are recognised as such (the scheduler then
+    /// splits the batch instead of retrying it whole); other errors are not.
+    #[test]
+    fn allocation_failures_are_out_of_memory() {
+        for oom in [
+            INJECTED_ALLOCATION_FAILURE,
+            "mlx: [malloc] Unable to allocate 4294967296 bytes.",
+            "mlx: [metal::malloc] Attempting to allocate 9000000000 bytes which is greater than the maximum allowed buffer size",
+            "mlx: [cuda::malloc] CUDA error: out of memory",
+            "mlx: std::bad_alloc",
+        ] {
+            assert!(is_allocation_failure(oom), "{oom}");
+            let e = failed(weft_models::ModelError::Weights(oom.into()));
+            assert!(matches!(e, ModelError::OutOfMemory(_)), "{oom}");
+        }
+        for other in [
+            "[reshape] Cannot reshape array of size 6 into shape (4)",
+            "mlx: [matmul] Last dimension of first input with shape (2,3) must match",
+        ] {
+            assert!(!is_allocation_failure(other), "{other}");
+            let e = failed(weft_models::ModelError::Weights(other.into()));
+            assert!(matches!(e, ModelError::Failed(_)), "{other}");
+        }
+        assert!(matches!(
+            failed(weft_models::ModelError::Invalid("x".into())),
+            ModelError::Contract(_)
+        ));
+    }
 }

@@ -12,6 +12,11 @@
 //! `--drain-timeout`; what is still running then ends with UNAVAILABLE as the
 //! engine stops. A second signal skips the rest of the drain. Exit status 0.
 //!
+//! Engine failure (a panic on the engine thread): every request it held ends
+//! with INTERNAL naming the panic, new ones get UNAVAILABLE, health turns
+//! NOT_SERVING (for a second at least, so probes see it), then the listeners
+//! close and the process exits 1 for its supervisor to restart it.
+//!
 //! Request path, per call: authenticate (`authorization: Bearer <key>` ->
 //! tenant), validate every field ([`validate`]), tokenize, take one of the
 //! tenant's concurrency slots, submit to the engine (which applies the queue
@@ -55,6 +60,9 @@ use crate::pb::generation_server::GenerationServer;
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// How long finished-by-shutdown requests get to deliver their last status.
 const ABANDON_GRACE: Duration = Duration::from_secs(2);
+/// How long health answers NOT_SERVING after the engine failed, before the
+/// listeners close and the process exits 1.
+const FAILURE_LINGER: Duration = Duration::from_secs(1);
 
 /// Runs `weft serve` to completion (Ok after a clean drain).
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -257,17 +265,33 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
     // Serve until a signal (or the server itself fails).
     let mut server = server;
     let mut engine_lost = state.engine_lost.subscribe();
+    let engine_handle = engine.handle();
     let first = tokio::select! {
         s = sig.recv() => s,
-        _ = engine_lost.wait_for(|lost| *lost) => {
-            error!("the engine stopped unexpectedly; shutting down");
+        _ = async {
+            tokio::select! {
+                _ = engine_handle.stopped() => {}
+                _ = engine_lost.wait_for(|lost| *lost) => {}
+            }
+        } => {
+            // The engine thread died (a panic): every request it held has had its
+            // final event (INTERNAL). Nothing will be served again; turn unhealthy,
+            // let those statuses reach their clients, and exit non-zero so the
+            // supervisor restarts the process.
+            let why = engine_handle.failure().unwrap_or_else(|| "it stopped".into());
+            error!(reason = %why, "the engine stopped unexpectedly; shutting down");
+            say(&format!("engine failed: {why}"));
             state.start_draining();
+            ::metrics::gauge!(metrics::SERVING).set(0.0);
             health.set_service_status("", ServingStatus::NotServing).await;
             health.set_not_serving::<GenerationServer<GenerationService>>().await;
+            let _ = tokio::time::timeout(ABANDON_GRACE, state.wait_idle()).await;
+            // Probes and load balancers see NOT_SERVING before the port closes.
+            tokio::time::sleep(FAILURE_LINGER).await;
             let _ = stop_tx.send(true);
             let _ = tokio::time::timeout(CLOSE_GRACE, server).await;
             drop(engine);
-            return Err(anyhow::anyhow!("the engine stopped unexpectedly (see the log)"));
+            return Err(anyhow::anyhow!("the engine stopped unexpectedly: {why}"));
         }
         r = &mut server => {
             let _ = stop_tx.send(true);
@@ -336,9 +360,10 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
     let opts = s.compute.load_options()?;
     let kv_memory = s.kv_memory(weft_models::Device::detect())?;
     let mut sc = s.scheduler_config();
+    let mut model_faults = crate::runtime::ModelFaults::default();
     if let Ok(spec) = std::env::var(FAULT_ENV) {
-        sc.faults = parse_faults(&spec)?;
-        warn!(spec = %spec, "{FAULT_ENV} is set: injecting engine step failures (testing only)");
+        (sc.faults, model_faults) = parse_faults(&spec)?;
+        warn!(spec = %spec, "{FAULT_ENV} is set: injecting engine faults (testing only)");
     }
     for t in tenants {
         sc.tenants.insert(
@@ -358,7 +383,7 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
         blas = crate::blas::active().as_deref().unwrap_or("none"),
         "loading the model"
     );
-    let (engine, tokenizer, model) = crate::runtime::start_engine(
+    let (engine, tokenizer, model) = crate::runtime::start_engine_with(
         &dir,
         opts,
         sc,
@@ -367,6 +392,7 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
             memory: kv_memory,
             max_batch_rows: s.max_batch_rows,
         },
+        model_faults,
     )?;
     let ready = Ready {
         engine: engine.handle(),
@@ -376,25 +402,27 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
     Ok((engine, ready))
 }
 
-/// Testing only: makes engine steps fail, to exercise the per-request
-/// INTERNAL path end to end. `point:from[-to],...` with points after_plan,
-/// after_forward, sampling, commit_bookkeeping and 1-based occurrence
-/// numbers (every attempt that reaches the point counts).
+/// Testing only: injects engine faults, to exercise the failure paths end to
+/// end. A comma-separated list of `point:from[-to]` (1-based occurrence
+/// numbers; every attempt that reaches the point counts):
+/// - `after_plan`, `after_forward`, `sampling`, `commit_bookkeeping`: the step
+///   fails there and rolls back (retried, then bisected);
+/// - `alloc`: the model's Nth forward first asks MLX for a 64 TiB array, so the
+///   step fails with MLX's own allocation error (the batch is split);
+/// - `panic:N`: the engine thread panics in its Nth step that runs rows (every
+///   in-flight request fails with INTERNAL, health turns NOT_SERVING, the
+///   process exits 1).
 pub const FAULT_ENV: &str = "WEFT_TEST_FAULTS";
 
-fn parse_faults(spec: &str) -> anyhow::Result<weft_scheduler::FaultPlan> {
+fn parse_faults(
+    spec: &str,
+) -> anyhow::Result<(weft_scheduler::FaultPlan, crate::runtime::ModelFaults)> {
     use weft_scheduler::FaultPoint;
     let mut plan = weft_scheduler::FaultPlan::default();
+    let mut model = crate::runtime::ModelFaults::default();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let bad = || anyhow::anyhow!("{FAULT_ENV}: {part:?} is not point:from[-to]");
         let (point, range) = part.split_once(':').ok_or_else(bad)?;
-        let point = match point {
-            "after_plan" => FaultPoint::AfterPlan,
-            "after_forward" => FaultPoint::AfterForward,
-            "sampling" => FaultPoint::Sampling,
-            "commit_bookkeeping" => FaultPoint::CommitBookkeeping,
-            _ => return Err(bad()),
-        };
         let (from, to) = match range.split_once('-') {
             Some((a, b)) => (a.parse::<u64>(), b.parse::<u64>()),
             None => (range.parse::<u64>(), range.parse::<u64>()),
@@ -403,9 +431,40 @@ fn parse_faults(spec: &str) -> anyhow::Result<weft_scheduler::FaultPlan> {
         if from == 0 || to < from || to - from > 10_000 {
             return Err(bad());
         }
+        let point = match point {
+            "after_plan" => FaultPoint::AfterPlan,
+            "after_forward" => FaultPoint::AfterForward,
+            "sampling" => FaultPoint::Sampling,
+            "commit_bookkeeping" => FaultPoint::CommitBookkeeping,
+            "alloc" => {
+                model.alloc_calls.extend(from..=to);
+                continue;
+            }
+            "panic" if from == to => {
+                plan = plan.panic_at_step(from);
+                continue;
+            }
+            _ => return Err(bad()),
+        };
         for k in from..=to {
             plan = plan.at(point, k);
         }
     }
-    Ok(plan)
+    Ok((plan, model))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_specs() {
+        let (plan, model) = parse_faults("after_plan:2-3, alloc:4-5 ,panic:7").unwrap();
+        assert_eq!(plan.at.len(), 2);
+        assert_eq!(plan.panic_at_step, Some(7));
+        assert_eq!(model.alloc_calls, vec![4, 5]);
+        for bad in ["panic:2-3", "alloc:0", "nope:1", "after_plan", "sampling:x"] {
+            assert!(parse_faults(bad).is_err(), "{bad}");
+        }
+    }
 }
