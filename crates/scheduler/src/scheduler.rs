@@ -770,13 +770,13 @@ impl<M: Model> Scheduler<M> {
             self.resolve(rows, now)
         } else {
             let plan = self.plan(now);
+            if !plan.rows.is_empty() {
+                self.injected_panic();
+            }
             if plan.rows.is_empty() {
                 self.bufs.rows = plan.rows;
                 StepReport::default()
-            } else if {
-                self.injected_panic();
-                self.pipelinable(&plan)
-            } {
+            } else if self.pipelinable(&plan) {
                 match self.launch(plan.rows) {
                     // Queued: collected at once, after its successor is queued.
                     Ok(rows) => self.resolve(rows, now),
