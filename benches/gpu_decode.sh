@@ -14,6 +14,7 @@
 #           decode: DECODE_ROWS="1 64 128 256"; OPS_SWEEP="40 100" adds pipelined steps at
 #           SWEEP_ROWS ("1 64") with MLX_MAX_OPS_PER_BUFFER at each value; SPLIT_SWEEP="32 16"
 #           the same with WEFT_SPLIT_KEYS (fewest keys per paged-attention split);
+#           q4 with QMM_SWEEP="4 16": the 4-bit engine again with WEFT_QMM_MAX_ROWS at each;
 #           plain: the engine with WEFT_PIPELINE=off at PLAIN_STREAMS (1,8,64);
 #           nocompile: the engine with WEFT_COMPILE=off at PLAIN_STREAMS;
 #           decode: each row count one step at a time, pipelined compiled (fused decode
@@ -110,6 +111,11 @@ if [[ $S == *q4* ]]; then
   python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
     --streams ${Q_STREAMS:-${STREAMS:-1,8,32,64,128,256}} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
+for r in ${QMM_SWEEP:-}; do
+  echo "== engine vs mlx-lm BatchGenerator, 1.2B 4-bit, WEFT_QMM_MAX_ROWS=$r (dequantized from $r rows; default 8)" | tee -a $R
+  WEFT_QMM_MAX_ROWS=$r python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
+    --streams ${Q_STREAMS:-1,2,4,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
+done
 if [[ $S == *server* ]]; then
   echo "== weft serve vs mlx_lm.server, 1.2B bf16, prompt 128, 128 generated, 2 requests per stream" | tee -a $R
   up() { python3 - "$1" <<'PY'

@@ -508,6 +508,17 @@ pub fn start_engine_with(
             runner.set_lanes(opts.lanes());
             log_kv(&runner, kv.max_batch_rows, context);
             warm_up(&mut runner)?;
+            let t = std::time::Instant::now();
+            let traced =
+                runner.warm_decode(kv.max_batch_rows, weft_models::runner::COMPILED_MIN_CONTEXT)?;
+            if traced > 0 {
+                tracing::info!(
+                    buckets = traced,
+                    ms = t.elapsed().as_millis() as u64,
+                    "compiled decode steps traced for every batch size up to {} rows",
+                    kv.max_batch_rows
+                );
+            }
             let gpu = runner.kv().uses_kernel();
             Ok(MlxModel::with_sampling(runner, eos, SampleOn::from_env(gpu)?).with_faults(faults))
         },

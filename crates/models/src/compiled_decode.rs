@@ -48,6 +48,7 @@ pub struct CompiledDecode {
     buckets: BTreeSet<(i32, i32)>,
     block_size: usize,
     null_block: u32,
+    min_width: usize,
 }
 
 impl CompiledDecode {
@@ -56,7 +57,16 @@ impl CompiledDecode {
     /// table and MLX's attention (any device). `fused` (GPU only: where the
     /// paged kernel runs) makes the trace's layers the fused decode kernels'
     /// ([`crate::decode_kernels`]) for models whose layers allow it.
-    pub fn new(model: Rc<LlamaModel>, kv: &PagedKv, fused: Option<Rc<DecodeKernels>>) -> Self {
+    ///
+    /// Tables are at least `min_width` blocks wide: every row of up to that
+    /// many blocks shares one table width, so a batch's rows growing meet
+    /// no new trace until one passes it (then widths double).
+    pub fn new(
+        model: Rc<LlamaModel>,
+        kv: &PagedKv,
+        fused: Option<Rc<DecodeKernels>>,
+        min_width: usize,
+    ) -> Self {
         let traces = Rc::new(Cell::new(0u64));
         let kernel = kv.kernel();
         let fused = if kernel.is_some() { fused } else { None };
@@ -93,7 +103,30 @@ impl CompiledDecode {
             buckets: BTreeSet::new(),
             block_size,
             null_block: kv.null_block(),
+            min_width: min_width.max(1).next_power_of_two(),
         }
+    }
+
+    /// The narrowest table a step uses, in blocks.
+    pub fn min_width(&self) -> usize {
+        self.min_width
+    }
+
+    /// Traces (and runs, evaluated) the bucket of `rows` rows at table width
+    /// `width` (rounded up to a power of two, at least [`min_width`]) with
+    /// rows that read and write only the null block, so serving does not pay
+    /// the trace later. Returns whether this traced a new bucket.
+    pub fn warm(&mut self, kv: &PagedKv, rows: usize, width: usize) -> Result<bool> {
+        let before = self.traces();
+        let null = RowBlocks {
+            offset: 0,
+            blocks: vec![self.null_block],
+        };
+        let r: Vec<(&RowBlocks, usize)> = vec![(&null, 0); rows];
+        let tokens = Array::from_slice(&vec![0i32; rows], &[rows as i32, 1]);
+        let logits = self.step_at(kv, &tokens, &r, width)?;
+        logits.eval()?;
+        Ok(self.traces() > before)
     }
 
     /// Traces so far (one per bucket first met, more means a retrace).
@@ -117,6 +150,16 @@ impl CompiledDecode {
         tokens: &Array,
         rows: &[(&RowBlocks, usize)],
     ) -> Result<Array> {
+        self.step_at(kv, tokens, rows, self.min_width)
+    }
+
+    fn step_at(
+        &mut self,
+        kv: &PagedKv,
+        tokens: &Array,
+        rows: &[(&RowBlocks, usize)],
+        min_width: usize,
+    ) -> Result<Array> {
         let b = rows.len();
         if tokens.shape() != [b as i32, 1] {
             return Err(ModelError::Invalid(format!(
@@ -125,7 +168,7 @@ impl CompiledDecode {
             )));
         }
         let bs = self.block_size;
-        let mut width = 1usize;
+        let mut width = min_width.max(self.min_width);
         let mut start = Vec::with_capacity(b);
         let mut write_block = Vec::with_capacity(b);
         let mut write_offset = Vec::with_capacity(b);

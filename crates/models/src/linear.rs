@@ -11,8 +11,22 @@ use crate::weights::Weights;
 /// Input rows (tokens) from which a quantized layer computes through a
 /// dequantized copy of its weight instead of MLX's quantized matmul, whose
 /// cost grows with the batch (on an H200, 4-bit decode at 64 rows ran ~4x
-/// slower than bf16; benches/RESULTS.md, issue 14).
-pub const QMM_MAX_ROWS: usize = 16;
+/// slower than bf16, and at 8 rows MLX's quantized matmul made the step
+/// device-bound at 2.2x the bf16 step, while the dequantized path holds
+/// ~0.85x of bf16 whatever the rows; benches/RESULTS.md, issue 14).
+/// `WEFT_QMM_MAX_ROWS` overrides it (a measurement knob).
+pub const QMM_MAX_ROWS: usize = 8;
+
+fn qmm_max_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("WEFT_QMM_MAX_ROWS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .filter(|&r: &usize| r >= 1)
+            .unwrap_or(QMM_MAX_ROWS)
+    })
+}
 
 /// How weights are held in memory for compute, and the kernels that use them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,7 +268,7 @@ impl Linear {
         }
     }
 
-    /// `x @ W^T (+ bias)`. A quantized layer multiplies quantized up to
+    /// `x @ W^T (+ bias)`. A quantized layer multiplies quantized below
     /// [`QMM_MAX_ROWS`] input rows, and dequantizes into a transient dense
     /// weight for wider inputs.
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -269,7 +283,7 @@ impl Linear {
                 bits,
             } => {
                 let rows = x.size() / x.dim(-1).max(1) as usize;
-                let y = if rows >= QMM_MAX_ROWS {
+                let y = if rows >= qmm_max_rows() {
                     // MLX's quantized matmul reads the weights once per few
                     // rows: a wide batch is faster dequantized in the step (one
                     // read of the packed weights, one dense matmul).

@@ -157,7 +157,12 @@ impl BatchRunner {
     pub fn new(model: LlamaModel, kv: PagedKv) -> Self {
         let model = std::rc::Rc::new(model);
         let compiled = (kv.uses_kernel() && compile_from_env()).then(|| {
-            crate::compiled_decode::CompiledDecode::new(model.clone(), &kv, fused_kernels())
+            crate::compiled_decode::CompiledDecode::new(
+                model.clone(),
+                &kv,
+                fused_kernels(),
+                compiled_min_width(&kv),
+            )
         });
         Self {
             model,
@@ -213,9 +218,51 @@ impl BatchRunner {
                 self.model.clone(),
                 &self.kv,
                 fused_kernels(),
+                compiled_min_width(&self.kv),
             )
         });
         Ok(())
+    }
+
+    /// Rows a decode batch of `n` rows is padded to (GPU buckets, see
+    /// [`decode_bucket`]; the CPU runs the batch as it is).
+    fn padded_rows(&self, n: usize) -> usize {
+        if self.kv.uses_kernel() {
+            decode_bucket(n)
+        } else {
+            n
+        }
+    }
+
+    /// Traces every compiled decode bucket a batch of up to `max_rows` rows
+    /// meets while its rows hold up to `context` tokens (each row count the
+    /// batch is padded to, at every table width from the narrowest up to
+    /// `context`'s), so no request pays a trace while serving. Returns how
+    /// many buckets it traced (0 where decode steps are not compiled).
+    /// Refused while a step is open.
+    pub fn warm_decode(&mut self, max_rows: usize, context: usize) -> Result<usize> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "decode buckets warmed inside an open step".into(),
+            ));
+        }
+        let sizes: std::collections::BTreeSet<usize> =
+            (1..=max_rows).map(|n| self.padded_rows(n)).collect();
+        let bs = self.kv.block_size() as usize;
+        let Some(c) = self.compiled.as_mut() else {
+            return Ok(0);
+        };
+        // A row holding `context` tokens has written position `context - 1`.
+        let top = context.max(1).div_ceil(bs.max(1)).next_power_of_two();
+        let mut traced = 0;
+        for rows in sizes {
+            let mut width = c.min_width();
+            while width <= top.max(c.min_width()) {
+                traced += usize::from(c.warm(&self.kv, rows, width)?);
+                width *= 2;
+            }
+        }
+        Ok(traced)
     }
 
     /// The compiled decode steps, when on: their trace count and buckets.
@@ -560,7 +607,7 @@ impl BatchRunner {
                 offset: 0,
                 blocks: vec![self.kv.null_block()],
             };
-            (decode.len()..decode_bucket(decode.len()))
+            (decode.len()..self.padded_rows(decode.len()))
                 .map(|_| RowStep {
                     row: RowId::MAX,
                     tokens: vec![0],
@@ -794,6 +841,21 @@ fn compile_from_env() -> bool {
         std::env::var("WEFT_COMPILE").ok().as_deref(),
         Some("off") | Some("0")
     )
+}
+
+/// Tokens of context every compiled GPU decode step's tables cover at least
+/// (one table width, so one trace per row bucket, for every row up to it).
+/// The paged kernel walks each row only to its length, so a wider table
+/// costs a few bytes of table per row, not attention work. The CPU's gather
+/// attention reads the whole table: there tables start at one block.
+pub const COMPILED_MIN_CONTEXT: usize = 512;
+
+fn compiled_min_width(kv: &PagedKv) -> usize {
+    if kv.uses_kernel() {
+        COMPILED_MIN_CONTEXT.div_ceil(kv.block_size().max(1) as usize)
+    } else {
+        1
+    }
 }
 
 /// The fused decode kernels for compiled GPU decode steps, unless

@@ -143,3 +143,35 @@ fn compiled_decode_logits_match_and_a_fault_inside_rolls_back() {
     );
     assert_eq!(c.buckets().len(), 2, "{:?}", c.buckets());
 }
+
+/// `warm_decode` traces every bucket a batch meets up front (each row count
+/// at each table width up to the context asked for), writing only the null
+/// block: decode steps after it match the op-by-op forward and trace nothing.
+#[test]
+fn warmed_buckets_are_not_traced_while_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
+    let mut comp = Rows::new(compiled(&md));
+    // Up to 3 rows (the CPU pads no batch), up to 40 tokens: tables of 1, 2
+    // and 4 blocks of 16.
+    assert_eq!(comp.runner.warm_decode(3, 40).unwrap(), 9);
+    let c = comp.runner.compiled_decode().unwrap();
+    let traced = c.traces();
+    assert_eq!(traced, 9, "{:?}", c.buckets());
+    assert_eq!(plain.prefill(), comp.prefill(), "prefill is not compiled");
+    for s in 0..16 {
+        let want = plain.decode();
+        let got = comp.decode();
+        let d = max_abs_diff(&want, &got);
+        assert!(d <= TOLERANCE, "step {s}: max |logit diff| {d}");
+        assert_eq!(plain.at, comp.at, "step {s}: greedy picks");
+    }
+    assert_eq!(
+        comp.runner.compiled_decode().unwrap().traces(),
+        traced,
+        "a warmed bucket traced again"
+    );
+    assert_eq!(comp.runner.warm_decode(3, 40).unwrap(), 0, "warming twice");
+}
