@@ -58,6 +58,10 @@ pub struct SchedulerConfig {
     /// step, so this bounds their inter-token latency while prompts arrive; a
     /// step with no decoding rows still prefills up to `max_step_tokens`.
     pub decode_prefill_tokens: Option<usize>,
+    /// Inter-token latency target of a step that decodes rows: its prefill is sized by
+    /// the learned step cost ([`crate::step_cost`]) so the step is predicted within
+    /// it (on top of `decode_prefill_tokens`). None: token budgets only.
+    pub itl_target: Option<std::time::Duration>,
     /// Speculative decoding: the most draft tokens (from prompt lookup, see
     /// `draft.rs`) a decoding row verifies per step. Only greedy requests without
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
@@ -123,6 +127,7 @@ impl Default for SchedulerConfig {
             max_step_tokens: 2048,
             prefill_chunk: 512,
             decode_prefill_tokens: None,
+            itl_target: None,
             speculate: 0,
             speculate_step_tokens: 8,
             max_waiting: 4096,
@@ -154,6 +159,9 @@ impl SchedulerConfig {
         }
         if self.prefill_chunk == 0 {
             return Err("prefill_chunk must be > 0".into());
+        }
+        if self.itl_target.is_some_and(|t| t.is_zero()) {
+            return Err("itl_target must be > 0".into());
         }
         if self.decode_prefill_tokens == Some(0) {
             return Err(

@@ -59,6 +59,36 @@ pub struct FakeConfig {
     /// Re-walk every row's context through its table in every forward (O(context) per
     /// row; benchmarks turn it off).
     pub verify_kv: bool,
+    /// A simulated cost per forward, reported as [`Model::last_step_seconds`] (None:
+    /// the scheduler times the fake's real, near-zero, forwards).
+    pub step_cost: Option<FakeStepCost>,
+}
+
+/// Seconds a fake forward "takes": `base + per_decode_row * rows feeding one token +
+/// per_prefill_token * other tokens + per_attention * sum n * (start + n / 2)` over
+/// the rows feeding more than one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FakeStepCost {
+    pub base: f64,
+    pub per_decode_row: f64,
+    pub per_prefill_token: f64,
+    pub per_attention: f64,
+}
+
+impl FakeStepCost {
+    pub fn of(&self, batch: &[RowInput]) -> f64 {
+        let mut t = self.base;
+        for r in batch {
+            let n = r.tokens.len();
+            if n == 1 {
+                t += self.per_decode_row;
+            } else {
+                t += self.per_prefill_token * n as f64
+                    + self.per_attention * n as f64 * (r.start_pos as f64 + n as f64 / 2.0);
+            }
+        }
+        t
+    }
 }
 
 impl Default for FakeConfig {
@@ -72,6 +102,7 @@ impl Default for FakeConfig {
             kv_block_size: 16,
             kv_blocks: 4096,
             verify_kv: true,
+            step_cost: None,
         }
     }
 }
@@ -125,6 +156,8 @@ struct Staged {
     written: Vec<u64>,
     /// Its forward or collect failed: only a rollback may drop it.
     failed: bool,
+    /// (decoding rows, other tokens, simulated seconds) under `FakeConfig::step_cost`.
+    cost: Option<(usize, usize, f64)>,
 }
 
 /// One KV slot of the shadow storage.
@@ -187,6 +220,9 @@ pub struct FakeModel {
     last_logits: Vec<f32>,
     /// The rows of the previous forward if it ran out of memory.
     last_oom_rows: Option<Vec<RowId>>,
+    /// Every successful forward's and collect's (decoding rows, other tokens,
+    /// simulated seconds) under [`FakeConfig::step_cost`], in the order returned.
+    step_costs: Vec<(usize, usize, f64)>,
 }
 
 /// Packs (group, block, offset) into one map key: offsets stay below the block size
@@ -217,7 +253,14 @@ impl FakeModel {
             sampler: HostSampler::default(),
             last_logits: Vec::new(),
             last_oom_rows: None,
+            step_costs: Vec::new(),
         }
+    }
+
+    /// (decoding rows, other tokens, simulated seconds) of every step whose picks a
+    /// forward or collect returned, under [`FakeConfig::step_cost`], oldest first.
+    pub fn step_costs(&self) -> &[(usize, usize, f64)] {
+        &self.step_costs
     }
 
     pub fn stats(&self) -> &FakeStats {
@@ -552,12 +595,22 @@ impl FakeModel {
                 picks.insert(r.row, t);
             }
         }
+        let cost = self.cfg.step_cost.map(|c| {
+            let decode = batch.iter().filter(|r| r.tokens.len() == 1).count();
+            let other = batch
+                .iter()
+                .filter(|r| r.tokens.len() > 1)
+                .map(|r| r.tokens.len())
+                .sum();
+            (decode, other, c.of(batch))
+        });
         self.staged.push_back(Staged {
             rows: staged,
             out: None,
             picks,
             written: step_written,
             failed: false,
+            cost,
         });
         Ok(out)
     }
@@ -583,7 +636,16 @@ impl Model for FakeModel {
             self.stats.forwards += 1;
             return Err(self.violation("forward called while a step is staged".into()));
         }
-        self.run(ops, batch)
+        let out = self.run(ops, batch)?;
+        if let Some(c) = self.staged.back().and_then(|st| st.cost) {
+            self.step_costs.push(c);
+        }
+        Ok(out)
+    }
+
+    fn last_step_seconds(&self) -> Option<f64> {
+        self.cfg.step_cost?;
+        self.step_costs.last().map(|c| c.2)
     }
 
     fn commit(&mut self) -> Result<(), ModelError> {
@@ -660,6 +722,9 @@ impl Model for FakeModel {
             return Err(ModelError::Failed("injected fault while collecting".into()));
         }
         self.stats.collects += 1;
+        if let Some(c) = self.staged[i].cost {
+            self.step_costs.push(c);
+        }
         self.staged[i]
             .out
             .take()

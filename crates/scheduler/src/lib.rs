@@ -91,6 +91,7 @@ pub mod model;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod step_cost;
 mod util;
 
 pub use config::{SchedulerConfig, TenantLimits, VtcWeights};

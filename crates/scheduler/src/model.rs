@@ -175,6 +175,11 @@ pub trait Model {
     /// what the model can spare (MLX's buffer cache, scratch buffers) before the
     /// scheduler retries the step's rows in smaller batches.
     fn release_memory(&mut self) {}
+    /// Seconds the last `forward` took by the model's own measure (a fake model's
+    /// simulated cost); `None`, the default, has the scheduler time the call.
+    fn last_step_seconds(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// Token ids -> text. Must be pure: the same ids always give the same text, because the

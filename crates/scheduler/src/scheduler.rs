@@ -450,6 +450,10 @@ pub struct Scheduler<M: Model> {
     detok: Arc<dyn Detokenizer>,
     admission: Arc<Admission>,
     faults: FaultPlan,
+    /// What steps cost, learned from the ones run (sizes prefill under an ITL target).
+    cost: crate::step_cost::StepCost,
+    /// When the last pipelined step was collected while its successor was queued.
+    last_collect: Option<Instant>,
     tenants: Vec<Tenant>,
     tenant_ix: HashMap<String, usize>,
     labels: Vec<(String, TenantMetrics)>,
@@ -517,6 +521,8 @@ impl<M: Model> Scheduler<M> {
         labels.push(("other".into(), TenantMetrics::new("other")));
         let mut s = Self {
             faults: cfg.faults.clone(),
+            cost: crate::step_cost::StepCost::new(),
+            last_collect: None,
             cfg,
             info,
             model,
@@ -935,6 +941,7 @@ impl<M: Model> Scheduler<M> {
                 let drafted = self.add_drafts(&mut rows, &mut free);
                 prefills.sort_by_cached_key(|x| self.keep_key(x.slot));
                 let mut budget = self.prefill_budget(decodes + drafted);
+                budget = self.time_capped(&rows, &prefills, budget);
                 self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
                 if rows.is_empty() && !prefills.is_empty() {
                     // Every running row is stalled on memory: free the least-kept one so
@@ -1009,6 +1016,7 @@ impl<M: Model> Scheduler<M> {
                     .copied()
                     .filter(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem > 1)),
             );
+            budget = self.time_capped(&rows, &prefills, budget);
             self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
 
             if rows.is_empty() && end > 0 {
@@ -1072,6 +1080,30 @@ impl<M: Model> Scheduler<M> {
             budget -= n - 1;
         }
         added
+    }
+
+    /// With an inter-token latency target and decoding rows in `rows`: `budget`
+    /// capped at the prefill tokens the learned step cost says fit the target beside
+    /// them (at the depth of the first prefill row in keep order, the one the budget
+    /// goes to first; a joiner starts at 0), but at least a block's worth, so prompts
+    /// always advance. Without decoding rows nobody waits on the step: no cap.
+    fn time_capped(&self, rows: &[Planned], prefills: &[RunSlot], budget: usize) -> usize {
+        let Some(target) = self.cfg.itl_target else {
+            return budget;
+        };
+        if rows.is_empty() || budget == 0 {
+            return budget;
+        }
+        let mut base = crate::step_cost::StepShape::default();
+        for p in rows {
+            base.add(p.start, p.n);
+        }
+        let depth = prefills
+            .first()
+            .and_then(|x| self.progress(x.slot))
+            .map_or(0, |(_, start, _)| start);
+        self.cost
+            .prefill_within(&base, depth, self.bs, budget, target.as_secs_f64())
     }
 
     /// Prefill tokens a step with `decodes` decoding rows may add.
@@ -1420,13 +1452,24 @@ impl<M: Model> Scheduler<M> {
     /// model has committed; after that nothing can fail.
     fn attempt(&mut self, rows: &[Planned], now: Instant) -> Result<StepReport, StepFault> {
         self.open_step(rows, false)?;
+        let t = Instant::now();
         let out = self
             .model
             .forward(self.pool.step_ops(), &self.bufs.inputs[..rows.len()])
             .map_err(StepFault::model)?;
+        let seconds = self
+            .model
+            .last_step_seconds()
+            .unwrap_or_else(|| t.elapsed().as_secs_f64());
+        self.last_collect = None;
         self.settle(rows, &out)?;
         self.model.commit().map_err(StepFault::model)?;
         self.pool_commit();
+        let mut shape = crate::step_cost::StepShape::default();
+        for p in rows {
+            shape.add(p.start, p.n);
+        }
+        self.cost.observe(&shape, seconds);
         let mut commits = std::mem::take(&mut self.bufs.commits);
         let rep = self.apply(rows, &mut commits, now);
         self.bufs.commits = commits;
@@ -1560,6 +1603,25 @@ impl<M: Model> Scheduler<M> {
             .map_err(StepFault::model)
             .and_then(|out| self.settle(&rows, &out).map_err(StepFault::from))
             .and_then(|()| self.model.commit().map_err(StepFault::model));
+        if settled.is_ok() {
+            // A pipelined step's cost: the model's measure, else the time between
+            // consecutive collects (the step period while steps queue back to back).
+            let now_i = Instant::now();
+            let seconds = self
+                .model
+                .last_step_seconds()
+                .or_else(|| self.last_collect.map(|t| (now_i - t).as_secs_f64()));
+            if let Some(seconds) = seconds {
+                let mut shape = crate::step_cost::StepShape::default();
+                for p in &rows {
+                    shape.add(p.start, p.n);
+                }
+                self.cost.observe(&shape, seconds);
+            }
+            self.last_collect = chained.then_some(now_i);
+        } else {
+            self.last_collect = None;
+        }
         if let Err(e) = settled {
             if chained {
                 self.undo_newest();

@@ -121,6 +121,12 @@ pub struct ServeArgs {
     /// the CPU, no bound on a GPU; --max-step-tokens' value turns it off].
     #[arg(long, env = "WEFT_DECODE_PREFILL_TOKENS")]
     pub decode_prefill_tokens: Option<usize>,
+    /// Inter-token latency target, in milliseconds, of a step that also decodes:
+    /// its prefill is sized by the step cost the engine learns from the steps it
+    /// runs, so long prompts join in chunks that keep running streams near it
+    /// (on top of --decode-prefill-tokens) [default: off].
+    #[arg(long, env = "WEFT_ITL_TARGET_MS")]
+    pub itl_target_ms: Option<u64>,
     /// Speculative decoding by prompt lookup: the most draft tokens a greedy
     /// request verifies per step (drafts are what followed the latest earlier
     /// occurrence of its last tokens; output is unchanged). 0 turns it off
@@ -177,6 +183,7 @@ struct FileConfig {
     max_waiting: Option<usize>,
     prefill_chunk: Option<usize>,
     decode_prefill_tokens: Option<usize>,
+    itl_target_ms: Option<u64>,
     speculate: Option<usize>,
     speculate_step_tokens: Option<usize>,
     kv_blocks: Option<usize>,
@@ -241,6 +248,7 @@ pub struct Settings {
     pub max_waiting: usize,
     pub prefill_chunk: usize,
     pub decode_prefill_tokens: Option<usize>,
+    pub itl_target: Option<std::time::Duration>,
     pub speculate: usize,
     pub speculate_step_tokens: usize,
     pub kv_size: KvSize,
@@ -370,6 +378,10 @@ impl Settings {
             max_waiting: args.max_waiting.or(file.max_waiting).unwrap_or(1024),
             prefill_chunk: args.prefill_chunk.or(file.prefill_chunk).unwrap_or(512),
             decode_prefill_tokens,
+            itl_target: args
+                .itl_target_ms
+                .or(file.itl_target_ms)
+                .map(std::time::Duration::from_millis),
             speculate: args
                 .speculate
                 .or(file.speculate)
@@ -410,6 +422,10 @@ impl Settings {
             ),
             ("kv-block-size", self.kv_block_size),
             ("default-max-tokens", self.default_max_tokens),
+            (
+                "itl-target-ms",
+                self.itl_target.map_or(1, |t| t.as_millis() as usize),
+            ),
         ] {
             if v == 0 {
                 bail!("--{name} must be at least 1");
@@ -489,6 +505,7 @@ impl Settings {
             max_step_tokens: self.max_step_tokens,
             prefill_chunk: self.prefill_chunk,
             decode_prefill_tokens: self.decode_prefill_tokens,
+            itl_target: self.itl_target,
             speculate: self.speculate,
             speculate_step_tokens: self.speculate_step_tokens,
             max_waiting: self.max_waiting,
@@ -601,6 +618,27 @@ mod tests {
             (3, 4),
             "flag beats file"
         );
+    }
+
+    #[test]
+    fn itl_target_flag_and_file() {
+        let c = Settings::resolve(args("")).unwrap().scheduler_config();
+        assert_eq!(c.itl_target, None, "off by default");
+        let c = Settings::resolve(args("--itl-target-ms 250"))
+            .unwrap()
+            .scheduler_config();
+        assert_eq!(c.itl_target, Some(std::time::Duration::from_millis(250)));
+        let e = Settings::resolve(args("--itl-target-ms 0"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--itl-target-ms must be at least 1"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("weft.toml");
+        std::fs::write(&p, "itl_target_ms = 80\n").unwrap();
+        let c = Settings::resolve(args(&format!("--config {}", p.display())))
+            .unwrap()
+            .scheduler_config();
+        assert_eq!(c.itl_target, Some(std::time::Duration::from_millis(80)));
     }
 
     #[test]

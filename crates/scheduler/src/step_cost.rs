@@ -1,0 +1,271 @@
+//! What a step costs, learned from the steps the engine ran: a linear model of a
+//! forward's seconds in the step's shape, fitted online by recursive least squares
+//! with forgetting (recent steps weigh more, so it follows a device that warms up,
+//! throttles or shares its host).
+//!
+//! The shape's features are what a forward's time grows with: a constant (launch and
+//! host overhead), decoding rows, their summed context (decode attention reads it),
+//! prefill tokens, and the prefill's attention work `sum n * (start + n / 2)` over its
+//! chunks (each of a chunk's `n` queries attends its `start` earlier tokens and half
+//! the chunk on average). The scheduler uses it to size the prefill of a step that
+//! also decodes rows so the step stays within an inter-token latency target
+//! (`SchedulerConfig::itl_target`): a long prompt then advances in chunks that keep
+//! the decoding streams' token gaps near the target instead of stalling them for the
+//! whole chunk.
+
+/// The shape of one step, as the cost model sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepShape {
+    pub decode_rows: usize,
+    /// Summed committed length of the decoding rows.
+    pub decode_context: usize,
+    pub prefill_tokens: usize,
+    /// `sum n * (start + n / 2)` over the step's prefill chunks.
+    pub prefill_attention: f64,
+}
+
+impl StepShape {
+    /// Adds a row feeding `n` tokens after `start` committed ones (a decode row when
+    /// `n == 1`, a prefill chunk or a drafted row otherwise).
+    pub fn add(&mut self, start: usize, n: usize) {
+        if n == 1 {
+            self.decode_rows += 1;
+            self.decode_context += start;
+        } else {
+            self.prefill_tokens += n;
+            self.prefill_attention += n as f64 * (start as f64 + n as f64 / 2.0);
+        }
+    }
+
+    /// The features, scaled to be of order one at typical serving sizes (the fit's
+    /// conditioning depends on it).
+    fn features(&self) -> [f64; K] {
+        [
+            1.0,
+            self.decode_rows as f64 / 64.0,
+            self.decode_context as f64 / 65536.0,
+            self.prefill_tokens as f64 / 512.0,
+            self.prefill_attention / (512.0 * 2048.0),
+        ]
+    }
+}
+
+const K: usize = 5;
+/// Recent steps weigh more: an observation's weight halves after ~70 steps.
+const FORGET: f64 = 0.99;
+/// Steps observed before predictions are used.
+const MIN_OBSERVED: u64 = 8;
+
+/// The online cost model.
+#[derive(Debug, Clone)]
+pub struct StepCost {
+    theta: [f64; K],
+    p: [[f64; K]; K],
+    observed: u64,
+    /// Steps with prefill tokens among them (without any, the prefill terms are the
+    /// prior's, i.e. unknown).
+    observed_prefill: u64,
+}
+
+impl Default for StepCost {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StepCost {
+    pub fn new() -> Self {
+        let mut p = [[0.0; K]; K];
+        for (i, row) in p.iter_mut().enumerate() {
+            row[i] = 1e3;
+        }
+        Self {
+            theta: [0.0; K],
+            p,
+            observed: 0,
+            observed_prefill: 0,
+        }
+    }
+
+    /// Steps observed so far.
+    pub fn observed(&self) -> u64 {
+        self.observed
+    }
+
+    /// Learns from one step of `shape` that took `seconds`.
+    pub fn observe(&mut self, shape: &StepShape, seconds: f64) {
+        if !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        let x = shape.features();
+        // P x and x' P x.
+        let mut px = [0.0; K];
+        for (i, v) in px.iter_mut().enumerate() {
+            *v = (0..K).map(|j| self.p[i][j] * x[j]).sum();
+        }
+        let denom = FORGET + (0..K).map(|i| x[i] * px[i]).sum::<f64>();
+        if !denom.is_finite() || denom <= 0.0 {
+            return;
+        }
+        let err = seconds - self.raw(&x);
+        for (t, g) in self.theta.iter_mut().zip(px.iter()) {
+            *t += g / denom * err;
+        }
+        for i in 0..K {
+            for j in 0..K {
+                self.p[i][j] = (self.p[i][j] - px[i] * px[j] / denom) / FORGET;
+            }
+        }
+        self.observed += 1;
+        if shape.prefill_tokens > 0 {
+            self.observed_prefill += 1;
+        }
+    }
+
+    fn raw(&self, x: &[f64; K]) -> f64 {
+        self.theta.iter().zip(x).map(|(t, v)| t * v).sum()
+    }
+
+    /// Predicted seconds of a step of `shape` (`None` until enough steps, with and
+    /// without prefill, were observed). Each term is taken at least at zero, so more
+    /// work never predicts less time.
+    pub fn predict(&self, shape: &StepShape) -> Option<f64> {
+        if self.observed < MIN_OBSERVED || self.observed_prefill == 0 {
+            return None;
+        }
+        let x = shape.features();
+        Some(
+            self.theta[0].max(0.0)
+                + self.theta[1..]
+                    .iter()
+                    .zip(&x[1..])
+                    .map(|(t, v)| t.max(0.0) * v)
+                    .sum::<f64>(),
+        )
+    }
+
+    /// The most prefill tokens (up to `max`) a chunk starting after `start` committed
+    /// tokens may add to `base` (the step's other rows) with the step predicted within
+    /// `target` seconds; at least `min` (prompts always advance), and `max` when
+    /// nothing is predicted yet.
+    pub fn prefill_within(
+        &self,
+        base: &StepShape,
+        start: usize,
+        min: usize,
+        max: usize,
+        target: f64,
+    ) -> usize {
+        let fits = |n: usize| {
+            let mut s = *base;
+            if n > 0 {
+                s.prefill_tokens += n;
+                s.prefill_attention += n as f64 * (start as f64 + n as f64 / 2.0);
+            }
+            self.predict(&s).is_none_or(|t| t <= target)
+        };
+        if fits(max) {
+            return max;
+        }
+        // The prediction grows with n: the largest n that fits, by bisection.
+        let (mut lo, mut hi) = (0usize, max);
+        while lo + 1 < hi {
+            let mid = lo + (hi - lo) / 2;
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo.max(min.min(max))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device whose step costs 3 ms + 0.05 ms per decoding row + 1 us per 100 tokens
+    /// of decode context + 0.02 ms per prefill token + 2 ns per unit of prefill
+    /// attention.
+    fn truth(s: &StepShape) -> f64 {
+        3e-3 + 5e-5 * s.decode_rows as f64
+            + 1e-8 * s.decode_context as f64
+            + 2e-5 * s.prefill_tokens as f64
+            + 2e-9 * s.prefill_attention
+    }
+
+    fn shape(i: u64) -> StepShape {
+        let mut s = StepShape::default();
+        let rows = 1 + (i * 7 % 32) as usize;
+        for r in 0..rows {
+            s.add(100 + r * 37 + (i as usize % 300), 1);
+        }
+        if i % 3 != 0 {
+            let start = (i * 131 % 4096) as usize;
+            s.add(start, 16 + (i * 53 % 500) as usize);
+        }
+        s
+    }
+
+    #[test]
+    fn learns_a_linear_device_and_predicts_within_a_few_percent() {
+        let mut c = StepCost::new();
+        assert_eq!(c.predict(&shape(1)), None, "nothing observed yet");
+        // +-2% deterministic noise.
+        for i in 0..400 {
+            let s = shape(i);
+            let noise = 1.0 + 0.02 * ((i * 2654435761 % 1000) as f64 / 500.0 - 1.0);
+            c.observe(&s, truth(&s) * noise);
+        }
+        for i in 1000..1050 {
+            let s = shape(i);
+            let p = c.predict(&s).unwrap();
+            let t = truth(&s);
+            assert!((p - t).abs() / t < 0.05, "step {i}: predicted {p} vs {t}");
+        }
+    }
+
+    #[test]
+    fn prefill_is_sized_to_the_target() {
+        let mut c = StepCost::new();
+        for i in 0..400 {
+            let s = shape(i);
+            c.observe(&s, truth(&s));
+        }
+        let mut base = StepShape::default();
+        for r in 0..8 {
+            base.add(200 + r, 1);
+        }
+        // 8 rows alone: ~3.4 ms; a 10 ms target leaves ~330 tokens at depth 0.
+        let target = 10e-3;
+        let n = c.prefill_within(&base, 0, 16, 2048, target);
+        let with = |n: usize, start: usize| {
+            let mut s = base;
+            s.add(start, n);
+            truth(&s)
+        };
+        assert!(with(n, 0) <= target * 1.05, "{n} tokens: {}", with(n, 0));
+        assert!(
+            with(n + 32, 0) > target,
+            "{n} tokens is not the most that fits"
+        );
+        // Deeper in a long prompt each token costs more: a smaller chunk.
+        let deep = c.prefill_within(&base, 6000, 16, 2048, target);
+        assert!(deep < n, "{deep} at depth 6000 vs {n} at 0");
+        assert!(with(deep, 6000) <= target * 1.05);
+        // A target the decoding rows alone miss still lets the prompt advance.
+        assert_eq!(c.prefill_within(&base, 0, 16, 2048, 1e-3), 16);
+        // A generous target: the whole chunk.
+        assert_eq!(c.prefill_within(&base, 0, 16, 512, 1.0), 512);
+    }
+
+    #[test]
+    fn an_untrained_model_does_not_limit() {
+        let c = StepCost::new();
+        assert_eq!(
+            c.prefill_within(&StepShape::default(), 0, 16, 512, 1e-6),
+            512
+        );
+    }
+}

@@ -1,0 +1,162 @@
+//! Steps bounded in time (issue 17 item 1), with the fake model's simulated step
+//! cost: 8 streams decode while a 2048- and a 7000-token prompt join. Under an
+//! inter-token latency target the scheduler sizes each mixed step's prefill by the
+//! cost it learned from the steps before, so steps that carry decoding rows stay near
+//! the target; without one, each mixed step carries a whole prefill chunk. Either way
+//! every stream gets exactly the same tokens.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use weft_scheduler::fake::{FakeConfig, FakeFaults, FakeStepCost};
+use weft_scheduler::{Request, SchedulerConfig};
+
+/// A CPU-like device: 10 ms a step, 1 ms per decoding row, 0.2 ms per prefill token,
+/// and attention that makes a token at depth 6000 cost ~1.6x one at depth 0.
+const COST: FakeStepCost = FakeStepCost {
+    base: 10e-3,
+    per_decode_row: 1e-3,
+    per_prefill_token: 0.2e-3,
+    per_attention: 2e-8,
+};
+const TARGET: Duration = Duration::from_millis(60);
+
+fn config(itl_target: Option<Duration>) -> SchedulerConfig {
+    SchedulerConfig {
+        max_batch_rows: 16,
+        max_step_tokens: 2048,
+        prefill_chunk: 512,
+        itl_target,
+        ..sched_config()
+    }
+}
+
+fn fake() -> FakeConfig {
+    FakeConfig {
+        max_context: 8192,
+        kv_blocks: 2048,
+        // The decoding streams run their 300 tokens (no end-of-sequence pick).
+        eos_token_ids: vec![],
+        step_cost: Some(COST),
+        ..fake_config()
+    }
+}
+
+fn workload() -> Vec<Spec> {
+    let mut g = rng(17);
+    let mut specs: Vec<Spec> = (0..8)
+        .map(|i| {
+            let mut r = Request::new("decode", prompt(&mut g, 24 + i), 300);
+            r.request_id = Some(format!("d{i}"));
+            Spec::at(0, r)
+        })
+        .collect();
+    for (at, len) in [(20u64, 2048usize), (60, 7000)] {
+        let mut r = Request::new("long", prompt(&mut g, len), 4);
+        r.request_id = Some(format!("long{len}"));
+        specs.push(Spec::at(at, r));
+    }
+    specs
+}
+
+/// Simulated seconds of every forward that decoded rows next to a prefill.
+fn mixed_steps(run: &Run) -> Vec<f64> {
+    run.sched
+        .model()
+        .step_costs()
+        .iter()
+        .filter(|&&(decode, other, _)| decode > 0 && other > 0)
+        .map(|c| c.2)
+        .collect()
+}
+
+fn p99(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[(v.len() * 99 / 100).min(v.len() - 1)]
+}
+
+#[test]
+fn long_prompts_join_decoding_streams_within_the_itl_target() {
+    let specs = workload();
+    let bounded = run(
+        config(Some(TARGET)),
+        fake(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    let unbounded = run(
+        config(None),
+        fake(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    assert_clean(&bounded);
+    assert_clean(&unbounded);
+    assert_same_streams(&bounded, &unbounded);
+
+    let target = TARGET.as_secs_f64();
+    let (b, u) = (mixed_steps(&bounded), mixed_steps(&unbounded));
+    // The 9000 prompt tokens need many more, smaller mixed steps under the target.
+    assert!(
+        b.len() > 2 * u.len(),
+        "{} bounded vs {} unbounded mixed steps",
+        b.len(),
+        u.len()
+    );
+    // Without a target a 512-token chunk beside 8 rows is ~120-190 ms.
+    assert!(p99(&u) > 2.0 * target, "unbounded p99 {:.3} s", p99(&u));
+    // With one, the steps decoding rows wait on stay within 1.5x of it (the issue's
+    // bound), once the cost model has seen a few steps.
+    let settled = &b[4.min(b.len())..];
+    assert!(
+        p99(settled) <= 1.5 * target,
+        "bounded mixed steps p99 {:.3} s vs target {target}",
+        p99(settled)
+    );
+    let worst = settled.iter().fold(0f64, |m, &x| m.max(x));
+    assert!(
+        worst <= 1.5 * target,
+        "worst bounded mixed step {worst:.3} s"
+    );
+    // The prompts still advance every step (a block's worth at least): the long
+    // requests finish, and not much later in steps than the chunked-only run's.
+    for i in 8..10 {
+        let (x, y) = (&bounded.outcomes[i], &unbounded.outcomes[i]);
+        assert!(x.finished.is_some() && y.finished.is_some());
+    }
+}
+
+#[test]
+fn a_step_without_decoding_rows_is_not_capped() {
+    // A lone long prompt: nobody waits on its steps, so it prefills whole chunks.
+    let mut g = rng(3);
+    let mut r = Request::new("long", prompt(&mut g, 3000), 2);
+    r.request_id = Some("alone".into());
+    let specs = vec![Spec::at(0, r)];
+    let a = run(
+        config(Some(TARGET)),
+        fake(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    let b = run(
+        config(None),
+        fake(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    assert_clean(&a);
+    assert_same_streams(&a, &b);
+    assert_eq!(
+        a.sched.model().step_costs().len(),
+        b.sched.model().step_costs().len(),
+        "the same steps with and without a target"
+    );
+}
