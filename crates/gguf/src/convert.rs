@@ -245,27 +245,29 @@ fn target_for(name: &str, p: &LlamaParams, vocab: usize) -> Option<Target> {
 }
 
 /// The GGUF tensors a llama model must have.
-fn required_tensors(p: &LlamaParams) -> Vec<String> {
-    let mut names = vec![
-        "token_embd.weight".to_string(),
-        "output_norm.weight".to_string(),
+/// The tensors a llama file must have, in order. Lazy: `block_count` comes
+/// from the file, and a hostile one (billions of layers) must fail at the
+/// first missing layer, not build every name first.
+fn required_tensors(p: &LlamaParams) -> impl Iterator<Item = String> {
+    const PER_LAYER: [&str; 9] = [
+        "attn_norm",
+        "ffn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
     ];
-    for l in 0..p.num_hidden_layers {
-        for t in [
-            "attn_norm",
-            "ffn_norm",
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down",
-        ] {
-            names.push(format!("blk.{l}.{t}.weight"));
-        }
-    }
-    names
+    ["token_embd.weight", "output_norm.weight"]
+        .into_iter()
+        .map(str::to_string)
+        .chain((0..p.num_hidden_layers).flat_map(|l| {
+            PER_LAYER
+                .into_iter()
+                .map(move |t| format!("blk.{l}.{t}.weight"))
+        }))
 }
 
 /// A tensor ready to be written to safetensors.
