@@ -142,6 +142,30 @@ impl ModelConfig {
         let head_dim = raw
             .head_dim
             .unwrap_or(raw.hidden_size / raw.num_attention_heads);
+        // Sizes become array shapes and loop bounds: a zero or negative one
+        // from a corrupt file must stop here, not inside MLX.
+        for (name, v) in [
+            ("num_hidden_layers", raw.num_hidden_layers),
+            ("intermediate_size", raw.intermediate_size),
+            ("vocab_size", raw.vocab_size),
+            ("head_dim", head_dim),
+            (
+                "max_position_embeddings",
+                raw.max_position_embeddings.unwrap_or(1),
+            ),
+        ] {
+            if v <= 0 {
+                return Err(bad(format!("{name} must be positive, got {v}")));
+            }
+        }
+        for (name, v) in [
+            ("rms_norm_eps", raw.rms_norm_eps),
+            ("rope_theta", raw.rope_theta),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(format!("{name} must be a positive number, got {v}")));
+            }
+        }
         let quantization = raw
             .quantization
             .as_ref()
