@@ -3,6 +3,9 @@
 
 use std::time::Duration;
 
+/// The longest duration [`parse_duration`] accepts.
+pub const MAX_DURATION_SECS: f64 = 1e9;
+
 /// Parses a non-negative duration; callers that need it positive check that.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
@@ -24,7 +27,14 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     if !(secs.is_finite() && secs >= 0.0) {
         return Err(format!("`{t}`: must be zero or more"));
     }
-    Ok(Duration::from_secs_f64(secs))
+    // Durations are added to `Instant`s and multiplied (the coalescing
+    // window is 5x its gap): a value near `Duration::MAX` would overflow there.
+    if secs > MAX_DURATION_SECS {
+        return Err(format!(
+            "`{t}`: at most {MAX_DURATION_SECS:e} seconds (~31 years)"
+        ));
+    }
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("`{t}`: {e}"))
 }
 
 /// As [`parse_duration`], refusing zero.
@@ -53,6 +63,14 @@ mod tests {
             .contains("positive"));
         assert!(parse_duration("-1s").unwrap_err().contains("zero or more"));
         assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
+        // Found by tests/fuzz_inputs.rs: these panicked (from_secs_f64, and
+        // the coalescing window's 5x) instead of being refused.
+        for huge in ["1e300s", "1e19", "3e15h", "1000000001"] {
+            assert!(
+                parse_duration(huge).unwrap_err().contains("at most"),
+                "{huge}"
+            );
+        }
         assert!(parse_duration("x")
             .unwrap_err()
             .contains("expected a duration"));

@@ -309,7 +309,9 @@ pub fn build(
 
 /// The `grpc-timeout` header value ("<digits><unit>", unit one of H M S m u n).
 pub fn parse_grpc_timeout(v: &str) -> Option<Duration> {
-    if v.len() < 2 || v.len() > 9 {
+    // ASCII only: the unit is split off by byte, and a multi-byte last
+    // character would not be a char boundary (found by tests/fuzz_inputs.rs).
+    if v.len() < 2 || v.len() > 9 || !v.is_ascii() {
         return None;
     }
     let (digits, unit) = v.split_at(v.len() - 1);
@@ -338,7 +340,16 @@ mod tests {
         assert_eq!(parse_grpc_timeout("2S"), Some(Duration::from_secs(2)));
         assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
         assert_eq!(parse_grpc_timeout("5u"), Some(Duration::from_micros(5)));
-        for bad in ["", "m", "10", "1x", "-1S", "1234567890S"] {
+        for bad in [
+            "",
+            "m",
+            "10",
+            "1x",
+            "-1S",
+            "1234567890S",
+            "1\u{e9}",
+            "12\u{20ac}",
+        ] {
             assert_eq!(parse_grpc_timeout(bad), None, "{bad}");
         }
     }
