@@ -73,6 +73,7 @@ fn setup(
         kv_block_size: 16,
         kv_blocks: 1 << 17,
         verify_kv: false,
+        step_cost: None,
     };
     let cfg = SchedulerConfig {
         max_batch_rows: rows,
