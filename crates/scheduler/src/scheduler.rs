@@ -1094,10 +1094,7 @@ impl<M: Model> Scheduler<M> {
         if rows.is_empty() || budget == 0 {
             return budget;
         }
-        let mut base = crate::step_cost::StepShape::default();
-        for p in rows {
-            base.add(p.start, p.n);
-        }
+        let base = shape_of(rows);
         let depth = prefills
             .first()
             .and_then(|x| self.progress(x.slot))
@@ -1465,11 +1462,7 @@ impl<M: Model> Scheduler<M> {
         self.settle(rows, &out)?;
         self.model.commit().map_err(StepFault::model)?;
         self.pool_commit();
-        let mut shape = crate::step_cost::StepShape::default();
-        for p in rows {
-            shape.add(p.start, p.n);
-        }
-        self.cost.observe(&shape, seconds);
+        self.cost.observe(&shape_of(rows), seconds);
         let mut commits = std::mem::take(&mut self.bufs.commits);
         let rep = self.apply(rows, &mut commits, now);
         self.bufs.commits = commits;
@@ -1612,11 +1605,7 @@ impl<M: Model> Scheduler<M> {
                 .last_step_seconds()
                 .or_else(|| self.last_collect.map(|t| (now_i - t).as_secs_f64()));
             if let Some(seconds) = seconds {
-                let mut shape = crate::step_cost::StepShape::default();
-                for p in &rows {
-                    shape.add(p.start, p.n);
-                }
-                self.cost.observe(&shape, seconds);
+                self.cost.observe(&shape_of(&rows), seconds);
             }
             self.last_collect = chained.then_some(now_i);
         } else {
@@ -2294,4 +2283,13 @@ impl<M: Model> Scheduler<M> {
             .min()
             .map(|d| d.saturating_duration_since(now))
     }
+}
+
+/// The cost model's view of a step's planned rows.
+fn shape_of(rows: &[Planned]) -> crate::step_cost::StepShape {
+    let mut s = crate::step_cost::StepShape::default();
+    for p in rows {
+        s.add(p.start, p.n);
+    }
+    s
 }
