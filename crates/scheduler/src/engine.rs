@@ -19,7 +19,9 @@ use crate::admission::Admission;
 use crate::chan;
 use crate::config::SchedulerConfig;
 use crate::model::{Detokenizer, Model, ModelInfo};
-use crate::request::{EventStream, Msg, Request, RequestKey, SubmitError};
+use crate::request::{
+    EventStream, FinishReason, Finished, Msg, Request, RequestKey, SubmitError, Usage,
+};
 use crate::scheduler::{Scheduler, Stats};
 
 /// How long an idle engine sleeps between checks for new work (deadlines, shutdown).
@@ -197,10 +199,10 @@ impl Engine {
                 }
                 let mut sched = sched;
                 let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    run_loop(&mut sched, cmd_rx, &shared)
+                    run_loop(&mut sched, &cmd_rx, &shared)
                 }));
                 if let Err(p) = ran {
-                    fail_after_panic(sched, &shared, panic_message(p.as_ref()));
+                    fail_after_panic(sched, &cmd_rx, &shared, panic_message(p.as_ref()));
                 }
                 drop(alive_tx);
             })
@@ -283,7 +285,12 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// panic), admission closes, and the failure is published before the thread ends
 /// (`EngineHandle::stopped` wakes; the server turns unhealthy and exits for its
 /// supervisor to restart it).
-fn fail_after_panic<M: Model>(sched: Scheduler<M>, shared: &Shared, msg: String) {
+fn fail_after_panic<M: Model>(
+    sched: Scheduler<M>,
+    rx: &std_mpsc::Receiver<Command>,
+    shared: &Shared,
+    msg: String,
+) {
     error!(panic = %msg, "the engine thread panicked; failing every live request");
     shared.admission.close();
     *shared.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg.clone());
@@ -295,13 +302,29 @@ fn fail_after_panic<M: Model>(sched: Scheduler<M>, shared: &Shared, msg: String)
     if failed.is_err() {
         error!("failing the live requests panicked too: their streams end without a final event");
     }
+    // Submits still in the channel passed admission before it closed: they are live
+    // requests too and get the same final event.
+    while let Ok(cmd) = rx.try_recv() {
+        if let Command::Submit { req, tx, .. } = cmd {
+            crate::metrics::finished(FinishReason::Error);
+            let _ = tx.send(Msg::Finished(Box::new(Finished {
+                reason: FinishReason::Error,
+                stop: None,
+                usage: Usage {
+                    prompt_tokens: req.prompt.len(),
+                    ..Usage::default()
+                },
+                error: Some(error.clone()),
+            })));
+        }
+    }
     // Dropping a torn model or pool may panic again; the thread ends either way.
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(sched))).is_err() {
         error!("dropping the engine's state after the panic panicked too");
     }
 }
 
-fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: std_mpsc::Receiver<Command>, shared: &Shared) {
+fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: &std_mpsc::Receiver<Command>, shared: &Shared) {
     let _close = CloseOnExit(shared.admission.clone());
     let mut stalled = false;
     'outer: loop {
@@ -314,12 +337,12 @@ fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: std_mpsc::Receiver<Command>,
                     .next_deadline(now)
                     .map_or(IDLE_POLL, |d| d.min(IDLE_POLL))
             };
-            if take(&rx, sched, Some(wait)) == Got::Stop {
+            if take(rx, sched, Some(wait)) == Got::Stop {
                 break 'outer;
             }
         }
         loop {
-            match take(&rx, sched, None) {
+            match take(rx, sched, None) {
                 Got::Handled => {}
                 Got::Nothing => break,
                 Got::Stop => break 'outer,
@@ -334,7 +357,7 @@ fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: std_mpsc::Receiver<Command>,
                 if left.is_zero() {
                     break;
                 }
-                match take(&rx, sched, Some(gap.min(left))) {
+                match take(rx, sched, Some(gap.min(left))) {
                     Got::Handled => {}
                     Got::Nothing => break,
                     Got::Stop => break 'outer,
