@@ -19,6 +19,8 @@
 #           nocompile: the engine with WEFT_COMPILE=off at PLAIN_STREAMS;
 #           decode: each row count one step at a time, pipelined compiled (fused decode
 #           kernels), compiled with WEFT_FUSED=off, and WEFT_COMPILE=off, with graph census;
+#           gemv: benches/gemv_probe.py (MLX's few-row matmuls vs Weft's GEMV kernels) at GEMV_ROWS;
+#           GEMV_SWEEP="0 8": the engine again with WEFT_GEMV_MAX_ROWS at each value (0 = off);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated)
@@ -55,6 +57,10 @@ if [[ $S == *kernel* ]]; then
   /root/paged_attention_check 1,64,256 512,2048 20 2>&1 | tee -a $R
   HEADS=9,3,64 /root/paged_attention_check 1,64 512,2048 10 2>&1 | tee -a $R
   HEADS=16,8,128 DECODE_T=4 /root/paged_attention_check 1,64 512,2048 10 2>&1 | tee -a $R
+fi
+if [[ $S == *gemv* ]]; then
+  echo "== few-row matmuls: MLX's vs Weft's GEMV kernels (benches/gemv_probe.py)" | tee -a $R
+  python3 benches/gemv_probe.py --rows ${GEMV_ROWS:-1,2,4,8} 2>&1 | tee -a $R
 fi
 if [[ $S == *check* ]]; then
   echo "== compiled (fused kernels) vs op-by-op decode steps, same KV, lockstep" | tee -a $R
@@ -111,6 +117,15 @@ if [[ $S == *q4* ]]; then
   python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
     --streams ${Q_STREAMS:-${STREAMS:-1,8,32,64,128,256}} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
+for g in ${GEMV_SWEEP:-}; do
+  echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_GEMV_MAX_ROWS=$g (GEMV kernels up to $g rows; default 0 = off)" | tee -a $R
+  WEFT_GEMV_MAX_ROWS=$g python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
+    --streams ${GEMV_STREAMS:-1,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
+  if [[ $S == *q4* ]]; then
+    WEFT_GEMV_MAX_ROWS=$g python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
+      --streams ${GEMV_STREAMS:-1,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
+  fi
+done
 for r in ${QMM_SWEEP:-}; do
   echo "== engine vs mlx-lm BatchGenerator, 1.2B 4-bit, WEFT_QMM_MAX_ROWS=$r (dequantized from $r rows; default 8)" | tee -a $R
   WEFT_QMM_MAX_ROWS=$r python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \

@@ -28,6 +28,8 @@ use mlx_rs::{Array, Dtype};
 
 use crate::cuda_kernel::Kernel;
 use crate::error::{ModelError, Result};
+use crate::gemv::Gemv;
+use crate::linear::Linear;
 
 /// `sum = h + a` (in the dtype), `normed = rms_norm(sum) * w`: one thread
 /// block per row.
@@ -139,6 +141,7 @@ pub struct DecodeKernels {
     add_norm: Kernel,
     rope_qkv: Kernel,
     silu_mul: Kernel,
+    gemv: Gemv,
 }
 
 /// Head counts of the fused QKV projection.
@@ -166,7 +169,18 @@ impl DecodeKernels {
                 ROPE_QKV_SOURCE,
             )?,
             silu_mul: Kernel::new("weft_silu_mul", &["gu"], &["out"], SILU_MUL_SOURCE)?,
+            gemv: Gemv::new()?,
         })
+    }
+
+    /// `lin`'s forward of a decode step's input `x` `[B, K]`: the few-row
+    /// GEMV kernels ([`crate::gemv`]) where they take the layer and `B`, the
+    /// layer's own forward otherwise.
+    pub fn linear(&self, lin: &Linear, x: &Array) -> Result<Array> {
+        match self.gemv.apply(lin, x)? {
+            Some(y) => Ok(y),
+            None => lin.forward(x),
+        }
     }
 
     /// `(h + a, rms_norm(h + a) * w)` for `h`, `a` `[N, H]` and `w` `[H]`

@@ -545,25 +545,25 @@ impl LlamaModel {
                 )));
             };
             let (q, kr, vr) = k.rope_qkv(
-                &qkv.forward_async(&x).await?,
+                &k.linear(qkv, &x)?,
                 kv.offsets(),
                 &self.rope.inv_freq,
                 &self.rope.scale_arr,
                 heads,
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
-            let a = layer.attn.o.forward_async(&a).await?;
+            let a = k.linear(&layer.attn.o, &a)?;
             let (s, n) = add_norm(&h, &a, &layer.post_norm)?;
-            let act = k.silu_mul(&gate_up.forward_async(&n).await?)?;
-            let m = layer.mlp.down.forward_async(&act).await?;
+            let act = k.silu_mul(&k.linear(gate_up, &n)?)?;
+            let m = k.linear(&layer.mlp.down, &act)?;
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
             (h, x) = add_norm(&s, &m, next)?;
             after_layer(i)?;
         }
         drop(h);
         let logits = match &self.lm_head {
-            Some(head) => head.forward_async(&x).await?,
-            None => self.embed.forward(&x)?,
+            Some(head) => k.linear(head, &x)?,
+            None => k.linear(&self.embed, &x)?,
         };
         Ok(logits.reshape(&[b, 1, -1])?)
     }
