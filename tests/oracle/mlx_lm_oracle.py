@@ -1,6 +1,6 @@
 """mlx-lm as the parity oracle for Weft's tests.
 
-  fixture --arch llama|qwen3 --out DIR [--quantize]   random-weight model dir
+  fixture --arch llama|qwen2|qwen3|gemma3 --out DIR [--quantize]   random-weight model dir
   run --model DIR --requests FILE                      logits + greedy tokens
 
 `run` reads JSON {"max_tokens": N, "prompts": [{"ids": [...]} or {"text": "..."}],
@@ -19,8 +19,19 @@ from mlx.utils import tree_flatten, tree_map
 
 
 def make_fixture(arch, out, quantize):
-    mx.random.seed({"llama": 7, "qwen3": 11, "qwen2": 13}[arch])
-    if arch == "qwen2":
+    mx.random.seed({"llama": 7, "qwen3": 11, "qwen2": 13, "gemma3": 17}[arch])
+    if arch == "gemma3":
+        from mlx_lm.models import gemma3_text as mod
+
+        # A window of 8 tokens and a global layer every third: short prompts
+        # already run past the window; blocks of 16 leave it mid-block.
+        cfg = dict(model_type="gemma3_text", hidden_size=128, num_hidden_layers=5,
+                   intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, rms_norm_eps=1e-6, vocab_size=512, rope_theta=1000000.0,
+                   rope_local_base_freq=10000.0, query_pre_attn_scalar=24,
+                   sliding_window=8, sliding_window_pattern=3,
+                   max_position_embeddings=4096)
+    elif arch == "qwen2":
         from mlx_lm.models import qwen2 as mod
 
         cfg = dict(model_type="qwen2", hidden_size=128, num_hidden_layers=3,
@@ -52,6 +63,9 @@ def make_fixture(arch, out, quantize):
             fan_in = p.shape[1]
             scale = 1.0 if "embed" in path else fan_in ** -0.5
             return mx.random.normal(p.shape) * scale
+        if arch == "gemma3":
+            # Gemma's norms scale by 1 + w.
+            return 0.1 * mx.random.normal(p.shape)
         return 1.0 + 0.1 * mx.random.normal(p.shape)
 
     flat = [(k, reinit(k, v)) for k, v in tree_flatten(model.parameters())]
@@ -183,7 +197,7 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fixture")
-    f.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], required=True)
+    f.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3"], required=True)
     f.add_argument("--out", required=True)
     f.add_argument("--quantize", action="store_true")
     r = sub.add_parser("run")

@@ -33,6 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         } else {
             mlx_rs::Dtype::Bfloat16
         },
+        sliding: None,
     };
     let budget = mib << 20;
     let before = active();

@@ -16,6 +16,18 @@ pub enum Arch {
     Qwen2,
     /// Llama plus per-head RMSNorm on q and k.
     Qwen3,
+    /// Gemma 3 text: sliding-window and global layers, `(1 + w)` RMSNorms
+    /// with extra norms around attention and MLP, gelu-tanh MLP, scaled
+    /// embeddings, per-kind RoPE bases, q/k norms.
+    Gemma3,
+}
+
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// `gelu` with the tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -61,14 +73,22 @@ struct RawConfig {
     #[serde(default = "default_theta")]
     rope_theta: f32,
     rope_scaling: Option<RopeScaling>,
-    #[serde(default)]
-    tie_word_embeddings: bool,
+    tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     max_position_embeddings: Option<i32>,
     #[serde(default)]
     quantization: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
     bos_token_id: Option<u32>,
+    // Gemma 3.
+    sliding_window: Option<i32>,
+    sliding_window_pattern: Option<i32>,
+    layer_types: Option<Vec<String>>,
+    rope_local_base_freq: Option<f32>,
+    query_pre_attn_scalar: Option<f32>,
+    hidden_activation: Option<String>,
+    final_logit_softcapping: Option<f32>,
+    attn_logit_softcapping: Option<f32>,
 }
 
 fn default_theta() -> f32 {
@@ -96,6 +116,30 @@ pub struct ModelConfig {
     pub quantization: Option<Quantization>,
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
+    /// Per layer, whether it attends over a sliding window of
+    /// [`sliding_window`](Self::sliding_window) tokens (all false for
+    /// full-attention families).
+    pub sliding_layers: Vec<bool>,
+    /// Tokens a sliding-window layer's query sees, itself included.
+    pub sliding_window: Option<i32>,
+    /// RoPE base of the sliding-window layers (Gemma 3's local layers);
+    /// global layers use `rope_theta` and `rope_scaling`.
+    pub rope_local_theta: Option<f32>,
+    /// Attention's score scale (`head_dim^-0.5`, or Gemma's
+    /// `query_pre_attn_scalar^-0.5`).
+    pub attn_scale: f32,
+    pub activation: Activation,
+    /// Added to every RMSNorm weight at load (Gemma's norms multiply by
+    /// `1 + w`).
+    pub norm_offset: f32,
+    /// The embedding's output is multiplied by this (Gemma: `sqrt(hidden)`,
+    /// rounded to bf16 as the reference does).
+    pub embed_scale: Option<f32>,
+    /// Gemma's sandwich norms: the attention and MLP outputs are normed
+    /// before their residual adds, and the MLP input has its own norm.
+    pub sandwich_norms: bool,
+    /// `tanh(logits / c) * c` on the output logits.
+    pub final_logit_softcapping: Option<f32>,
 }
 
 impl ModelConfig {
@@ -121,10 +165,11 @@ impl ModelConfig {
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "gemma3_text" => Arch::Gemma3,
             other => {
                 return Err(bad(format!(
-                    "model_type {other:?} is not supported (llama, mistral, qwen2, qwen3)"
-                )))
+                "model_type {other:?} is not supported (llama, mistral, qwen2, qwen3, gemma3_text)"
+            )))
             }
         };
         if raw.num_attention_heads <= 0 || raw.hidden_size <= 0 {
@@ -183,7 +228,84 @@ impl ModelConfig {
                 .collect(),
             Some(other) => return Err(bad(format!("eos_token_id {other} is not an id or list"))),
         };
+        let gemma = arch == Arch::Gemma3;
+        let layers = raw.num_hidden_layers as usize;
+        let (sliding_layers, sliding_window) = if gemma {
+            let window = raw.sliding_window.unwrap_or(512);
+            if window <= 0 {
+                return Err(bad(format!(
+                    "sliding_window must be positive, got {window}"
+                )));
+            }
+            let kinds = match &raw.layer_types {
+                Some(t) => {
+                    if t.len() != layers {
+                        return Err(bad(format!(
+                            "layer_types lists {} layers, num_hidden_layers is {layers}",
+                            t.len()
+                        )));
+                    }
+                    t.iter()
+                        .map(|k| match k.as_str() {
+                            "sliding_attention" => Ok(true),
+                            "full_attention" => Ok(false),
+                            other => Err(bad(format!(
+                                "layer_types: {other:?} is not sliding_attention or full_attention"
+                            ))),
+                        })
+                        .collect::<Result<Vec<_>, _>>()?
+                }
+                None => {
+                    // mlx-lm's gemma3_text: every `pattern`-th layer is global.
+                    let pattern = raw.sliding_window_pattern.unwrap_or(6);
+                    if pattern <= 0 {
+                        return Err(bad(format!(
+                            "sliding_window_pattern must be positive, got {pattern}"
+                        )));
+                    }
+                    let p = pattern as usize;
+                    (0..layers).map(|i| (i + 1) % p != 0).collect()
+                }
+            };
+            (kinds, Some(window))
+        } else {
+            (vec![false; layers], None)
+        };
+        let activation = match raw.hidden_activation.as_deref() {
+            None if gemma => Activation::GeluTanh,
+            None | Some("silu") => Activation::Silu,
+            Some("gelu_pytorch_tanh") | Some("gelu_approx") => Activation::GeluTanh,
+            Some(other) => {
+                return Err(bad(format!("hidden_activation {other:?} is not supported")))
+            }
+        };
+        if raw.attn_logit_softcapping.is_some() {
+            return Err(bad(
+                "attn_logit_softcapping is not supported (Gemma 2's attention soft-capping)".into(),
+            ));
+        }
+        let attn_scale = match raw.query_pre_attn_scalar {
+            Some(q) if gemma => {
+                if !(q.is_finite() && q > 0.0) {
+                    return Err(bad(format!(
+                        "query_pre_attn_scalar must be positive, got {q}"
+                    )));
+                }
+                q.powf(-0.5)
+            }
+            _ => 1.0 / (head_dim as f32).sqrt(),
+        };
         Ok(Self {
+            sliding_layers,
+            sliding_window,
+            rope_local_theta: gemma.then(|| raw.rope_local_base_freq.unwrap_or(10000.0)),
+            attn_scale,
+            activation,
+            norm_offset: if gemma { 1.0 } else { 0.0 },
+            embed_scale: gemma
+                .then(|| half::bf16::from_f32((raw.hidden_size as f32).sqrt()).to_f32()),
+            sandwich_norms: gemma,
+            final_logit_softcapping: raw.final_logit_softcapping.filter(|c| *c > 0.0),
             arch,
             model_type: raw.model_type,
             hidden_size: raw.hidden_size,
@@ -196,7 +318,8 @@ impl ModelConfig {
             vocab_size: raw.vocab_size,
             rope_theta: raw.rope_theta,
             rope_scaling: raw.rope_scaling,
-            tie_word_embeddings: raw.tie_word_embeddings,
+            // Gemma ties its head unless the config says otherwise.
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
             attention_bias: raw.attention_bias.unwrap_or(arch == Arch::Qwen2),
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             quantization,

@@ -2,7 +2,9 @@
 //! paged storage.
 //!
 //! [`PagedKv`] owns the storage: one `weft_kv_pool::storage::KvStorage` per
-//! layer group (today every Llama-family layer is full attention: one group),
+//! layer group (full-attention layers are one group; a model with
+//! sliding-window layers, Gemma 3, has a second group whose tables drop the
+//! blocks behind the window),
 //! sized from a memory budget, and the [`KvGroups`] the scheduler's pool must
 //! mirror so that every block it accounts for exists. The scheduler hands each
 //! row's block tables down with the step; [`PagedKv::step`] turns one forward's
@@ -56,6 +58,42 @@ pub struct KvShape {
     pub kv_heads: u32,
     pub head_dim: u32,
     pub dtype: Dtype,
+    /// The layers that attend over a sliding window, if any.
+    pub sliding: Option<SlidingLayers>,
+}
+
+/// Which layers attend over a sliding window, and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlidingLayers {
+    /// Tokens a query sees, itself included.
+    pub window: u32,
+    /// Bit `i` set: layer `i` slides (models of up to 128 layers).
+    pub layers: u128,
+}
+
+impl SlidingLayers {
+    /// From per-layer flags; None when no layer slides.
+    pub fn from_flags(window: u32, flags: &[bool]) -> Result<Option<Self>> {
+        if !flags.iter().any(|&f| f) {
+            return Ok(None);
+        }
+        if flags.len() > 128 {
+            return Err(ModelError::Invalid(format!(
+                "sliding-window models of {} layers are not supported (at most 128)",
+                flags.len()
+            )));
+        }
+        let layers = flags
+            .iter()
+            .enumerate()
+            .filter(|(_, &f)| f)
+            .fold(0u128, |m, (i, _)| m | (1u128 << i));
+        Ok(Some(Self { window, layers }))
+    }
+
+    pub fn slides(&self, layer: usize) -> bool {
+        layer < 128 && self.layers & (1u128 << layer) != 0
+    }
 }
 
 impl KvShape {
@@ -100,8 +138,9 @@ pub struct PagedKv {
     /// one step (see `LlamaModel::forward_interleaved`) each write it between
     /// their awaits.
     storage: Vec<RefCell<KvStorage>>,
-    /// Group of each layer.
+    /// Group of each layer, and its index among that group's layers.
     layer_group: Vec<usize>,
+    layer_index: Vec<usize>,
     kernel: Option<std::rc::Rc<PagedAttention>>,
     kernels: Kernels,
     shape: KvShape,
@@ -140,24 +179,54 @@ impl PagedKv {
                  at least 2 are needed"
             )));
         }
-        let groups = KvGroups::new(block_size).group(GroupSpec::new(AttentionKind::Full, blocks));
-        // One block more than the pool hands out: the null block, which
-        // padding rows of a bucketed step write and read (never a real row's).
-        let cfg = KvStorageConfig::dense(
-            0,
-            shape.layers,
-            blocks + 1,
-            block_size,
-            shape.kv_heads,
-            shape.head_dim,
-            shape.dtype,
-        );
-        let storage = KvStorage::new(cfg).map_err(storage_err)?;
-        mlx_rs::transforms::eval(storage.arrays())?;
+        // Full-attention layers are group 0 (when there are any), sliding ones
+        // the next. Each group gets the same block count, so the budget
+        // splits by layers and a sliding group (which needs fewer blocks per
+        // row) never runs out first.
+        let slides = |i: usize| shape.sliding.is_some_and(|s| s.slides(i));
+        let mut kinds: Vec<AttentionKind> = Vec::new();
+        if (0..shape.layers).any(|i| !slides(i)) {
+            kinds.push(AttentionKind::Full);
+        }
+        if let Some(s) = shape.sliding.filter(|_| (0..shape.layers).any(slides)) {
+            kinds.push(AttentionKind::SlidingWindow { window: s.window });
+        }
+        let mut groups = KvGroups::new(block_size);
+        for k in &kinds {
+            groups = groups.group(GroupSpec::new(*k, blocks));
+        }
+        let group_of = |i: usize| usize::from(slides(i) && kinds.len() == 2);
+        let layer_group: Vec<usize> = (0..shape.layers).map(group_of).collect();
+        let mut counts = vec![0usize; kinds.len()];
+        let layer_index: Vec<usize> = layer_group
+            .iter()
+            .map(|&g| {
+                counts[g] += 1;
+                counts[g] - 1
+            })
+            .collect();
+        let mut storage = Vec::with_capacity(kinds.len());
+        for (g, &layers) in counts.iter().enumerate() {
+            // One block more than the pool hands out: the null block, which
+            // padding rows of a bucketed step write and read (never a real row's).
+            let cfg = KvStorageConfig::dense(
+                g,
+                layers,
+                blocks + 1,
+                block_size,
+                shape.kv_heads,
+                shape.head_dim,
+                shape.dtype,
+            );
+            let st = KvStorage::new(cfg).map_err(storage_err)?;
+            mlx_rs::transforms::eval(st.arrays())?;
+            storage.push(RefCell::new(st));
+        }
         Ok(Self {
             groups,
-            storage: vec![RefCell::new(storage)],
-            layer_group: vec![0; shape.layers],
+            storage,
+            layer_group,
+            layer_index,
             // The kernel keeps 8 elements of a head per lane: head_dim 64,
             // 128 or 256; other shapes attend by gather + SDPA.
             kernel: if gpu_kernel && matches!(shape.head_dim, 64 | 128 | 256) {
@@ -192,6 +261,13 @@ impl PagedKv {
     /// the pool (sized by [`groups`](Self::groups)) never hands out.
     pub fn null_block(&self) -> u32 {
         self.groups.groups.first().map_or(0, |g| g.num_blocks)
+    }
+
+    /// Whether a compiled decode step can serve this KV: one full-attention
+    /// group (its pool arrays are the step's inputs; sliding-window layers
+    /// gather, which the trace does not).
+    pub fn compilable(&self) -> bool {
+        matches!(self.groups.groups.as_slice(), [g] if g.kind == AttentionKind::Full)
     }
 
     /// Whether decode attention runs the paged GPU kernel.
@@ -289,6 +365,8 @@ impl PagedKv {
         };
         let t = ntok.iter().copied().max().unwrap_or(1);
         let kernel_inputs = if mode == Mode::Kernel {
+            // The paged kernel reads full-attention tables (group 0 when the
+            // model has full layers; sliding layers gather, see `attend`).
             let l = &layouts[0];
             let nb = l.blocks_per_row() as i32;
             Some(KernelInputs {
@@ -310,6 +388,7 @@ impl PagedKv {
             }),
             masks: layouts.iter().map(|_| None).collect(),
             fresh_mask: None,
+            fresh_window_mask: None,
             layouts,
             mode,
             t,
@@ -337,6 +416,9 @@ pub struct KvStep<'a> {
     /// the first layer that needs it.
     masks: Vec<Option<Mask>>,
     fresh_mask: Option<Mask>,
+    /// Fresh rows' causal mask within a sliding window (prompts longer than
+    /// the window).
+    fresh_window_mask: Option<Mask>,
     mode: Mode,
     t: i32,
     kernel_inputs: Option<KernelInputs>,
@@ -462,10 +544,19 @@ impl KvStep<'_> {
             .layer_group
             .get(layer)
             .ok_or_else(|| ModelError::Invalid(format!("layer {layer} has no KV group")))?;
+        let li = self.kv.layer_index[layer];
         let layout = &self.layouts[g];
+        let sliding = matches!(layout.kind(), AttentionKind::SlidingWindow { .. });
         let mut storage = self.kv.storage[g].borrow_mut();
-        storage.write(layer, layout, k, v).map_err(storage_err)?;
-        match self.mode {
+        storage.write(li, layout, k, v).map_err(storage_err)?;
+        // The paged kernel and the host decode walk whole rows: sliding
+        // layers read their in-window blocks through the gathered layout.
+        let mode = match self.mode {
+            Mode::Kernel | Mode::Host if sliding => Mode::Gather,
+            m => m,
+        };
+        let layer = li;
+        match mode {
             Mode::Kernel => {
                 let (kp, vp) = storage.dense_arrays(layer).map_err(storage_err)?;
                 let ki = self
@@ -520,10 +611,24 @@ impl KvStep<'_> {
                 drop(storage);
                 let t = self.t;
                 let kernels = self.kv.kernels;
-                let mask = self
-                    .fresh_mask
-                    .get_or_insert_with(|| fresh_mask(kernels, t))
-                    .clone();
+                let window = match layout.kind() {
+                    AttentionKind::SlidingWindow { window } if t > window as i32 => Some(window),
+                    _ => None,
+                };
+                let mask = match window {
+                    Some(w) => match &self.fresh_window_mask {
+                        Some(m) => m.clone(),
+                        None => {
+                            let m = window_mask(kernels, t, w, q.dtype())?;
+                            self.fresh_window_mask = Some(m.clone());
+                            m
+                        }
+                    },
+                    None => self
+                        .fresh_mask
+                        .get_or_insert_with(|| fresh_mask(kernels, t))
+                        .clone(),
+                };
                 attention(kernels, q, k, v, scale, &mask)
             }
             Mode::Gather => {
@@ -561,6 +666,28 @@ fn fresh_mask(kernels: Kernels, t: i32) -> Mask {
             Mask::Additive(Array::from_slice(&bias, &[t, t]))
         }
     }
+}
+
+/// Causal attention within a window of `w` tokens over a fresh `[t, t]`
+/// prefill: query `i` sees keys `j` with `i - w < j <= i`.
+fn window_mask(kernels: Kernels, t: i32, w: u32, dtype: Dtype) -> Result<Mask> {
+    let n = t as usize;
+    let w = w as usize;
+    let sees = |i: usize| {
+        let (q, k) = (i / n, i % n);
+        k <= q && q - k < w
+    };
+    let keep: Vec<bool> = (0..n * n).map(sees).collect();
+    let m = Array::from_slice(&keep, &[t, t]);
+    Ok(match kernels {
+        Kernels::Stock => Mask::Bool(m),
+        Kernels::CpuTuned => {
+            let zero = Array::from_f32(0.0).as_dtype(dtype)?;
+            let ninf = Array::from_f32(f32::NEG_INFINITY).as_dtype(dtype)?;
+            // Additive `[T, T]`, as `fresh_mask` gives the CPU attention.
+            Mask::Additive(ops::select(&m, &zero, &ninf)?)
+        }
+    })
 }
 
 /// Query runs this long go through Weft's CPU attention in blocks that assume

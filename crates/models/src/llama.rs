@@ -1,4 +1,6 @@
-//! Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over mlx-rs.
+//! Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) and Gemma 3's
+//! text decoder (the same layer with sandwich norms, gelu-tanh, scaled
+//! embeddings and sliding-window layers) over mlx-rs.
 
 use std::future::Future;
 
@@ -7,7 +9,7 @@ use mlx_rs::fast;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{ops, Array, Dtype};
 
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Activation, Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
 use crate::decode_kernels::{self, DecodeKernels, QkvHeads};
 use crate::error::{ModelError, Result};
@@ -126,7 +128,15 @@ struct Layer {
     attn: Attention,
     mlp: Mlp,
     input_norm: Array,
+    /// The MLP input's norm (Llama's `post_attention_layernorm`, Gemma's
+    /// `pre_feedforward_layernorm`).
     post_norm: Array,
+    /// Gemma's norms of the attention and MLP outputs before their residual
+    /// adds (`post_attention_layernorm`, `post_feedforward_layernorm`).
+    attn_out_norm: Option<Array>,
+    mlp_out_norm: Option<Array>,
+    /// Attends over a sliding window (uses the local RoPE).
+    sliding: bool,
 }
 
 /// Rotary embedding parameters, fixed at load.
@@ -152,6 +162,9 @@ fn unfusable(layers: &[Layer], c: &ModelConfig, policy: WeightPolicy) -> Option<
     }
     if c.head_dim % 2 != 0 || layers.is_empty() {
         return Some("shape");
+    }
+    if c.arch == Arch::Gemma3 {
+        return Some("Gemma 3 layers");
     }
     for l in layers {
         if l.attn.q_norm.is_some() || l.attn.k_norm.is_some() {
@@ -182,6 +195,35 @@ pub(crate) fn count_trace() {
     TRACES.with(|t| t.set(t.get() + 1));
 }
 
+/// `h + y`; in float16 summed in f32 and clipped to the f16 range, as Gemma's
+/// reference does (bf16 and f32 have the range).
+fn residual_add(h: &Array, y: &Array) -> Result<Array> {
+    if h.dtype() != Dtype::Float16 {
+        return Ok(ops::add(h, y)?);
+    }
+    let s = ops::add(&h.as_dtype(Dtype::Float32)?, &y.as_dtype(Dtype::Float32)?)?;
+    let bound = 65504.0f32;
+    let s = ops::clip(&s, (Array::from_f32(-bound), Array::from_f32(bound)))?;
+    Ok(s.as_dtype(Dtype::Float16)?)
+}
+
+/// `gelu_tanh(g) * u`, gelu with MLX's tanh approximation `0.5 x (1 +
+/// tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`, constants in the activation's
+/// dtype.
+fn gelu_tanh_mul(g: &Array, u: &Array) -> Result<Array> {
+    let dt = g.dtype();
+    let k = |v: f32| Array::from_f32(v).as_dtype(dt);
+    let cube = ops::power(g, &k(3.0)?)?;
+    let inner = ops::add(g, &ops::multiply(&k(0.044715)?, &cube)?)?;
+    let t = ops::tanh(&ops::multiply(
+        &k((2.0 / std::f32::consts::PI).sqrt())?,
+        &inner,
+    )?)?;
+    let half_x = ops::multiply(&k(0.5)?, g)?;
+    let gelu = ops::multiply(&half_x, &ops::add(&k(1.0)?, &t)?)?;
+    Ok(ops::multiply(&gelu, u)?)
+}
+
 /// `silu(g) * u` as one compiled (shapeless) MLX function: one fused
 /// elementwise kernel per layer on the GPU instead of three.
 fn fused_silu_mul(g: &Array, u: &Array) -> Result<Array> {
@@ -206,6 +248,10 @@ pub struct LlamaModel {
     norm: Array,
     lm_head: Option<Linear>,
     rope: Rope,
+    /// RoPE of the sliding-window layers, where its base differs.
+    rope_local: Option<Rope>,
+    /// The sliding-window layers, for the KV layout.
+    sliding: Option<kv::SlidingLayers>,
     /// `[1]` f32 RMSNorm epsilon for the fused kernels.
     eps: Array,
     /// Whether one-token steps may run the fused decode kernels.
@@ -221,8 +267,16 @@ impl LlamaModel {
                 .and_then(|qz| qz.for_module(path))
         };
         let dt = policy.dtype;
-        let norm =
-            |w: &mut Weights, name: &str| -> Result<Array> { Ok(w.take(name)?.as_dtype(dt)?) };
+        let offset = config.norm_offset;
+        // Gemma's `(1 + w)` is added once here, in the model dtype as the
+        // reference computes it each call.
+        let norm = |w: &mut Weights, name: &str| -> Result<Array> {
+            let x = w.take(name)?.as_dtype(dt)?;
+            if offset == 0.0 {
+                return Ok(x);
+            }
+            Ok(ops::add(&x, &Array::from_f32(offset).as_dtype(dt)?)?)
+        };
         let embed = Linear::load(
             &mut w,
             "model.embed_tokens",
@@ -236,7 +290,7 @@ impl LlamaModel {
                 let path = format!("{p}.{name}");
                 Linear::load(w, &path, q(&path), policy)
             };
-            let (q_norm, k_norm) = if config.arch == Arch::Qwen3 {
+            let (q_norm, k_norm) = if matches!(config.arch, Arch::Qwen3 | Arch::Gemma3) {
                 (
                     Some(norm(&mut w, &format!("{p}.self_attn.q_norm.weight"))?),
                     Some(norm(&mut w, &format!("{p}.self_attn.k_norm.weight"))?),
@@ -263,7 +317,24 @@ impl LlamaModel {
                     down: lin(&mut w, "mlp.down_proj")?,
                 },
                 input_norm: norm(&mut w, &format!("{p}.input_layernorm.weight"))?,
-                post_norm: norm(&mut w, &format!("{p}.post_attention_layernorm.weight"))?,
+                post_norm: if config.sandwich_norms {
+                    norm(&mut w, &format!("{p}.pre_feedforward_layernorm.weight"))?
+                } else {
+                    norm(&mut w, &format!("{p}.post_attention_layernorm.weight"))?
+                },
+                attn_out_norm: config
+                    .sandwich_norms
+                    .then(|| norm(&mut w, &format!("{p}.post_attention_layernorm.weight")))
+                    .transpose()?,
+                mlp_out_norm: config
+                    .sandwich_norms
+                    .then(|| norm(&mut w, &format!("{p}.post_feedforward_layernorm.weight")))
+                    .transpose()?,
+                sliding: config
+                    .sliding_layers
+                    .get(i as usize)
+                    .copied()
+                    .unwrap_or(false),
             });
         }
         let final_norm = norm(&mut w, "model.norm.weight")?;
@@ -273,6 +344,16 @@ impl LlamaModel {
             Some(Linear::load(&mut w, "lm_head", q("lm_head"), policy)?)
         };
         let rope = Rope::from_config(&config)?;
+        // Local layers: plain RoPE at their own base (no scaling).
+        let rope_local = match config.rope_local_theta {
+            Some(base) if config.sliding_layers.iter().any(|&s| s) => {
+                let mut local = config.clone();
+                local.rope_theta = base;
+                local.rope_scaling = None;
+                Some(Rope::from_config(&local)?)
+            }
+            _ => None,
+        };
         // Rotary tables some checkpoints carry are recomputed, not read.
         let leftover: Vec<_> = w
             .remaining()
@@ -286,7 +367,12 @@ impl LlamaModel {
         if let Some(why) = why {
             tracing::debug!(why, "fused decode kernels off for this model");
         }
+        let sliding = match config.sliding_window {
+            Some(w) => kv::SlidingLayers::from_flags(w as u32, &config.sliding_layers)?,
+            None => None,
+        };
         let mut model = Self {
+            sliding,
             eps: Array::from_slice(&[config.rms_norm_eps], &[1]),
             fusable: why.is_none(),
             config,
@@ -296,6 +382,7 @@ impl LlamaModel {
             norm: final_norm,
             lm_head,
             rope,
+            rope_local,
         };
         model.materialize()?;
         if model.policy.host_gemm {
@@ -351,6 +438,7 @@ impl LlamaModel {
                 all.extend(lin(x));
             }
             all.extend([&l.input_norm, &l.post_norm]);
+            all.extend(l.attn_out_norm.iter().chain(l.mlp_out_norm.iter()));
             all.extend(l.attn.q_norm.iter().chain(l.attn.k_norm.iter()));
         }
         mlx_rs::transforms::eval(all)?;
@@ -368,6 +456,7 @@ impl LlamaModel {
             kv_heads: self.config.num_kv_heads as u32,
             head_dim: self.config.head_dim as u32,
             dtype: self.policy.dtype,
+            sliding: self.sliding,
         }
     }
 
@@ -471,20 +560,32 @@ impl LlamaModel {
         let mut h = self
             .embed
             .embed(&tokens.reshape(&[b * t])?, self.policy.dtype)?;
+        if let Some(s) = self.config.embed_scale {
+            h = ops::multiply(&h, &Array::from_f32(s).as_dtype(h.dtype())?)?;
+        }
         let offsets = kv.offsets().clone();
+        let eps = self.config.rms_norm_eps;
+        let out_norm = |y: Array, n: &Option<Array>| -> Result<Array> {
+            match n {
+                Some(w) => Ok(fast::rms_norm(&y, Some(w), eps)?),
+                None => Ok(y),
+            }
+        };
         for (i, layer) in self.layers.iter().enumerate() {
-            let x = fast::rms_norm(&h, Some(&layer.input_norm), self.config.rms_norm_eps)?;
-            let a = self.attention(i, &layer.attn, &x, kv, &offsets).await?;
-            h = ops::add(&h, &a)?;
-            let x = fast::rms_norm(&h, Some(&layer.post_norm), self.config.rms_norm_eps)?;
+            let x = fast::rms_norm(&h, Some(&layer.input_norm), eps)?;
+            let a = self.attention(i, layer, &x, kv, &offsets).await?;
+            h = residual_add(&h, &out_norm(a, &layer.attn_out_norm)?)?;
+            let x = fast::rms_norm(&h, Some(&layer.post_norm), eps)?;
             let m = &layer.mlp;
             let gu = m.gate_up.forward(&x).await?;
             let (g, u) = (&gu[0], &gu[1]);
-            let act = match self.policy.kernels {
-                Kernels::Stock => fused_silu_mul(g, u)?,
-                Kernels::CpuTuned => cpu_kernels::silu_mul(g, u)?,
+            let act = match (self.config.activation, self.policy.kernels) {
+                (Activation::GeluTanh, _) => gelu_tanh_mul(g, u)?,
+                (Activation::Silu, Kernels::Stock) => fused_silu_mul(g, u)?,
+                (Activation::Silu, Kernels::CpuTuned) => cpu_kernels::silu_mul(g, u)?,
             };
-            h = ops::add(&h, &m.down.forward_async(&act).await?)?;
+            let down = m.down.forward_async(&act).await?;
+            h = residual_add(&h, &out_norm(down, &layer.mlp_out_norm)?)?;
             after_layer(i)?;
         }
         let mut rows_t = t;
@@ -497,6 +598,13 @@ impl LlamaModel {
         let logits = match &self.lm_head {
             Some(head) => head.forward_async(&h).await?,
             None => self.embed.forward(&h)?,
+        };
+        let logits = match self.config.final_logit_softcapping {
+            Some(cap) => {
+                let c = Array::from_f32(cap).as_dtype(logits.dtype())?;
+                ops::multiply(&ops::tanh(&ops::divide(&logits, &c)?)?, &c)?
+            }
+            None => logits,
         };
         Ok(logits.reshape(&[b, rows_t, -1])?)
     }
@@ -571,12 +679,13 @@ impl LlamaModel {
     async fn attention<K: LayerKv + ?Sized>(
         &self,
         layer: usize,
-        attn: &Attention,
+        l: &Layer,
         x: &Array,
         kv: &mut K,
         offsets: &Array,
     ) -> Result<Array> {
         let c = &self.config;
+        let attn = &l.attn;
         let (b, t) = (kv.batch() as i32, kv.step_tokens());
         let heads = |y: Array, norm: &Option<Array>| -> Result<Array> {
             let y = match norm {
@@ -602,10 +711,13 @@ impl LlamaModel {
         let q = heads(next()?, &attn.q_norm)?;
         let k = heads(next()?, &attn.k_norm)?;
         let v = heads(next()?, &None)?;
-        let q = self.rope.apply(&q, offsets)?;
-        let k = self.rope.apply(&k, offsets)?;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let out = kv.attend(layer, &q, &k, &v, scale)?;
+        let rope = match (&self.rope_local, l.sliding) {
+            (Some(local), true) => local,
+            _ => &self.rope,
+        };
+        let q = rope.apply(&q, offsets)?;
+        let k = rope.apply(&k, offsets)?;
+        let out = kv.attend(layer, &q, &k, &v, c.attn_scale)?;
         // `[B, heads, T, D]` -> `[B * T, heads * D]`; with one token per row
         // the memory order already matches (no transpose copy).
         let width = c.num_heads * c.head_dim;

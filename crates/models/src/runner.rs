@@ -153,10 +153,11 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 impl BatchRunner {
     /// A runner; plain decode steps run compiled where decode attention runs
-    /// the paged GPU kernel, unless `WEFT_COMPILE=off`.
+    /// the paged GPU kernel and the KV is one full-attention group, unless
+    /// `WEFT_COMPILE=off`.
     pub fn new(model: LlamaModel, kv: PagedKv) -> Self {
         let model = std::rc::Rc::new(model);
-        let compiled = (kv.uses_kernel() && compile_from_env()).then(|| {
+        let compiled = (kv.uses_kernel() && kv.compilable() && compile_from_env()).then(|| {
             crate::compiled_decode::CompiledDecode::new(
                 model.clone(),
                 &kv,
@@ -211,6 +212,12 @@ impl BatchRunner {
         if on && self.model.policy.host_gemm {
             return Err(ModelError::Invalid(
                 "compiled decode needs MLX linears (the packed host GEMM cannot be traced)".into(),
+            ));
+        }
+        if on && !self.kv.compilable() {
+            return Err(ModelError::Invalid(
+                "compiled decode needs one full-attention KV group (this model has sliding-window layers)"
+                    .into(),
             ));
         }
         self.compiled = on.then(|| {

@@ -10,12 +10,6 @@ use std::rc::Rc;
 use common::*;
 use weft_models::{BatchRunner, Lanes, LlamaModel, ModelError, RowStep};
 
-struct Row {
-    ids: Vec<u32>,
-    max_tokens: usize,
-    join_step: usize,
-}
-
 fn rows() -> Vec<Row> {
     let r = |ids: &[u32], max_tokens, join_step| Row {
         ids: ids.to_vec(),
@@ -37,90 +31,6 @@ fn rows() -> Vec<Row> {
         // Same length and join step as the row above: prefilled as one group.
         r(&(250..272).collect::<Vec<u32>>(), 32, 9),
     ]
-}
-
-fn log_softmax(v: &[f32]) -> Vec<f32> {
-    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = m + v.iter().map(|x| (x - m).exp()).sum::<f32>().ln();
-    v.iter().map(|x| x - lse).collect()
-}
-
-/// Per row: generated tokens and the full log-prob vector at each step.
-type Trace = Vec<(Vec<u32>, Vec<Vec<f32>>)>;
-
-/// Drives `BatchRunner` like a minimal scheduler (a `KvPool` holds the rows'
-/// blocks): joiners prefill in the same step as decoding rows; finished rows
-/// are released at once. `fail` may make a step fail (to be retried): the
-/// pool rolls back after the forward wrote its blocks, as in the engine.
-fn drive(runner: &mut BatchRunner, rows: &[Row], mut fail: impl FnMut(usize) -> bool) -> Trace {
-    let mut kv = Kv::for_runner(runner);
-    let mut out: Trace = rows.iter().map(|_| (vec![], vec![])).collect();
-    let mut active: Vec<usize> = vec![];
-    let mut step = 0;
-    let mut retries = 0;
-    while out.iter().zip(rows).any(|(o, r)| o.0.len() < r.max_tokens) {
-        for (i, r) in rows.iter().enumerate() {
-            if r.join_step == step && !active.contains(&i) && out[i].0.is_empty() {
-                active.push(i);
-            }
-        }
-        let mut steps: Vec<RowStep> = active
-            .iter()
-            .map(|&i| {
-                let (gen, ids) = (&out[i].0, &rows[i].ids);
-                if gen.is_empty() {
-                    RowStep {
-                        row: i as u64,
-                        tokens: ids.clone(),
-                        start_pos: 0,
-                        want_logits: true,
-                        ..Default::default()
-                    }
-                } else {
-                    RowStep {
-                        row: i as u64,
-                        tokens: vec![*gen.last().unwrap()],
-                        start_pos: ids.len() + gen.len() - 1,
-                        want_logits: true,
-                        ..Default::default()
-                    }
-                }
-            })
-            .collect();
-        let ops = kv.plan(&mut steps);
-        if fail(step) {
-            match runner.forward(&ops, &steps) {
-                Err(_) => {
-                    retries += 1;
-                    assert!(retries < 100, "fault injection never stopped");
-                }
-                Ok(_) => runner.rollback(), // a fault "after eval": drop the step
-            }
-            kv.rollback();
-            continue;
-        }
-        let logits = runner.forward(&ops, &steps).expect("step");
-        runner.commit().unwrap();
-        kv.commit();
-        for (k, &row) in logits.rows.iter().enumerate() {
-            let i = row as usize;
-            let lp = log_softmax(logits.row(k));
-            out[i].0.push(argmax(&lp));
-            out[i].1.push(lp);
-        }
-        active.retain(|&i| {
-            let done = out[i].0.len() >= rows[i].max_tokens;
-            if done {
-                kv.release(i as u64);
-            }
-            !done
-        });
-        step += 1;
-    }
-    assert_eq!(kv.rows(), 0, "rows left behind after all finished");
-    assert_eq!(kv.pool.stats().groups[0].used, 0, "blocks left in use");
-    kv.pool.check_invariants().unwrap();
-    out
 }
 
 fn fixture(dir: &std::path::Path, quantize: bool) -> std::path::PathBuf {

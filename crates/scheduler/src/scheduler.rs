@@ -1755,19 +1755,24 @@ impl<M: Model> Scheduler<M> {
             // of committed tokens never move (no copy-on-write happened: the append
             // says so), so a buffer that held this row's table keeps those and copies
             // only what follows: no O(context) copy per row per step.
-            let t = self.pool.table(p.seq, 0).map_err(|e| e.to_string())?;
-            input.blocks.resize_with(1, Default::default);
-            let rb = &mut input.blocks[0];
-            let keep = if held_row == p.row && appended.copies == 0 && rb.offset == t.offset {
-                blocks_of(held_committed, shift)
-                    .min(rb.blocks.len())
-                    .min(t.blocks.len())
-            } else {
-                0
-            };
-            rb.offset = t.offset;
-            rb.blocks.truncate(keep);
-            rb.blocks.extend_from_slice(&t.blocks[keep..]);
+            // One table per KV group (full attention; sliding window, whose table
+            // starts at logical block `offset` once blocks behind the window left).
+            let groups = self.pool.num_groups();
+            input.blocks.resize_with(groups, Default::default);
+            for (g, rb) in input.blocks.iter_mut().enumerate() {
+                let t = self.pool.table(p.seq, g).map_err(|e| e.to_string())?;
+                let keep = if held_row == p.row && appended.copies == 0 && rb.offset == t.offset {
+                    blocks_of(held_committed, shift)
+                        .saturating_sub(t.offset)
+                        .min(rb.blocks.len())
+                        .min(t.blocks.len())
+                } else {
+                    0
+                };
+                rb.offset = t.offset;
+                rb.blocks.truncate(keep);
+                rb.blocks.extend_from_slice(&t.blocks[keep..]);
+            }
         }
         if self.faults.hit(FaultPoint::AfterPlan) {
             return Err("injected fault after planning".into());
@@ -2256,8 +2261,12 @@ impl<M: Model> Scheduler<M> {
     fn hash_pool(&self, h: &mut DefaultHasher) {
         let p = &self.pool;
         p.in_transaction().hash(h);
-        let Ok(g) = p.group(0) else { return };
-        g.stats().used.hash(h);
+        let groups: Vec<_> = (0..p.num_groups())
+            .filter_map(|i| p.group(i).ok())
+            .collect();
+        for g in &groups {
+            g.stats().used.hash(h);
+        }
         let ps = p.prefix_stats();
         (ps.lookups, ps.query_tokens, ps.hit_tokens).hash(h);
         for seq in p.live_sequences() {
@@ -2265,10 +2274,12 @@ impl<M: Model> Scheduler<M> {
             if let Ok(info) = p.sequence(seq) {
                 (info.owner, info.salt, info.len, info.position).hash(h);
             }
-            if let Ok(t) = p.table(seq, 0) {
-                (t.offset, t.blocks).hash(h);
-                for &b in t.blocks {
-                    g.refcount(b).ok().hash(h);
+            for (i, g) in groups.iter().enumerate() {
+                if let Ok(t) = p.table(seq, i) {
+                    (t.offset, t.blocks).hash(h);
+                    for &b in t.blocks {
+                        g.refcount(b).ok().hash(h);
+                    }
                 }
             }
             p.tokens(seq).ok().hash(h);

@@ -78,10 +78,17 @@ pub fn greedy(model: &LlamaModel, ids: &[u32], n: usize) -> (Vec<f32>, Vec<u32>)
         false,
     )
     .unwrap();
-    let table = [RowBlocks {
-        offset: 0,
-        blocks: (0..blocks).collect(),
-    }];
+    // The same private blocks in every KV group (sliding-window layers read
+    // only the in-window ones).
+    let table: Vec<RowBlocks> = kv
+        .groups()
+        .groups
+        .iter()
+        .map(|_| RowBlocks {
+            offset: 0,
+            blocks: (0..blocks).collect(),
+        })
+        .collect();
     let run = |tokens: &[u32], start: usize, decode: bool| -> Array {
         let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
         let t = Array::from_slice(&ids, &[1, ids.len() as i32]);
@@ -148,10 +155,13 @@ impl Kv {
                 s.row
             );
             self.pool.append_tokens(seq, &s.tokens).unwrap();
-            let t = self.pool.table(seq, 0).unwrap();
-            let mut b = RowBlocks::default();
-            b.copy_from(&t);
-            s.blocks = vec![b];
+            s.blocks = (0..self.pool.stats().groups.len())
+                .map(|g| {
+                    let mut b = RowBlocks::default();
+                    b.copy_from(&self.pool.table(seq, g).unwrap());
+                    b
+                })
+                .collect();
         }
         self.pool.step_ops().to_vec()
     }
@@ -194,6 +204,13 @@ impl Kv {
 
     pub fn rows(&self) -> usize {
         self.seqs.len()
+    }
+
+    /// Row `row`'s block table in KV group `group`: (logical index of its
+    /// first block, blocks held).
+    pub fn table(&self, row: u64, group: usize) -> (usize, usize) {
+        let t = self.pool.table(self.seqs[&row], group).unwrap();
+        (t.offset, t.blocks.len())
     }
 }
 
@@ -263,4 +280,109 @@ pub fn load_f32(md: &Path, host_gemm: bool) -> weft_models::LlamaModel {
         },
     )
     .unwrap()
+}
+
+/// A row of a continuous-batching run: its prompt, tokens to generate, and
+/// the step it joins at.
+pub struct Row {
+    pub ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub join_step: usize,
+}
+
+pub fn log_softmax(v: &[f32]) -> Vec<f32> {
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m + v.iter().map(|x| (x - m).exp()).sum::<f32>().ln();
+    v.iter().map(|x| x - lse).collect()
+}
+
+/// Per row: generated tokens and the full log-prob vector at each step.
+pub type Trace = Vec<(Vec<u32>, Vec<Vec<f32>>)>;
+
+/// Drives `BatchRunner` like a minimal scheduler (a `KvPool` holds the rows'
+/// blocks): joiners prefill in the same step as decoding rows; finished rows
+/// are released at once. `fail` may make a step fail (to be retried): the
+/// pool rolls back after the forward wrote its blocks, as in the engine.
+pub fn drive(runner: &mut BatchRunner, rows: &[Row], fail: impl FnMut(usize) -> bool) -> Trace {
+    drive_watched(runner, rows, fail, |_, _| {})
+}
+
+/// As [`drive`], calling `watch(kv, active rows)` after every committed step.
+pub fn drive_watched(
+    runner: &mut BatchRunner,
+    rows: &[Row],
+    mut fail: impl FnMut(usize) -> bool,
+    mut watch: impl FnMut(&Kv, &[usize]),
+) -> Trace {
+    let mut kv = Kv::for_runner(runner);
+    let mut out: Trace = rows.iter().map(|_| (vec![], vec![])).collect();
+    let mut active: Vec<usize> = vec![];
+    let mut step = 0;
+    let mut retries = 0;
+    while out.iter().zip(rows).any(|(o, r)| o.0.len() < r.max_tokens) {
+        for (i, r) in rows.iter().enumerate() {
+            if r.join_step == step && !active.contains(&i) && out[i].0.is_empty() {
+                active.push(i);
+            }
+        }
+        let mut steps: Vec<RowStep> = active
+            .iter()
+            .map(|&i| {
+                let (gen, ids) = (&out[i].0, &rows[i].ids);
+                if gen.is_empty() {
+                    RowStep {
+                        row: i as u64,
+                        tokens: ids.clone(),
+                        start_pos: 0,
+                        want_logits: true,
+                        ..Default::default()
+                    }
+                } else {
+                    RowStep {
+                        row: i as u64,
+                        tokens: vec![*gen.last().unwrap()],
+                        start_pos: ids.len() + gen.len() - 1,
+                        want_logits: true,
+                        ..Default::default()
+                    }
+                }
+            })
+            .collect();
+        let ops = kv.plan(&mut steps);
+        if fail(step) {
+            match runner.forward(&ops, &steps) {
+                Err(_) => {
+                    retries += 1;
+                    assert!(retries < 100, "fault injection never stopped");
+                }
+                Ok(_) => runner.rollback(), // a fault "after eval": drop the step
+            }
+            kv.rollback();
+            continue;
+        }
+        let logits = runner.forward(&ops, &steps).expect("step");
+        runner.commit().unwrap();
+        kv.commit();
+        for (k, &row) in logits.rows.iter().enumerate() {
+            let i = row as usize;
+            let lp = log_softmax(logits.row(k));
+            out[i].0.push(argmax(&lp));
+            out[i].1.push(lp);
+        }
+        watch(&kv, &active);
+        active.retain(|&i| {
+            let done = out[i].0.len() >= rows[i].max_tokens;
+            if done {
+                kv.release(i as u64);
+            }
+            !done
+        });
+        step += 1;
+    }
+    assert_eq!(kv.rows(), 0, "rows left behind after all finished");
+    for (g, st) in kv.pool.stats().groups.iter().enumerate() {
+        assert_eq!(st.used, 0, "blocks of group {g} left in use");
+    }
+    kv.pool.check_invariants().unwrap();
+    out
 }
