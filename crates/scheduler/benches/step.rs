@@ -72,6 +72,7 @@ fn setup(
         // Room for every row's whole context; the walk over it is test-only.
         kv_block_size: 16,
         kv_blocks: 1 << 17,
+        sliding_window: None,
         verify_kv: false,
         step_cost: None,
     };

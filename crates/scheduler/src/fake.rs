@@ -56,6 +56,10 @@ pub struct FakeConfig {
     pub kv_block_size: u32,
     /// KV blocks of the fake's storage (one full-attention group).
     pub kv_blocks: u32,
+    /// A second KV group of `kv_blocks` blocks whose tables slide over this many
+    /// tokens (Gemma 3's local layers): every fed token is written through both
+    /// tables, and each row's window is re-read through the sliding one.
+    pub sliding_window: Option<u32>,
     /// Re-walk every row's context through its table in every forward (O(context) per
     /// row; benchmarks turn it off).
     pub verify_kv: bool,
@@ -101,6 +105,7 @@ impl Default for FakeConfig {
             logits: FakeLogits::Hash,
             kv_block_size: 16,
             kv_blocks: 4096,
+            sliding_window: None,
             verify_kv: true,
             step_cost: None,
         }
@@ -334,8 +339,18 @@ impl FakeModel {
 
     /// The slot holding position `pos` of `r` (through its table in group 0).
     fn locate(&self, r: &RowInput, pos: usize) -> Option<u64> {
-        let t = r.blocks.first()?.as_table(self.bs());
-        t.locate(pos).map(|(b, o)| slot_key(0, b, o))
+        self.locate_in(r, 0, pos)
+    }
+
+    /// The slot holding position `pos` of `r` through its table in `group`.
+    fn locate_in(&self, r: &RowInput, group: usize, pos: usize) -> Option<u64> {
+        let t = r.blocks.get(group)?.as_table(self.bs());
+        t.locate(pos).map(|(b, o)| slot_key(group, b, o))
+    }
+
+    /// KV groups: full attention, and the sliding window when configured.
+    fn groups(&self) -> usize {
+        1 + usize::from(self.cfg.sliding_window.is_some())
     }
 
     fn apply_ops(&mut self, ops: &[StorageOp]) -> Result<(), ModelError> {
@@ -343,7 +358,10 @@ impl FakeModel {
         for op in ops {
             match *op {
                 StorageOp::CopyBlock { group, src, dst } => {
-                    if group != 0 || src >= self.cfg.kv_blocks || dst >= self.cfg.kv_blocks {
+                    if group >= self.groups()
+                        || src >= self.cfg.kv_blocks
+                        || dst >= self.cfg.kv_blocks
+                    {
                         return Err(self.violation(format!("storage op out of range: {op:?}")));
                     }
                     for o in 0..bs {
@@ -408,26 +426,43 @@ impl FakeModel {
                 r.start_pos
             )));
         }
-        if r.blocks.len() != 1 {
+        if r.blocks.len() != self.groups() {
             return Err(self.violation(format!(
-                "row {}: {} block tables for 1 KV group",
+                "row {}: {} block tables for {} KV groups",
                 r.row,
-                r.blocks.len()
+                r.blocks.len(),
+                self.groups()
             )));
         }
-        if let Some(&b) = r.blocks[0]
-            .blocks
-            .iter()
-            .find(|&&b| b >= self.cfg.kv_blocks)
-        {
-            return Err(self.violation(format!("row {}: block {b} outside storage", r.row)));
+        for (g, t) in r.blocks.iter().enumerate() {
+            if let Some(&b) = t.blocks.iter().find(|&&b| b >= self.cfg.kv_blocks) {
+                return Err(self.violation(format!(
+                    "row {}: block {b} of group {g} outside storage",
+                    r.row
+                )));
+            }
+            let held = (t.offset + t.blocks.len()) * self.bs();
+            if held < end || held >= end + self.bs() {
+                return Err(self.violation(format!(
+                    "row {}: group {g} table holds {held} slots for {end} tokens",
+                    r.row
+                )));
+            }
         }
-        let held = (r.blocks[0].offset + r.blocks[0].blocks.len()) * self.bs();
-        if held < end || held >= end + self.bs() {
-            return Err(self.violation(format!(
-                "row {}: table holds {held} slots for {end} tokens",
-                r.row
-            )));
+        // The first new token sees keys from `start - window + 1`: the sliding
+        // table must still hold that block (and, checked below, its content).
+        let window_from = self
+            .cfg
+            .sliding_window
+            .map(|w| (r.start_pos + 1).saturating_sub(w as usize));
+        if let (Some(from), Some(t)) = (window_from, r.blocks.get(1)) {
+            if t.offset * self.bs() > from {
+                return Err(self.violation(format!(
+                    "row {}: sliding table starts at slot {} but position {from} is in the window",
+                    r.row,
+                    t.offset * self.bs()
+                )));
+            }
         }
         if self.cfg.verify_kv {
             let mut prev = HISTORY_SEED;
@@ -447,6 +482,22 @@ impl FakeModel {
                 }
             }
             self.stats.verified_slots += r.start_pos as u64;
+            if let Some(from) = window_from {
+                for pos in from..r.start_pos {
+                    let full = self.locate(r, pos).and_then(|k| self.kv.get(&k)).copied();
+                    let slid = self
+                        .locate_in(r, 1, pos)
+                        .and_then(|k| self.kv.get(&k))
+                        .copied();
+                    if slid.is_none() || slid != full {
+                        return Err(self.violation(format!(
+                            "row {}: sliding-window KV of position {pos} is {slid:?}, the full \
+                             table's {full:?}",
+                            r.row
+                        )));
+                    }
+                }
+            }
         }
         if r.start_pos == 0 {
             return Ok((HISTORY_SEED, 0));
@@ -525,26 +576,31 @@ impl FakeModel {
                 let t = if j == 0 { first.unwrap_or(t) } else { t };
                 let pos = r.start_pos + j;
                 h = step_hash(h, t, pos);
-                let Some(key) = self.locate(r, pos) else {
-                    conflict = Some(format!("row {}: no slot for position {pos}", r.row));
-                    continue;
-                };
                 let chain = if torn.is_some() { h ^ TORN_WRITE } else { h };
-                self.kv.insert(
-                    key,
-                    Slot {
-                        token: t,
-                        pos,
-                        chain,
-                    },
-                );
-                step_written.push(key);
-                if self.cfg.verify_kv {
-                    if let Some(other) = self.written.insert(key, r.row) {
+                for g in 0..self.groups() {
+                    let Some(key) = self.locate_in(r, g, pos) else {
                         conflict = Some(format!(
-                            "rows {other} and {} write the same KV slot in one step",
+                            "row {}: no slot for position {pos} in group {g}",
                             r.row
                         ));
+                        continue;
+                    };
+                    self.kv.insert(
+                        key,
+                        Slot {
+                            token: t,
+                            pos,
+                            chain,
+                        },
+                    );
+                    step_written.push(key);
+                    if self.cfg.verify_kv {
+                        if let Some(other) = self.written.insert(key, r.row) {
+                            conflict = Some(format!(
+                                "rows {other} and {} write the same KV slot in one step",
+                                r.row
+                            ));
+                        }
                     }
                 }
                 if r.want_logits && (r.draft > 0 || j + 1 == r.tokens.len()) {
@@ -627,7 +683,12 @@ impl Model for FakeModel {
             vocab_size: self.cfg.vocab_size,
             max_context: self.cfg.max_context,
             eos_token_ids: self.cfg.eos_token_ids.clone(),
-            kv: KvGroups::new(self.cfg.kv_block_size).full(self.cfg.kv_blocks),
+            kv: match self.cfg.sliding_window {
+                None => KvGroups::new(self.cfg.kv_block_size).full(self.cfg.kv_blocks),
+                Some(w) => KvGroups::new(self.cfg.kv_block_size)
+                    .full(self.cfg.kv_blocks)
+                    .sliding(w, self.cfg.kv_blocks),
+            },
         }
     }
 

@@ -57,9 +57,11 @@
 //!
 //! # KV memory: the paged pool
 //! The scheduler builds one [`KvPool`] from [`ModelInfo::kv`] (today: one full-attention
-//! group, no state slots; anything else is [`SchedulerError::UnsupportedKv`]), so every
-//! block it accounts for exists in the model's storage. Each running request holds a
-//! pool sequence next to its model row.
+//! group, optionally a sliding-window group of as many blocks beside it, no state
+//! slots; anything else is [`SchedulerError::UnsupportedKv`]), so every block it
+//! accounts for exists in the model's storage. Each running request holds a pool
+//! sequence next to its model row, and each step hands down one table per group (the
+//! sliding one starts past the blocks behind the window, which the pool released).
 //! - Admission asks the pool for the longest cached, block-aligned prefix of prompt ++
 //!   generated (all but the last token, so the forward computes at least one) in the
 //!   tenant's own salt: a tenant never hits another's blocks. Memory checks count real

@@ -481,7 +481,8 @@ pub struct Scheduler<M: Model> {
 impl<M: Model> Scheduler<M> {
     /// A scheduler for `model`, with a KV pool built from exactly the storage the model
     /// reports in [`ModelInfo::kv`] (`cfg.kv_hash_key`, if set, fixes the prefix hash
-    /// key). Today the layout must be one full-attention group without state slots.
+    /// key). The layout must be one full-attention group, optionally with a
+    /// sliding-window group beside it, without state slots.
     pub fn new(
         cfg: SchedulerConfig,
         model: M,
@@ -495,11 +496,18 @@ impl<M: Model> Scheduler<M> {
             ));
         }
         let mut kv = info.kv.clone();
+        // Group 0 is full attention and budgets every row; a sliding-window group
+        // beside it (as many blocks, fewer held per row) never binds first.
         match (&kv.groups[..], kv.state_slots) {
             ([g], 0) if g.kind == AttentionKind::Full => {}
+            ([g, w], 0)
+                if g.kind == AttentionKind::Full
+                    && matches!(w.kind, AttentionKind::SlidingWindow { .. })
+                    && w.num_blocks >= g.num_blocks => {}
             (groups, slots) => {
                 return Err(SchedulerError::UnsupportedKv(format!(
-                    "the scheduler plans one full-attention group without state slots; \
+                    "the scheduler plans one full-attention group, optionally with a \
+                     sliding-window group of at least as many blocks, without state slots; \
                      the model reports groups {groups:?} and {slots} state slots"
                 )))
             }
@@ -870,9 +878,13 @@ impl<M: Model> Scheduler<M> {
         need_of(start, n, self.bs_shift)
     }
 
-    /// Blocks an allocation can take now: free plus evictable cached ones.
+    /// Blocks an allocation can take now: free plus evictable cached ones (in the
+    /// tightest group).
     fn available(&self) -> usize {
-        self.pool.group(0).map_or(0, |g| g.available())
+        (0..self.pool.num_groups())
+            .map(|g| self.pool.group(g).map_or(0, |g| g.available()))
+            .min()
+            .unwrap_or(0)
     }
 
     /// (resident, committed length, tokens left to feed) of a running request.

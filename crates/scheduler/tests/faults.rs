@@ -321,3 +321,30 @@ fn ten_thousand_step_faults_lose_nothing() {
     assert!(audits > 100);
     assert_same_streams(&clean, &faulty);
 }
+
+/// Random faults at every point with a sliding-window KV group beside the full one:
+/// rollbacks restore both groups' tables (the sliding group's dropped blocks come
+/// back), so every stream equals the fault-free full-attention run.
+#[test]
+fn random_faults_with_a_sliding_window_group_leave_streams_unchanged() {
+    let specs = workload(23, 300);
+    let clean = run_plain(sched_config(), &specs);
+    assert_clean(&clean);
+
+    let mut cfg = sched_config();
+    cfg.faults = FaultPlan::random(7, 0.05);
+    cfg.max_step_retries = 60;
+    let faults = FakeFaults {
+        random: Some((11, 0.03)),
+        fail_after_layer: 2,
+        ..Default::default()
+    };
+    let mut fake = fake_config();
+    fake.sliding_window = Some(20);
+    let faulty = run(cfg, fake, faults, &specs, |_, _, _| {});
+    assert_clean(&faulty);
+    let st = faulty.sched.stats();
+    assert!(st.rollbacks > 20, "rollbacks {}", st.rollbacks);
+    assert_eq!(st.failed_steps, 0);
+    assert_same_streams(&clean, &faulty);
+}

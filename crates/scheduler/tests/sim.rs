@@ -828,3 +828,79 @@ fn drafts_stay_within_the_step_token_budget() {
     assert_clean(&r);
     assert!(checked > 10, "only {checked} steps drafted");
 }
+
+/// A model with a sliding-window KV group beside the full one (Gemma 3's local
+/// layers): under KV pressure (preemption), cancels and deadlines every naturally
+/// finished stream equals the full-attention reference run, while the fake re-reads
+/// each row's window through its sliding table every step and the pool's sliding
+/// tables shed the blocks behind the window.
+#[test]
+fn sliding_window_group_under_kv_pressure_matches_full_attention_run() {
+    let specs = mixed_workload(3, 400, 100);
+    let mut big = sched_config();
+    big.max_batch_rows = 128;
+    big.max_step_tokens = 1024;
+    let reference = run_blocks(big, 100_000, &undisturbed(&specs));
+    assert_clean(&reference);
+
+    let mut fake = fake_blocks(BLOCKS);
+    fake.sliding_window = Some(24);
+    let (mut shed, mut fewer) = (0usize, 0usize);
+    let pressured = run(
+        sched_config(),
+        fake,
+        FakeFaults::default(),
+        &specs,
+        |_, s, _| {
+            let pool = s.kv_pool();
+            assert_eq!(pool.num_groups(), 2);
+            for seq in pool.live_sequences() {
+                let t = pool.table(seq, 1).expect("sliding table");
+                let full = pool.table(seq, 0).expect("full table");
+                // The pool drops blocks behind the window at a row's next append
+                // (a chunk being prefilled holds all of its own).
+                assert!(
+                    t.offset + t.blocks.len() == full.blocks.len() && full.offset == 0,
+                    "sliding table [{}, +{}) vs full table of {}",
+                    t.offset,
+                    t.blocks.len(),
+                    full.blocks.len()
+                );
+                shed += usize::from(t.offset > 0);
+            }
+            let used = |g| pool.group(g).expect("group").stats().used;
+            fewer += usize::from(used(1) < used(0));
+        },
+    );
+    assert_clean(&pressured);
+    let st = pressured.sched.stats();
+    assert!(
+        st.preemptions > 10,
+        "workload should preempt, got {}",
+        st.preemptions
+    );
+    assert!(shed > 0, "no sliding table ever dropped a block");
+    assert!(
+        fewer > 0,
+        "the sliding group never held fewer blocks than the full one"
+    );
+    let mut compared = 0;
+    for (i, (p, r)) in pressured
+        .outcomes
+        .iter()
+        .zip(&reference.outcomes)
+        .enumerate()
+    {
+        match &p.finished {
+            Some(pf) if is_natural(pf) => {
+                assert_eq!(p.tokens, r.tokens, "request {i} tokens differ");
+                compared += 1;
+            }
+            _ => assert!(
+                r.tokens.starts_with(&p.tokens),
+                "request {i}: cut short but not a prefix of its reference"
+            ),
+        }
+    }
+    assert!(compared > 400, "compared {compared}");
+}
