@@ -563,14 +563,18 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
     for tokens in [vec![1u32, 2, 3, 4], vec![5]] {
         pool.begin()?;
         pool.append(seq, tokens.len())?;
-        let mut b = RowBlocks::default();
-        b.copy_from(&pool.table(seq, 0)?);
+        let mut blocks = Vec::with_capacity(pool.num_groups());
+        for g in 0..pool.num_groups() {
+            let mut b = RowBlocks::default();
+            b.copy_from(&pool.table(seq, g)?);
+            blocks.push(b);
+        }
         let steps = [RowStep {
             row: u64::MAX,
             start_pos: start,
             want_logits: true,
             draft: 0,
-            blocks: vec![b],
+            blocks,
             tokens,
         }];
         runner.forward(pool.step_ops(), &steps)?;
