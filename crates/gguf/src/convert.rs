@@ -1,4 +1,5 @@
-//! GGUF (llama architecture) -> mlx-lm model directory, without requantizing.
+//! GGUF (llama architecture) -> mlx-lm model directory, without requantizing;
+//! gemma3 files go to [`crate::gemma3`].
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -42,7 +43,7 @@ pub struct LlamaParams {
 
 /// The f64 with the shortest decimal form that rounds to the same f32
 /// (so 1e-5f32 is written as 1e-5, not 9.999999747378752e-6).
-fn clean_f32(v: f64) -> f64 {
+pub(crate) fn clean_f32(v: f64) -> f64 {
     let f = v as f32;
     if f64::from(f) != v {
         return v; // a genuine FLOAT64 value
@@ -50,7 +51,7 @@ fn clean_f32(v: f64) -> f64 {
     f.to_string().parse::<f64>().unwrap_or(v)
 }
 
-fn usize_key(g: &GgufFile, key: &str) -> Result<usize> {
+pub(crate) fn usize_key(g: &GgufFile, key: &str) -> Result<usize> {
     let v = g.get_u64(key)?;
     usize::try_from(v).map_err(|_| GgufError::WrongType {
         key: key.into(),
@@ -59,7 +60,7 @@ fn usize_key(g: &GgufFile, key: &str) -> Result<usize> {
     })
 }
 
-fn positive(key: &str, v: usize) -> Result<usize> {
+pub(crate) fn positive(key: &str, v: usize) -> Result<usize> {
     if v == 0 {
         return Err(GgufError::WrongType {
             key: key.into(),
@@ -76,7 +77,7 @@ impl LlamaParams {
         let arch = g.get_str("general.architecture")?;
         if arch != "llama" {
             return Err(GgufError::Unsupported(format!(
-                "general.architecture = {arch:?}; only \"llama\" is supported"
+                "general.architecture = {arch:?}; only \"llama\" and \"gemma3\" are supported"
             )));
         }
         let k = |s: &str| format!("llama.{s}");
@@ -381,6 +382,7 @@ pub fn convert_weights(g: &GgufFile, p: &LlamaParams) -> Result<ConvertedWeights
                     GgufError::UnsupportedTensorType {
                         name: info.name.clone(),
                         type_name: format!("{} (for a vector)", info.ggml_type),
+                        supported: "F32, F16, BF16",
                     }
                 })?;
                 out.tensors.insert(
@@ -486,8 +488,17 @@ pub fn convert_gguf(gguf: &Path, out_dir: &Path) -> Result<()> {
     convert(&g, out_dir)
 }
 
-/// Like [`convert_gguf`], for an already opened file.
+/// Like [`convert_gguf`], for an already opened file: `llama` files become
+/// an mlx-lm `llama` directory (lossless, MLX affine), `gemma3` files an
+/// mlx-lm `gemma3_text` directory (bf16; see [`crate::gemma3`]).
 pub fn convert(g: &GgufFile, out_dir: &Path) -> Result<()> {
+    if g.get_str("general.architecture")? == "gemma3" {
+        return crate::gemma3::convert_gemma3(g, out_dir);
+    }
+    convert_llama(g, out_dir)
+}
+
+fn convert_llama(g: &GgufFile, out_dir: &Path) -> Result<()> {
     let p = LlamaParams::from_gguf(g)?;
     let tok = build_tokenizer(g)?;
     let weights = convert_weights(g, &p)?;

@@ -103,12 +103,14 @@ pub enum GgufError {
     },
 
     /// A tensor is stored in a ggml type the converter cannot map losslessly.
-    #[error("GGUF tensor {name:?} has type {type_name}, which this converter does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)")]
+    #[error("GGUF tensor {name:?} has type {type_name}, which this converter does not support there (supported: {supported})")]
     UnsupportedTensorType {
         /// The tensor name (GGUF spelling).
         name: String,
         /// The ggml type name (or numeric code).
         type_name: String,
+        /// The types that are supported in that place.
+        supported: &'static str,
     },
 
     /// The file holds a tensor the converter does not know where to put.

@@ -15,6 +15,7 @@
 
 mod convert;
 mod error;
+pub mod gemma3;
 mod pull;
 pub mod quant;
 mod reader;

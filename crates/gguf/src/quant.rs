@@ -73,10 +73,21 @@ pub fn mlx_bits(ty: GgmlType) -> Option<u32> {
     }
 }
 
+/// `ty` has no lossless MLX affine form.
+fn unsupported_mlx(name: &str, ty: GgmlType) -> GgufError {
+    GgufError::UnsupportedTensorType {
+        name: name.to_string(),
+        type_name: ty.name(),
+        supported: "F32, F16, BF16, Q4_0, Q4_1, Q8_0 (lossless MLX affine)",
+    }
+}
+
+/// `ty` cannot be dequantized here.
 fn unsupported(name: &str, ty: GgmlType) -> GgufError {
     GgufError::UnsupportedTensorType {
         name: name.to_string(),
         type_name: ty.name(),
+        supported: DEQUANTIZABLE,
     }
 }
 
@@ -132,7 +143,7 @@ pub fn gguf_to_mlx(
     rows: usize,
     cols: usize,
 ) -> Result<MlxQuantized> {
-    let bits = mlx_bits(ty).ok_or_else(|| unsupported(name, ty))?;
+    let bits = mlx_bits(ty).ok_or_else(|| unsupported_mlx(name, ty))?;
     let n_blocks = check_shape(name, ty, data, rows, cols)?;
     let block_bytes = data.len() / n_blocks.max(1);
     let words_per_block = GROUP_SIZE * bits as usize / 32;
@@ -178,7 +189,7 @@ pub fn gguf_to_mlx(
                     ]));
                 }
             }
-            _ => return Err(unsupported(name, ty)),
+            _ => return Err(unsupported_mlx(name, ty)),
         }
     }
     Ok(MlxQuantized {
@@ -223,63 +234,252 @@ pub fn dequantize_mlx(
     out
 }
 
+/// The ggml types [`dequantize_gguf`] and [`dequantize_into`] decode.
+pub const DEQUANTIZABLE: &str =
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K, Q8_K";
+
+/// Whether [`dequantize_into`] decodes `ty`.
+pub fn can_dequantize(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16
+            | GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::Q2_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::Q8_K
+    )
+}
+
 /// Reference dequantization of ggml data to f32, following the ggml
-/// definitions of each format. Supports F32, F16, BF16, Q4_0, Q4_1, Q8_0.
+/// definitions of each format (see [`dequantize_into`]).
 pub fn dequantize_gguf(
     name: &str,
     ty: GgmlType,
     data: &[u8],
     n_elements: usize,
 ) -> Result<Vec<f32>> {
+    if !can_dequantize(ty) {
+        return Err(unsupported(name, ty));
+    }
+    // `check_blocks` bounds `n_elements` by the data actually present, so a
+    // hostile count cannot make this allocation large.
+    check_blocks(name, ty, data, n_elements)?;
+    let mut out = vec![0f32; n_elements];
+    dequantize_into(name, ty, data, &mut out)?;
+    Ok(out)
+}
+
+/// Checks that `data` is exactly `n_elements` of `ty` (whole blocks).
+fn check_blocks(name: &str, ty: GgmlType, data: &[u8], n_elements: usize) -> Result<()> {
     let (block_elems, _) = ty.block_layout().ok_or_else(|| unsupported(name, ty))?;
     let block_elems = block_elems as usize;
     if n_elements % block_elems != 0 {
         return Err(GgufError::bad_tensor(
             name,
-            "element count is not a whole number of blocks",
+            format!("{n_elements} elements is not a whole number of {ty} blocks of {block_elems}"),
         ));
     }
-    check_shape(name, ty, data, n_elements / block_elems, block_elems)?;
-    let mut out = Vec::with_capacity(n_elements);
+    check_shape(name, ty, data, n_elements / block_elems, block_elems).map(|_| ())
+}
+
+fn f32_at(b: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K / Q5_K block,
+/// from its 12 packed scale bytes (ggml's `get_scale_min_k4`): sub-blocks
+/// 0-3 keep their scale and min in the low 6 bits of bytes `j` and `j + 4`;
+/// sub-blocks 4-7 take their low 4 bits from byte `j + 4` (scale low nibble,
+/// min high nibble) and their top 2 bits from the top bits of bytes `j - 4`
+/// (scale) and `j` (min).
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Dequantizes `data` (whole blocks of `ty`) into `out` (one f32 per element),
+/// following ggml's definitions (`ggml-common.h` block structs and
+/// `dequantize_row_*` in `ggml-quants.c`). Every product is one f32
+/// operation in ggml's order, so the result is bit-identical to ggml's
+/// reference and to the `gguf` Python package's `gguf.quants.dequantize`:
+///
+/// | type | block (bytes)                                        | value of element `i`                  |
+/// |------|------------------------------------------------------|---------------------------------------|
+/// | Q4_0 | d f16, qs\[16\] (32 elems)                           | `d * (nib(i) - 8)`                    |
+/// | Q4_1 | d, m f16, qs\[16\]                                   | `d * nib(i) + m`                      |
+/// | Q5_0 | d f16, qh u32, qs\[16\]                              | `d * ((nib(i) \| bit_i(qh) << 4) - 16)`|
+/// | Q5_1 | d, m f16, qh u32, qs\[16\]                           | `d * (nib(i) \| bit_i(qh) << 4) + m`   |
+/// | Q8_0 | d f16, qs i8\[32\]                                   | `d * qs[i]`                           |
+/// | Q2_K | scales\[16\], qs\[64\], d, dmin f16 (256 elems)        | `(d * (sc & 15)) * q2 - dmin * (sc >> 4)` per 16 |
+/// | Q4_K | d, dmin f16, scales\[12\], qs\[128\]                  | `(d * sc) * q4 - dmin * m` per 32     |
+/// | Q5_K | d, dmin f16, scales\[12\], qh\[32\], qs\[128\]         | `(d * sc) * q5 - dmin * m` per 32     |
+/// | Q6_K | ql\[128\], qh\[64\], scales i8\[16\], d f16            | `(d * sc) * (q6 - 32)` per 16         |
+/// | Q8_K | d f32, qs i8\[256\], bsums i16\[16\]                    | `d * qs[i]`                           |
+///
+/// In the 32-element formats byte `j` of `qs` holds element `j` (low nibble)
+/// and `j + 16` (high nibble). In Q4_K/Q5_K each 64-element chunk `c` uses
+/// `qs[32c..32c+32]`, low nibbles for its first 32 elements (sub-block `2c`)
+/// and high nibbles for the next (`2c + 1`); Q5_K's fifth bit of sub-block
+/// `s` element `l` is bit `s` of `qh[l]`. In Q6_K and Q2_K each 128-element
+/// half `h` uses `ql[64h..]`/`qh[32h..]` (Q2_K: `qs[32h..]`), the 2-bit
+/// fields of a byte at shifts 0, 2, 4, 6 going to consecutive 32-element runs.
+pub fn dequantize_into(name: &str, ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
+    if !can_dequantize(ty) {
+        return Err(unsupported(name, ty));
+    }
+    check_blocks(name, ty, data, out.len())?;
+    let (block_elems, block_bytes) = ty.block_layout().ok_or_else(|| unsupported(name, ty))?;
+    let (block_elems, block_bytes) = (block_elems as usize, block_bytes as usize);
     match ty {
-        GgmlType::F32 => out.extend(
-            data.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        ),
-        GgmlType::F16 => out.extend(
-            data.chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
-        ),
-        GgmlType::BF16 => out.extend(
-            data.chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
-        ),
-        GgmlType::Q4_0 => {
-            for b in data.chunks_exact(18) {
-                let d = f16_at(b, 0).to_f32();
-                let qs = &b[2..18];
-                out.extend(qs.iter().map(|&x| d * (f32::from(x & 0x0f) - 8.0)));
-                out.extend(qs.iter().map(|&x| d * (f32::from(x >> 4) - 8.0)));
+        GgmlType::F32 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
+            return Ok(());
         }
-        GgmlType::Q4_1 => {
-            for b in data.chunks_exact(20) {
+        GgmlType::F16 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+            return Ok(());
+        }
+        GgmlType::BF16 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+            return Ok(());
+        }
+        _ => {}
+    }
+    for (b, y) in data
+        .chunks_exact(block_bytes)
+        .zip(out.chunks_exact_mut(block_elems))
+    {
+        match ty {
+            GgmlType::Q4_0 => {
+                let d = f16_at(b, 0).to_f32();
+                for (j, &x) in b[2..18].iter().enumerate() {
+                    y[j] = d * (f32::from(x & 0x0f) - 8.0);
+                    y[j + 16] = d * (f32::from(x >> 4) - 8.0);
+                }
+            }
+            GgmlType::Q4_1 => {
                 let d = f16_at(b, 0).to_f32();
                 let m = f16_at(b, 2).to_f32();
-                let qs = &b[4..20];
-                out.extend(qs.iter().map(|&x| d * f32::from(x & 0x0f) + m));
-                out.extend(qs.iter().map(|&x| d * f32::from(x >> 4) + m));
+                for (j, &x) in b[4..20].iter().enumerate() {
+                    y[j] = d * f32::from(x & 0x0f) + m;
+                    y[j + 16] = d * f32::from(x >> 4) + m;
+                }
             }
-        }
-        GgmlType::Q8_0 => {
-            for b in data.chunks_exact(34) {
+            GgmlType::Q5_0 | GgmlType::Q5_1 => {
                 let d = f16_at(b, 0).to_f32();
-                out.extend(b[2..34].iter().map(|&x| d * f32::from(x as i8)));
+                let (m, rest) = if ty == GgmlType::Q5_1 {
+                    (Some(f16_at(b, 2).to_f32()), &b[4..])
+                } else {
+                    (None, &b[2..])
+                };
+                let qh = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+                for (j, &x) in rest[4..20].iter().enumerate() {
+                    let lo = (x & 0x0f) | ((((qh >> j) & 1) as u8) << 4);
+                    let hi = (x >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+                    match m {
+                        Some(m) => {
+                            y[j] = d * f32::from(lo) + m;
+                            y[j + 16] = d * f32::from(hi) + m;
+                        }
+                        None => {
+                            y[j] = d * f32::from(lo as i8 - 16);
+                            y[j + 16] = d * f32::from(hi as i8 - 16);
+                        }
+                    }
+                }
             }
+            GgmlType::Q8_0 => {
+                let d = f16_at(b, 0).to_f32();
+                for (o, &x) in y.iter_mut().zip(&b[2..34]) {
+                    *o = d * f32::from(x as i8);
+                }
+            }
+            GgmlType::Q2_K => {
+                let scales = &b[0..16];
+                let qs = &b[16..80];
+                let d = f16_at(b, 80).to_f32();
+                let dmin = f16_at(b, 82).to_f32();
+                for (e, o) in y.iter_mut().enumerate() {
+                    let (h, within) = (e / 128, e % 128);
+                    let (shift, l) = (within / 32, within % 32);
+                    let q = (qs[32 * h + l] >> (2 * shift)) & 3;
+                    let sc = scales[e / 16];
+                    let dl = d * f32::from(sc & 0x0f);
+                    let ml = dmin * f32::from(sc >> 4);
+                    *o = dl * f32::from(q) - ml;
+                }
+            }
+            GgmlType::Q4_K | GgmlType::Q5_K => {
+                let d = f16_at(b, 0).to_f32();
+                let dmin = f16_at(b, 2).to_f32();
+                let scales = &b[4..16];
+                let (qh, qs) = if ty == GgmlType::Q5_K {
+                    (Some(&b[16..48]), &b[48..176])
+                } else {
+                    (None, &b[16..144])
+                };
+                for s in 0..8 {
+                    let (sc, m) = scale_min_k4(s, scales);
+                    let d1 = d * f32::from(sc);
+                    let m1 = dmin * f32::from(m);
+                    let chunk = &qs[32 * (s / 2)..32 * (s / 2) + 32];
+                    for l in 0..32 {
+                        let mut q = if s % 2 == 0 {
+                            chunk[l] & 0x0f
+                        } else {
+                            chunk[l] >> 4
+                        };
+                        if let Some(qh) = qh {
+                            q |= ((qh[l] >> s) & 1) << 4;
+                        }
+                        y[32 * s + l] = d1 * f32::from(q) - m1;
+                    }
+                }
+            }
+            GgmlType::Q6_K => {
+                let ql = &b[0..128];
+                let qh = &b[128..192];
+                let scales = &b[192..208];
+                let d = f16_at(b, 208).to_f32();
+                for (e, o) in y.iter_mut().enumerate() {
+                    let (h, within) = (e / 128, e % 128);
+                    let lo = (ql[64 * h + within % 64] >> (4 * (within / 64))) & 0x0f;
+                    let hi = (qh[32 * h + within % 32] >> (2 * (within / 32))) & 3;
+                    let q = (lo | (hi << 4)) as i8 - 32;
+                    let dl = d * f32::from(scales[e / 16] as i8);
+                    *o = dl * f32::from(q);
+                }
+            }
+            GgmlType::Q8_K => {
+                let d = f32_at(b, 0);
+                for (o, &x) in y.iter_mut().zip(&b[4..260]) {
+                    *o = d * f32::from(x as i8);
+                }
+            }
+            _ => return Err(unsupported(name, ty)),
         }
-        _ => return Err(unsupported(name, ty)),
     }
-    Ok(out)
+    Ok(())
 }
 
 fn check_heads(name: &str, rows: usize, n_head: usize, data_len: usize) -> Result<(usize, usize)> {

@@ -679,6 +679,7 @@ impl GgufFile {
             .ok_or_else(|| GgufError::UnsupportedTensorType {
                 name: info.name.clone(),
                 type_name: info.ggml_type.name(),
+                supported: "types with a known block size",
             })?;
         let bytes = self.storage.bytes();
         let start = self.data_offset.checked_add(info.offset);

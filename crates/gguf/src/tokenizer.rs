@@ -2,7 +2,9 @@
 //! the tokenizer a GGUF file describes in its metadata.
 //!
 //! Supported: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with the
-//! pre-tokenizers whose split rules are known here (see [`PreTokenizerKind`]).
+//! pre-tokenizers whose split rules are known here (see [`PreTokenizerKind`]),
+//! and SentencePiece BPE vocabularies (`"llama"`, e.g. Gemma's) rebuilt as a
+//! byte-fallback BPE (see [`build_spm_tokenizer`]).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -104,11 +106,16 @@ fn byte_to_char_table() -> [char; 256] {
 /// Builds the tokenizer described by `gguf`'s `tokenizer.*` metadata.
 pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     let model = gguf.get_str("tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        return Err(GgufError::Unsupported(format!(
-            "tokenizer.ggml.model = {model:?}: only byte-level BPE (\"gpt2\") tokenizers are supported"
-        )));
+    match model {
+        "gpt2" => build_byte_level_tokenizer(gguf),
+        "llama" => build_spm_tokenizer(gguf),
+        _ => Err(GgufError::Unsupported(format!(
+            "tokenizer.ggml.model = {model:?}: only byte-level BPE (\"gpt2\") and SentencePiece BPE (\"llama\") tokenizers are supported"
+        ))),
     }
+}
+
+fn build_byte_level_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     let pre = PreTokenizerKind::from_gguf(gguf.get_str_opt("tokenizer.ggml.pre")?)?;
     let tokens = gguf.get_str_array("tokenizer.ggml.tokens")?;
     if tokens.is_empty() || tokens.len() > u32::MAX as usize {
@@ -195,6 +202,19 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     tokenizer.with_pre_tokenizer(Some(pre_tok));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
     tokenizer.with_post_processor(Some(ByteLevelProcessor::new(false, false, true)));
+    finish(gguf, tokenizer, &tokens, &added, "GPT2Tokenizer", None)
+}
+
+/// Adds the control (special) and user-defined tokens, checks they kept
+/// their ids, and assembles `tokenizer_config.json` and the special ids.
+fn finish(
+    gguf: &GgufFile,
+    mut tokenizer: Tokenizer,
+    tokens: &[&str],
+    added: &[(u32, String, bool)],
+    tokenizer_class: &str,
+    default_chat_template: Option<&str>,
+) -> Result<GgufTokenizer> {
     let specials: Vec<AddedToken> = added
         .iter()
         .filter(|(_, _, special)| *special)
@@ -207,7 +227,7 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
         .collect();
     tokenizer.add_special_tokens(&specials);
     tokenizer.add_tokens(&plain);
-    for (id, tok, _) in &added {
+    for (id, tok, _) in added {
         if tokenizer.token_to_id(tok) != Some(*id) {
             return Err(GgufError::Tokenizer(format!(
                 "added token {tok:?} should keep id {id} but maps to {:?} (duplicated in the vocabulary?)",
@@ -249,7 +269,7 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     );
     config.insert("add_prefix_space".into(), json!(false));
     let mut decoder = Map::new();
-    for (id, tok, special) in &added {
+    for (id, tok, special) in added {
         decoder.insert(
             id.to_string(),
             json!({
@@ -278,7 +298,10 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
         }
     }
     special_map.insert("additional_special_tokens".into(), json!(additional));
-    if let Some(template) = gguf.get_str_opt("tokenizer.chat_template")? {
+    if let Some(template) = gguf
+        .get_str_opt("tokenizer.chat_template")?
+        .or(default_chat_template)
+    {
         config.insert("chat_template".into(), json!(template));
     }
     config.insert("clean_up_tokenization_spaces".into(), json!(false));
@@ -286,7 +309,7 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     if let Some(ctx) = gguf.get_u32_opt(&format!("{arch}.context_length"))? {
         config.insert("model_max_length".into(), json!(ctx));
     }
-    config.insert("tokenizer_class".into(), json!("GPT2Tokenizer"));
+    config.insert("tokenizer_class".into(), json!(tokenizer_class));
 
     Ok(GgufTokenizer {
         tokenizer,
@@ -297,6 +320,208 @@ pub fn build_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
         eos_token_id: eos.map(|e| e.0),
         pad_token_id: pad.map(|p| p.0),
     })
+}
+
+/// SentencePiece's escaped space (U+2581).
+pub const SPM_SPACE: char = '\u{2581}';
+
+/// The merges a SentencePiece BPE vocabulary implies, best first.
+///
+/// SentencePiece's BPE encoder (`bpe_model.cc`) starts from the characters
+/// of the (normalized) text and repeatedly merges the adjacent pair whose
+/// concatenation is a vocabulary piece with the highest score (leftmost on a
+/// tie); user-defined pieces are matched whole beforehand and never merge.
+/// A Hugging Face BPE does the same with ranked merges when every split
+/// `(left, right)` of a normal piece into two normal pieces is a merge
+/// ranked by the piece's score — the derivation transformers' SentencePiece
+/// converters use (`SentencePieceExtractor`): score descending, then piece
+/// id, then the ids of the two halves.
+pub fn spm_merges(tokens: &[&str], scores: &[f32], types: &[i64]) -> Vec<(String, String)> {
+    let mut normal: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
+    for (id, (&t, &ty)) in tokens.iter().zip(types).enumerate() {
+        if ty == token_type::NORMAL {
+            normal.entry(t).or_insert(id as u32);
+        }
+    }
+    // (score, piece id, left id, right id, split byte offset)
+    let mut found: Vec<(f32, u32, u32, u32, usize)> = Vec::new();
+    for (&piece, &id) in &normal {
+        let score = scores.get(id as usize).copied().unwrap_or(0.0);
+        for (at, _) in piece.char_indices().skip(1) {
+            let (l, r) = piece.split_at(at);
+            if let (Some(&li), Some(&ri)) = (normal.get(l), normal.get(r)) {
+                found.push((score, id, li, ri, at));
+            }
+        }
+    }
+    found.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then(a.1.cmp(&b.1))
+            .then(a.2.cmp(&b.2))
+            .then(a.3.cmp(&b.3))
+    });
+    found
+        .into_iter()
+        .map(|(_, id, _, _, at)| {
+            let (l, r) = tokens[id as usize].split_at(at);
+            (l.to_string(), r.to_string())
+        })
+        .collect()
+}
+
+/// A SentencePiece BPE vocabulary (`tokenizer.ggml.model = "llama"`, with
+/// `tokenizer.ggml.scores` and `token_type`; Gemma's) as a Hugging Face
+/// tokenizer, the shape of Google's own Gemma `tokenizer.json`:
+///
+/// - normalizer: spaces become `▁` (U+2581); a leading `▁` only if
+///   `tokenizer.ggml.add_space_prefix` is true (Gemma: false);
+/// - no pre-tokenizer (SentencePiece merges across the whole text);
+/// - BPE over the vocabulary with [`spm_merges`], byte fallback to the
+///   `<0xXX>` tokens, `<unk>` for the rest;
+/// - control tokens as special added tokens, user-defined tokens (Gemma's
+///   whitespace runs, `\n` runs, HTML tags) as added tokens matched whole in
+///   the raw text, as SentencePiece's prefix matcher does. llama.cpp's
+///   converter stores those with real spaces (its tokenizer matches them in
+///   the raw text too), so they keep the file's spelling here;
+/// - decoder: `▁` back to spaces, byte tokens to bytes;
+/// - post-processor: `<bos>` first when `tokenizer.ggml.add_bos_token`.
+pub fn build_spm_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
+    use tokenizers::decoders::byte_fallback::ByteFallback;
+    use tokenizers::decoders::fuse::Fuse;
+    use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+    use tokenizers::decoders::DecoderWrapper;
+    use tokenizers::normalizers::replace::Replace;
+    use tokenizers::normalizers::{NormalizerWrapper, Prepend, Sequence as NormalizerSequence};
+    use tokenizers::processors::template::TemplateProcessing;
+
+    let tokens = gguf.get_str_array("tokenizer.ggml.tokens")?;
+    if tokens.is_empty() || tokens.len() > u32::MAX as usize {
+        return Err(GgufError::WrongType {
+            key: "tokenizer.ggml.tokens".into(),
+            expected: "a non-empty array".into(),
+            found: format!("{} tokens", tokens.len()),
+        });
+    }
+    let scores: Vec<f32> = {
+        let raw = gguf.get_array("tokenizer.ggml.scores")?;
+        let mut v = Vec::with_capacity(raw.len().min(tokens.len()));
+        for (i, x) in raw.iter().enumerate() {
+            match x.as_float() {
+                Some(f) => v.push(f as f32),
+                None => {
+                    return Err(GgufError::WrongType {
+                        key: "tokenizer.ggml.scores".into(),
+                        expected: "an array of floats".into(),
+                        found: format!("element {i} of type {}", x.type_name()),
+                    })
+                }
+            }
+        }
+        v
+    };
+    let types = gguf.get_int_array("tokenizer.ggml.token_type")?;
+    for (key, len) in [
+        ("tokenizer.ggml.scores", scores.len()),
+        ("tokenizer.ggml.token_type", types.len()),
+    ] {
+        if len != tokens.len() {
+            return Err(GgufError::WrongType {
+                key: key.into(),
+                expected: format!("{} entries (one per token)", tokens.len()),
+                found: format!("{len} entries"),
+            });
+        }
+    }
+
+    let mut vocab: Vocab = Vocab::default();
+    let mut added: Vec<(u32, String, bool)> = Vec::new();
+    for (id, (&tok, &ty)) in tokens.iter().zip(&types).enumerate() {
+        let id = id as u32;
+        match ty {
+            token_type::CONTROL => added.push((id, tok.to_string(), true)),
+            token_type::USER_DEFINED => added.push((id, tok.to_string(), false)),
+            _ => {}
+        }
+        if vocab.insert(tok.to_string(), id).is_some() {
+            return Err(GgufError::WrongType {
+                key: "tokenizer.ggml.tokens".into(),
+                expected: "distinct tokens".into(),
+                found: format!("{tok:?} more than once (again at id {id})"),
+            });
+        }
+    }
+    let unk = match gguf.get_u32_opt("tokenizer.ggml.unknown_token_id")? {
+        Some(id) => tokens.get(id as usize).map(|t| t.to_string()),
+        None => vocab.contains_key("<unk>").then(|| "<unk>".to_string()),
+    };
+    let merges = spm_merges(&tokens, &scores, &types);
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
+    if let Some(u) = unk {
+        builder = builder.unk_token(u);
+    }
+    let bpe = builder.build().map_err(|e| {
+        GgufError::Tokenizer(format!("building BPE from the SentencePiece vocabulary: {e}"))
+    })?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    let space = SPM_SPACE.to_string();
+    let replace = Replace::new(" ", space.as_str())
+        .map_err(|e| GgufError::Tokenizer(format!("normalizer: {e}")))?;
+    let add_prefix = gguf
+        .get_bool_opt("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(true);
+    let normalizer: NormalizerWrapper = if add_prefix {
+        NormalizerSequence::new(vec![Prepend::new(space.clone()).into(), replace.into()]).into()
+    } else {
+        replace.into()
+    };
+    tokenizer.with_normalizer(Some(normalizer));
+    let unspace = Replace::new(space.as_str(), " ")
+        .map_err(|e| GgufError::Tokenizer(format!("decoder: {e}")))?;
+    let mut decoders = vec![
+        DecoderWrapper::Replace(unspace),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ];
+    if add_prefix {
+        decoders.push(DecoderWrapper::Strip(tokenizers::decoders::strip::Strip::new(' ', 1, 0)));
+    }
+    tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
+    let add_bos = gguf
+        .get_bool_opt("tokenizer.ggml.add_bos_token")?
+        .unwrap_or(true);
+    let bos = match gguf.get_u32_opt("tokenizer.ggml.bos_token_id")? {
+        Some(id) => tokens.get(id as usize).map(|t| (t.to_string(), id)),
+        None => None,
+    };
+    if let (true, Some((bos_tok, bos_id))) = (add_bos, &bos) {
+        let post = TemplateProcessing::builder()
+            .try_single(format!("{bos_tok} $A"))
+            .and_then(|b| b.try_pair(format!("{bos_tok} $A {bos_tok}:1 $B:1")))
+            .map_err(|e| GgufError::Tokenizer(format!("post-processor: {e}")))?
+            .special_tokens(vec![(bos_tok.clone(), *bos_id)])
+            .build()
+            .map_err(|e| GgufError::Tokenizer(format!("post-processor: {e}")))?;
+        tokenizer.with_post_processor(Some(post));
+    }
+    let arch = gguf.get_str_opt("general.architecture")?.unwrap_or("");
+    let template = (arch == "gemma3").then_some(crate::gemma3::GEMMA3_CHAT_TEMPLATE);
+    let mut out = finish(
+        gguf,
+        tokenizer,
+        &tokens,
+        &added,
+        "PreTrainedTokenizerFast",
+        template,
+    )?;
+    if let Value::Object(cfg) = &mut out.config {
+        cfg.insert("add_bos_token".into(), json!(add_bos));
+        cfg.insert("add_prefix_space".into(), json!(add_prefix));
+        cfg.insert("spaces_between_special_tokens".into(), json!(false));
+    }
+    Ok(out)
 }
 
 pub(crate) fn write_json(path: &Path, value: &Value) -> Result<()> {
@@ -430,7 +655,7 @@ mod tests {
         let g = GgufFile::from_bytes(
             "x",
             GgufBuilder::new()
-                .kv("tokenizer.ggml.model", GgufValue::String("llama".into()))
+                .kv("tokenizer.ggml.model", GgufValue::String("bert".into()))
                 .build(),
         )
         .unwrap();
