@@ -44,6 +44,34 @@ impl Default for VtcWeights {
     }
 }
 
+/// Inter-token latency target of a step that decodes rows (issue 17): its prefill is
+/// sized by the learned step cost ([`crate::step_cost`]) so the step is predicted
+/// within it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ItlTarget {
+    /// Token budgets only (`decode_prefill_tokens`, `max_step_tokens`).
+    Off,
+    /// This many seconds a step.
+    Fixed(Duration),
+    /// `factor` times the predicted cost of the step's decoding rows alone, and at
+    /// least `min`: follows the device, the model and the batch (a bigger batch's
+    /// streams already wait longer per token, so a prompt may take a proportional
+    /// share). No bound until the cost model has seen enough steps.
+    Auto { factor: f64, min: Duration },
+}
+
+impl ItlTarget {
+    /// `weft serve`'s default: prefill may make a step that decodes at most 3x as
+    /// long as decoding alone, and take at least 100 ms on the CPU (where a step's
+    /// fixed cost is large) or 20 ms on a GPU.
+    pub fn auto(gpu: bool) -> Self {
+        ItlTarget::Auto {
+            factor: 3.0,
+            min: Duration::from_millis(if gpu { 20 } else { 100 }),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// Rows in one forward call.
@@ -60,8 +88,9 @@ pub struct SchedulerConfig {
     pub decode_prefill_tokens: Option<usize>,
     /// Inter-token latency target of a step that decodes rows: its prefill is sized by
     /// the learned step cost ([`crate::step_cost`]) so the step is predicted within
-    /// it (on top of `decode_prefill_tokens`). None: token budgets only.
-    pub itl_target: Option<std::time::Duration>,
+    /// it (on top of `decode_prefill_tokens`). Off by default here; `weft serve`
+    /// defaults to [`ItlTarget::auto`].
+    pub itl_target: ItlTarget,
     /// Speculative decoding: the most draft tokens (from prompt lookup, see
     /// `draft.rs`) a decoding row verifies per step. Only greedy requests without
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
@@ -127,7 +156,7 @@ impl Default for SchedulerConfig {
             max_step_tokens: 2048,
             prefill_chunk: 512,
             decode_prefill_tokens: None,
-            itl_target: None,
+            itl_target: ItlTarget::Off,
             speculate: 0,
             speculate_step_tokens: 8,
             max_waiting: 4096,
@@ -160,8 +189,12 @@ impl SchedulerConfig {
         if self.prefill_chunk == 0 {
             return Err("prefill_chunk must be > 0".into());
         }
-        if self.itl_target.is_some_and(|t| t.is_zero()) {
-            return Err("itl_target must be > 0".into());
+        match self.itl_target {
+            ItlTarget::Fixed(t) if t.is_zero() => return Err("itl_target must be > 0".into()),
+            ItlTarget::Auto { factor, .. } if !(factor.is_finite() && factor >= 1.0) => {
+                return Err("itl_target's auto factor must be >= 1".into())
+            }
+            _ => {}
         }
         if self.decode_prefill_tokens == Some(0) {
             return Err(

@@ -96,7 +96,7 @@ pub mod scheduler;
 pub mod step_cost;
 mod util;
 
-pub use config::{SchedulerConfig, TenantLimits, VtcWeights};
+pub use config::{ItlTarget, SchedulerConfig, TenantLimits, VtcWeights};
 pub use engine::{Engine, EngineError, EngineHandle};
 pub use fault::{FaultPlan, FaultPoint};
 pub use model::{

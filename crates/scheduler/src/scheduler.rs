@@ -21,7 +21,7 @@ use tracing::{debug, error, warn};
 
 use crate::admission::Admission;
 use crate::chan;
-use crate::config::SchedulerConfig;
+use crate::config::{ItlTarget, SchedulerConfig};
 use crate::detok::{TextState, TextUpdate};
 use crate::draft::{self, Seq};
 use crate::fault::{FaultPlan, FaultPoint};
@@ -33,6 +33,7 @@ use crate::request::{
     EventStream, FinishReason, Finished, Msg, Request, RequestKey, StopMatch, SubmitError, Usage,
 };
 use crate::sampling::PenaltyState;
+use crate::step_cost::{StepCost, StepShape};
 use crate::util::{mix64, IdMap};
 use weft_kv_pool::{AttentionKind, KvError, KvPool, OwnerId, PrefixStats, Salt, SeqId, SeqSpec};
 
@@ -90,6 +91,9 @@ pub struct Stats {
     /// Speculative draft tokens verified in committed steps, and those accepted.
     pub draft_tokens: u64,
     pub accepted_tokens: u64,
+    /// Seconds: the inter-token latency target of the latest step planned under one
+    /// (`SchedulerConfig::itl_target`; with `ItlTarget::Auto`, what it came to).
+    pub itl_target: Option<f64>,
 }
 
 /// Why one attempt of a step failed.
@@ -358,6 +362,45 @@ struct Plan {
     probation: bool,
 }
 
+/// A request's place in a step's prefill order (see [`Scheduler::prefill_key`]).
+type FairKey = (Reverse<i32>, u64, usize);
+
+/// What is left of a step's time under an inter-token latency target, as its
+/// prefill chunks are added (see [`Scheduler::time_fit`]).
+struct TimeFit {
+    /// Seconds the step is to stay within; None: no time bound.
+    target: Option<f64>,
+    /// The step so far.
+    shape: StepShape,
+    /// Tokens the first chunk gets at least (a block).
+    min: usize,
+    prefilled: bool,
+    /// A chunk was cut to fit: nothing more goes in.
+    full: bool,
+}
+
+impl TimeFit {
+    /// Tokens of a chunk of `n` after `start` committed ones that fit what is left.
+    fn allowed(&self, cost: &StepCost, start: usize, n: usize) -> usize {
+        let Some(target) = self.target else { return n };
+        if self.full {
+            return 0;
+        }
+        let min = if self.prefilled { 0 } else { self.min };
+        cost.prefill_within(&self.shape, start, min, n, target)
+    }
+
+    /// Adds a chunk of `n` tokens (at most what [`Self::allowed`] gave for `wanted`).
+    fn take(&mut self, start: usize, n: usize, wanted: usize) {
+        if self.target.is_none() || n == 0 {
+            return;
+        }
+        self.shape.add(start, n);
+        self.prefilled = true;
+        self.full |= n < wanted;
+    }
+}
+
 /// One picked token of a step, with its logprobs if the request asked.
 #[derive(Debug, Clone, PartialEq)]
 struct Sampled {
@@ -451,7 +494,7 @@ pub struct Scheduler<M: Model> {
     admission: Arc<Admission>,
     faults: FaultPlan,
     /// What steps cost, learned from the ones run (sizes prefill under an ITL target).
-    cost: crate::step_cost::StepCost,
+    cost: StepCost,
     /// When the last pipelined step was collected while its successor was queued.
     last_collect: Option<Instant>,
     tenants: Vec<Tenant>,
@@ -529,7 +572,7 @@ impl<M: Model> Scheduler<M> {
         labels.push(("other".into(), TenantMetrics::new("other")));
         let mut s = Self {
             faults: cfg.faults.clone(),
-            cost: crate::step_cost::StepCost::new(),
+            cost: StepCost::new(),
             last_collect: None,
             cfg,
             info,
@@ -894,6 +937,12 @@ impl<M: Model> Scheduler<M> {
     }
 
     fn plan(&mut self, now: Instant) -> Plan {
+        if self.probation.is_empty() {
+            if let Some(k) = self.room_victim() {
+                debug!(request = k.0, "preempting a row for a tenant holding none");
+                self.preempt(k);
+            }
+        }
         let mut order = std::mem::take(&mut self.bufs.order);
         let mut prefills = std::mem::take(&mut self.bufs.prefills);
         let mut rows = std::mem::take(&mut self.bufs.rows);
@@ -953,8 +1002,17 @@ impl<M: Model> Scheduler<M> {
                 let drafted = self.add_drafts(&mut rows, &mut free);
                 prefills.sort_by_cached_key(|x| self.keep_key(x.slot));
                 let mut budget = self.prefill_budget(decodes + drafted);
-                budget = self.time_capped(&rows, &prefills, budget);
-                self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
+                let mut fit = self.time_fit(&rows);
+                let joiners = group.is_none();
+                self.plan_prefills(
+                    now,
+                    &prefills,
+                    &mut rows,
+                    &mut budget,
+                    &mut free,
+                    &mut fit,
+                    joiners,
+                );
                 if rows.is_empty() && !prefills.is_empty() {
                     // Every running row is stalled on memory: free the least-kept one so
                     // the others can move, then plan again.
@@ -963,9 +1021,10 @@ impl<M: Model> Scheduler<M> {
                     }
                     continue;
                 }
-                if group.is_none() {
-                    self.admit_joiners(now, &mut rows, &mut budget, &mut free);
+                if joiners {
+                    self.admit_joiners(now, &mut rows, &mut budget, &mut free, &mut fit, None);
                 }
+                self.stats.itl_target = fit.target.or(self.stats.itl_target);
                 break group.is_some();
             }
 
@@ -1028,17 +1087,27 @@ impl<M: Model> Scheduler<M> {
                     .copied()
                     .filter(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem > 1)),
             );
-            budget = self.time_capped(&rows, &prefills, budget);
-            self.plan_prefills(&prefills, &mut rows, &mut budget, &mut free);
+            let mut fit = self.time_fit(&rows);
+            let joiners = group.is_none();
+            self.plan_prefills(
+                now,
+                &prefills,
+                &mut rows,
+                &mut budget,
+                &mut free,
+                &mut fit,
+                joiners,
+            );
 
             if rows.is_empty() && end > 0 {
                 self.preempt(order[end - 1].key);
                 continue;
             }
 
-            if group.is_none() {
-                self.admit_joiners(now, &mut rows, &mut budget, &mut free);
+            if joiners {
+                self.admit_joiners(now, &mut rows, &mut budget, &mut free, &mut fit, None);
             }
+            self.stats.itl_target = fit.target.or(self.stats.itl_target);
             break group.is_some();
         };
         self.bufs.order = order;
@@ -1094,25 +1163,86 @@ impl<M: Model> Scheduler<M> {
         added
     }
 
-    /// With an inter-token latency target and decoding rows in `rows`: `budget`
-    /// capped at the prefill tokens the learned step cost says fit the target beside
-    /// them (at the depth of the first prefill row in keep order, the one the budget
-    /// goes to first; a joiner starts at 0), but at least a block's worth, so prompts
-    /// always advance. Without decoding rows nobody waits on the step: no cap.
-    fn time_capped(&self, rows: &[Planned], prefills: &[RunSlot], budget: usize) -> usize {
-        let Some(target) = self.cfg.itl_target else {
-            return budget;
+    /// The time budget of a step whose decoding rows (and their drafts) are `rows`:
+    /// with an inter-token latency target and decoding rows, every prefill chunk
+    /// added is sized by the learned step cost to keep the step predicted within the
+    /// target, at its own depth; the first chunk gets at least a block's worth, so
+    /// prompts always advance. Without decoding rows nobody waits on the step: no cap.
+    fn time_fit(&self, rows: &[Planned]) -> TimeFit {
+        let shape = shape_of(rows);
+        let target = if rows.is_empty() {
+            None
+        } else {
+            match self.cfg.itl_target {
+                ItlTarget::Off => None,
+                ItlTarget::Fixed(t) => Some(t.as_secs_f64()),
+                ItlTarget::Auto { factor, min } => self
+                    .cost
+                    .predict(&shape)
+                    .map(|d| (d * factor).max(min.as_secs_f64())),
+            }
         };
-        if rows.is_empty() || budget == 0 {
-            return budget;
+        TimeFit {
+            target,
+            shape,
+            min: self.bs,
+            prefilled: false,
+            full: false,
         }
-        let base = shape_of(rows);
-        let depth = prefills
-            .first()
-            .and_then(|x| self.progress(x.slot))
-            .map_or(0, |(_, start, _)| start);
-        self.cost
-            .prefill_within(&base, depth, self.bs, budget, target.as_secs_f64())
+    }
+
+    /// Where a request of tenant `t` at `priority` stands for a step's prefill:
+    /// higher priority first, then the tenant least served so far (its virtual
+    /// counter), then the tenant holding fewer rows (so a tenant lifted to the
+    /// counter of a backlogged one goes before it).
+    fn prefill_key(&self, t: usize, priority: i32) -> FairKey {
+        let x = &self.tenants[t];
+        // Counters are >= 0, so the IEEE bit pattern orders like the value.
+        (Reverse(priority), x.counter.max(0.0).to_bits(), x.running)
+    }
+
+    /// With every row of the batch taken, a running row to preempt so that the
+    /// tenant first in fair order can start although it holds no row: the least-kept
+    /// row (lowest priority, youngest) of the tenant holding the most rows beyond its
+    /// weighted share of the batch, if that tenant is no less served and the row's
+    /// priority is no higher than the waiting request's. At most one row per tenant
+    /// left without one, so two backlogged tenants never trade rows back and forth.
+    fn room_victim(&self) -> Option<RequestKey> {
+        if self.running.len() < self.cfg.max_batch_rows {
+            return None;
+        }
+        let t = self.pick_tenant()?;
+        let waiting = &self.tenants[t];
+        if waiting.running > 0 {
+            return None;
+        }
+        let (&(Reverse(priority), _), _) = waiting.queue.first_key_value()?;
+        let active: f64 = self
+            .tenants
+            .iter()
+            .filter(|x| x.running > 0 || !x.queue.is_empty())
+            .map(|x| x.weight)
+            .sum();
+        let rows = self.cfg.max_batch_rows as f64;
+        let (v, over) = self
+            .tenants
+            .iter()
+            .enumerate()
+            .filter(|(i, x)| *i != t && x.running > 0 && x.counter >= waiting.counter)
+            .map(|(i, x)| (i, x.running as f64 - rows * x.weight / active))
+            .max_by(|a, b| a.1.total_cmp(&b.1))?;
+        if over < 1.0 {
+            return None;
+        }
+        self.running
+            .iter()
+            .filter(|x| {
+                self.reqs
+                    .at(x.slot)
+                    .is_some_and(|r| r.tenant == v && r.r.priority <= priority)
+            })
+            .max_by_key(|x| self.keep_key(x.slot))
+            .map(|x| x.key)
     }
 
     /// Prefill tokens a step with `decodes` decoding rows may add.
@@ -1124,17 +1254,30 @@ impl<M: Model> Scheduler<M> {
         }
     }
 
-    /// Prefill chunks for running rows (in keep order), each shrunk to the token budget
-    /// and to the memory left; rows that get nothing wait for a later step.
+    /// Prefill chunks for running rows (in keep order), each shrunk to the token budget,
+    /// the step's time and the memory left; rows that get nothing wait for a later
+    /// step. With `joiners`, waiting requests ahead of a row in fair order
+    /// ([`Self::prefill_key`]) are admitted before it, so a tenant served less so far
+    /// gets its prefill into this step although others' prompts are mid-prefill.
+    #[allow(clippy::too_many_arguments)]
     fn plan_prefills(
-        &self,
+        &mut self,
+        now: Instant,
         xs: &[RunSlot],
         rows: &mut Vec<Planned>,
         budget: &mut usize,
         free: &mut usize,
+        fit: &mut TimeFit,
+        joiners: bool,
     ) {
         for &x in xs {
-            if *budget == 0 {
+            if joiners {
+                if let Some((t, p)) = self.reqs.at(x.slot).map(|r| (r.tenant, r.r.priority)) {
+                    let key = self.prefill_key(t, p);
+                    self.admit_joiners(now, rows, budget, free, fit, Some((t, key)));
+                }
+            }
+            if *budget == 0 || fit.full {
                 break;
             }
             let Some((res, start, rem)) = self.progress(x.slot) else {
@@ -1150,6 +1293,12 @@ impl<M: Model> Scheduler<M> {
             if n == 0 {
                 continue;
             }
+            let wanted = n;
+            let n = fit.allowed(&self.cost, start, wanted);
+            if n == 0 {
+                break;
+            }
+            fit.take(start, n, wanted);
             *free -= self.need(start, n);
             *budget -= n;
             rows.push(Planned {
@@ -1170,7 +1319,12 @@ impl<M: Model> Scheduler<M> {
             .iter()
             .enumerate()
             .filter(|(_, t)| !t.queue.is_empty() && t.running < t.max_running)
-            .min_by(|a, b| a.1.counter.total_cmp(&b.1.counter).then(a.0.cmp(&b.0)))
+            .min_by(|a, b| {
+                a.1.counter
+                    .total_cmp(&b.1.counter)
+                    .then(a.1.running.cmp(&b.1.running))
+                    .then(a.0.cmp(&b.0))
+            })
             .map(|(i, _)| i)
     }
 
@@ -1179,16 +1333,21 @@ impl<M: Model> Scheduler<M> {
         self.cfg.prefix_cache.then(|| self.tenants[t].salt)
     }
 
+    /// Admits waiting requests in fair order while rows, the token budget, the step's
+    /// time and memory allow; with `ahead_of` (a running row's tenant and
+    /// [`Self::prefill_key`]), only those ahead of that row.
     fn admit_joiners(
         &mut self,
         now: Instant,
         rows: &mut Vec<Planned>,
         budget: &mut usize,
         free: &mut usize,
+        fit: &mut TimeFit,
+        ahead_of: Option<(usize, FairKey)>,
     ) {
         let mut prefilling = rows.iter().any(|r| r.n > 1);
         let mut toks = std::mem::take(&mut self.bufs.joiner);
-        while self.running.len() < self.cfg.max_batch_rows && *budget > 0 {
+        while self.running.len() < self.cfg.max_batch_rows && *budget > 0 && !fit.full {
             let watermark = if self.running.is_empty() {
                 0
             } else {
@@ -1200,9 +1359,16 @@ impl<M: Model> Scheduler<M> {
                 break;
             }
             let Some(t) = self.pick_tenant() else { break };
-            let Some((_, &k)) = self.tenants[t].queue.first_key_value() else {
+            let Some((&(Reverse(priority), _), &k)) = self.tenants[t].queue.first_key_value()
+            else {
                 break;
             };
+            if let Some((bt, bkey)) = ahead_of {
+                // A tenant's own requests wait for its running rows.
+                if bt == t || self.prefill_key(t, priority) >= bkey {
+                    break;
+                }
+            }
             toks.clear();
             if let Some(r) = self.reqs.get(&k) {
                 r.extend_tokens(0, r.seq_len(), &mut toks);
@@ -1230,7 +1396,11 @@ impl<M: Model> Scheduler<M> {
                 None => (0, 0),
             };
             let rest = total - cached;
-            let n = self.cfg.prefill_chunk.min(rest).min(*budget);
+            let wanted = self.cfg.prefill_chunk.min(rest).min(*budget);
+            let n = fit.allowed(&self.cost, cached, wanted);
+            if n == 0 {
+                break;
+            }
             if n < rest && rest <= self.cfg.prefill_chunk && prefilling {
                 // A prompt that fits one chunk but not this step's leftover budget
                 // starts whole next step: started now, its tail would run next step
@@ -1249,7 +1419,13 @@ impl<M: Model> Scheduler<M> {
             // Cached blocks the hit took out of the evictable list, plus the chunk's
             // new blocks.
             let revived = before.saturating_sub(self.available());
-            let n = self.cfg.prefill_chunk.min(total - cached).min(*budget);
+            let n = self
+                .cfg
+                .prefill_chunk
+                .min(total - cached)
+                .min(*budget)
+                .min(n);
+            fit.take(cached, n, wanted);
             *free = free.saturating_sub(revived + self.need(cached, n));
             *budget -= n;
             prefilling |= n > 1;
@@ -1546,6 +1722,7 @@ impl<M: Model> Scheduler<M> {
             || !self.probation.is_empty()
             || self.would_draft(rows)
             || (self.running.len() < self.cfg.max_batch_rows && self.pick_tenant().is_some())
+            || self.room_victim().is_some()
         {
             return next;
         }
@@ -2309,8 +2486,8 @@ impl<M: Model> Scheduler<M> {
 }
 
 /// The cost model's view of a step's planned rows.
-fn shape_of(rows: &[Planned]) -> crate::step_cost::StepShape {
-    let mut s = crate::step_cost::StepShape::default();
+fn shape_of(rows: &[Planned]) -> StepShape {
+    let mut s = StepShape::default();
     for p in rows {
         s.add(p.start, p.n);
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use weft_scheduler::fake::{FakeConfig, FakeFaults, FakeStepCost};
-use weft_scheduler::{Request, SchedulerConfig};
+use weft_scheduler::{FinishReason, ItlTarget, Request, SchedulerConfig};
 
 /// A CPU-like device: 10 ms a step, 1 ms per decoding row, 0.2 ms per prefill token,
 /// and attention that makes a token at depth 6000 cost ~1.6x one at depth 0.
@@ -24,6 +24,7 @@ const COST: FakeStepCost = FakeStepCost {
 const TARGET: Duration = Duration::from_millis(60);
 
 fn config(itl_target: Option<Duration>) -> SchedulerConfig {
+    let itl_target = itl_target.map_or(ItlTarget::Off, ItlTarget::Fixed);
     SchedulerConfig {
         max_batch_rows: 16,
         max_step_tokens: 2048,
@@ -159,4 +160,125 @@ fn a_step_without_decoding_rows_is_not_capped() {
         b.sched.model().step_costs().len(),
         "the same steps with and without a target"
     );
+}
+
+/// A 7000-token prompt joining 8 decoding streams is cancelled (or passes its
+/// deadline) halfway through its prefill. Cancels and deadlines are applied between
+/// steps, so one arriving at any moment waits for the step in progress at most: under
+/// the target every step the prompt shares with the streams is bounded by it (without
+/// one they are 2-3x it), and the prompt's blocks are back at the first step boundary
+/// after the cancel — the row leaves mid-prefill, its partial chunks with it.
+#[test]
+fn a_cancelled_long_prompt_frees_its_blocks_within_one_bounded_step() {
+    const JOIN: u64 = 20;
+    const AFTER: u64 = 8;
+    let target = TARGET.as_secs_f64();
+    for how in ["cancel", "deadline"] {
+        for itl in [Some(TARGET), None] {
+            let mut specs: Vec<Spec> = workload().into_iter().take(8).collect();
+            let mut g = rng(5);
+            let mut r = Request::new("long", prompt(&mut g, 7000), 4);
+            r.request_id = Some("long".into());
+            let mut s = Spec::at(JOIN, r);
+            match how {
+                "cancel" => s.cancel_after = Some(AFTER),
+                _ => s.deadline_after = Some(AFTER),
+            }
+            specs.push(s);
+            // Per step: blocks in use, and the simulated seconds of its last forward.
+            let mut used = Vec::new();
+            let mut cost = Vec::new();
+            let r = run(
+                config(itl),
+                fake(),
+                FakeFaults::default(),
+                &specs,
+                |_, sched, _| {
+                    used.push(sched.stats().kv_blocks_used);
+                    cost.push(sched.model().step_costs().last().map_or(0.0, |c| c.2));
+                },
+            );
+            assert_clean(&r);
+            let o = &r.outcomes[8];
+            let f = o.finished.as_ref().expect("the long request finished");
+            let want = match how {
+                "cancel" => FinishReason::Cancelled,
+                _ => FinishReason::Deadline,
+            };
+            assert_eq!(f.reason, want, "{how} {itl:?}");
+            assert!(
+                o.tokens.is_empty(),
+                "{how} {itl:?}: cut before its first token"
+            );
+            // Applied at the first step boundary after it came.
+            assert_eq!(o.finish_step, Some(AFTER), "{how} {itl:?}");
+            let at = (JOIN + AFTER) as usize;
+            // Mid-prefill: it held a good part of its 438 blocks.
+            let held = used[at - 1] - used[at];
+            assert!(
+                (50..438).contains(&held),
+                "{how} {itl:?}: {held} blocks freed at the cancel ({} -> {})",
+                used[at - 1],
+                used[at]
+            );
+            // The streams decoding beside it keep theirs: what is left is theirs alone.
+            assert!(
+                used[at] <= 8 * 20,
+                "{how} {itl:?}: {} blocks left",
+                used[at]
+            );
+            // The step a cancel can wait for: every step while the prompt was in.
+            let worst = cost[JOIN as usize + 5..at]
+                .iter()
+                .fold(0f64, |m, &c| m.max(c));
+            match itl {
+                Some(_) => assert!(
+                    worst <= 1.5 * target,
+                    "{how}: a step of {worst:.3} s under a {target} s target"
+                ),
+                None => assert!(
+                    worst > 2.0 * target,
+                    "{how}: without a target, steps of {worst:.3} s"
+                ),
+            }
+        }
+    }
+}
+
+/// `ItlTarget::Auto`: the target is a multiple of what the step's decoding rows cost
+/// alone, learned like the rest — here 3x the 8 streams' 18 ms, 54 ms — and the
+/// mixed steps keep to it as to a fixed one.
+#[test]
+fn the_auto_target_follows_the_decode_step_cost() {
+    let specs = workload();
+    let mut cfg = config(None);
+    cfg.itl_target = ItlTarget::Auto {
+        factor: 3.0,
+        min: Duration::from_millis(5),
+    };
+    let auto = run(cfg, fake(), FakeFaults::default(), &specs, |_, _, _| {});
+    let plain = run(
+        config(None),
+        fake(),
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    assert_clean(&auto);
+    assert_same_streams(&auto, &plain);
+    // 8 decoding rows alone: 10 ms + 8 x 1 ms.
+    let want = 3.0 * (COST.base + 8.0 * COST.per_decode_row);
+    let got = auto.sched.stats().itl_target.expect("a target was used");
+    assert!(
+        (got - want).abs() / want < 0.1,
+        "auto target {got} vs {want}"
+    );
+    let b = mixed_steps(&auto);
+    let settled = &b[4.min(b.len())..];
+    assert!(
+        p99(settled) <= 1.5 * want,
+        "mixed steps p99 {:.3} s vs auto target {want:.3}",
+        p99(settled)
+    );
+    assert!(p99(&mixed_steps(&plain)) > 2.0 * want);
 }

@@ -121,12 +121,14 @@ pub struct ServeArgs {
     /// the CPU, no bound on a GPU; --max-step-tokens' value turns it off].
     #[arg(long, env = "WEFT_DECODE_PREFILL_TOKENS")]
     pub decode_prefill_tokens: Option<usize>,
-    /// Inter-token latency target, in milliseconds, of a step that also decodes:
-    /// its prefill is sized by the step cost the engine learns from the steps it
-    /// runs, so long prompts join in chunks that keep running streams near it
-    /// (on top of --decode-prefill-tokens) [default: off].
-    #[arg(long, env = "WEFT_ITL_TARGET_MS")]
-    pub itl_target_ms: Option<u64>,
+    /// Inter-token latency target of a step that also decodes: its prefill is
+    /// sized by the step cost the engine learns from the steps it runs, so long
+    /// prompts join in chunks that keep running streams near it (on top of
+    /// --decode-prefill-tokens). MS: that many milliseconds; "auto": 3x the
+    /// learned cost of the step's decoding alone, at least 100 ms on the CPU and
+    /// 20 ms on a GPU; "off": token budgets only [default: auto].
+    #[arg(long, env = "WEFT_ITL_TARGET_MS", value_name = "MS|auto|off", value_parser = parse_itl_target)]
+    pub itl_target_ms: Option<ItlSetting>,
     /// Speculative decoding by prompt lookup: the most draft tokens a greedy
     /// request verifies per step (drafts are what followed the latest earlier
     /// occurrence of its last tokens; output is unchanged). 0 turns it off
@@ -183,7 +185,7 @@ struct FileConfig {
     max_waiting: Option<usize>,
     prefill_chunk: Option<usize>,
     decode_prefill_tokens: Option<usize>,
-    itl_target_ms: Option<u64>,
+    itl_target_ms: Option<ItlSetting>,
     speculate: Option<usize>,
     speculate_step_tokens: Option<usize>,
     kv_blocks: Option<usize>,
@@ -194,6 +196,47 @@ struct FileConfig {
     coalesce: Option<String>,
     compute_dtype: Option<String>,
     weights: Option<String>,
+}
+
+/// `--itl-target-ms` / `itl_target_ms`: milliseconds, `auto` or `off` (the file
+/// takes a number or one of the words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "ItlSettingText")]
+pub enum ItlSetting {
+    Auto,
+    Off,
+    Ms(u64),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ItlSettingText {
+    Ms(u64),
+    Word(String),
+}
+
+impl TryFrom<ItlSettingText> for ItlSetting {
+    type Error = String;
+    fn try_from(t: ItlSettingText) -> Result<Self, String> {
+        match t {
+            ItlSettingText::Ms(ms) => Ok(ItlSetting::Ms(ms)),
+            ItlSettingText::Word(w) => parse_itl_target(&w),
+        }
+    }
+}
+
+/// `MS`, `auto` or `off`.
+pub fn parse_itl_target(s: &str) -> Result<ItlSetting, String> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("auto") {
+        return Ok(ItlSetting::Auto);
+    }
+    if t.eq_ignore_ascii_case("off") {
+        return Ok(ItlSetting::Off);
+    }
+    t.parse()
+        .map(ItlSetting::Ms)
+        .map_err(|_| format!("{s:?}: expected milliseconds, auto or off"))
 }
 
 /// How the KV cache is sized.
@@ -248,7 +291,7 @@ pub struct Settings {
     pub max_waiting: usize,
     pub prefill_chunk: usize,
     pub decode_prefill_tokens: Option<usize>,
-    pub itl_target: Option<std::time::Duration>,
+    pub itl_target: weft_scheduler::ItlTarget,
     pub speculate: usize,
     pub speculate_step_tokens: usize,
     pub kv_size: KvSize,
@@ -340,11 +383,21 @@ impl Settings {
         // decoding row waits for it: by default bound the prefill that rides
         // along with decoding rows there (measured: 32-stream ITL p99 3.1 s ->
         // 1.1-1.5 s for ~7% of throughput). GPU steps are short enough.
+        let gpu = compute.load_options()?.device == weft_models::Device::Gpu;
         let decode_prefill_tokens = args
             .decode_prefill_tokens
             .or(file.decode_prefill_tokens)
-            .or((compute.load_options()?.device == weft_models::Device::Cpu)
-                .then_some(DEFAULT_CPU_DECODE_PREFILL_TOKENS));
+            .or((!gpu).then_some(DEFAULT_CPU_DECODE_PREFILL_TOKENS));
+        let itl_target = match args
+            .itl_target_ms
+            .or(file.itl_target_ms)
+            .unwrap_or(ItlSetting::Auto)
+        {
+            ItlSetting::Auto => weft_scheduler::ItlTarget::auto(gpu),
+            ItlSetting::Off => weft_scheduler::ItlTarget::Off,
+            ItlSetting::Ms(0) => bail!("--itl-target-ms must be at least 1 (or auto, or off)"),
+            ItlSetting::Ms(ms) => weft_scheduler::ItlTarget::Fixed(Duration::from_millis(ms)),
+        };
         let s = Settings {
             listen,
             metrics_listen,
@@ -378,10 +431,7 @@ impl Settings {
             max_waiting: args.max_waiting.or(file.max_waiting).unwrap_or(1024),
             prefill_chunk: args.prefill_chunk.or(file.prefill_chunk).unwrap_or(512),
             decode_prefill_tokens,
-            itl_target: args
-                .itl_target_ms
-                .or(file.itl_target_ms)
-                .map(std::time::Duration::from_millis),
+            itl_target,
             speculate: args
                 .speculate
                 .or(file.speculate)
@@ -422,10 +472,6 @@ impl Settings {
             ),
             ("kv-block-size", self.kv_block_size),
             ("default-max-tokens", self.default_max_tokens),
-            (
-                "itl-target-ms",
-                self.itl_target.map_or(1, |t| t.as_millis() as usize),
-            ),
         ] {
             if v == 0 {
                 bail!("--{name} must be at least 1");
@@ -622,23 +668,57 @@ mod tests {
 
     #[test]
     fn itl_target_flag_and_file() {
+        use weft_scheduler::ItlTarget;
+        let gpu = weft_models::Device::detect() == weft_models::Device::Gpu;
         let c = Settings::resolve(args("")).unwrap().scheduler_config();
-        assert_eq!(c.itl_target, None, "off by default");
+        assert_eq!(c.itl_target, ItlTarget::auto(gpu), "auto by default");
+        assert!(matches!(
+            ItlTarget::auto(false),
+            ItlTarget::Auto { factor, min } if factor == 3.0 && min == Duration::from_millis(100)
+        ));
         let c = Settings::resolve(args("--itl-target-ms 250"))
             .unwrap()
             .scheduler_config();
-        assert_eq!(c.itl_target, Some(std::time::Duration::from_millis(250)));
+        assert_eq!(c.itl_target, ItlTarget::Fixed(Duration::from_millis(250)));
+        let c = Settings::resolve(args("--itl-target-ms off"))
+            .unwrap()
+            .scheduler_config();
+        assert_eq!(c.itl_target, ItlTarget::Off);
         let e = Settings::resolve(args("--itl-target-ms 0"))
             .unwrap_err()
             .to_string();
         assert!(e.contains("--itl-target-ms must be at least 1"), "{e}");
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("weft.toml");
-        std::fs::write(&p, "itl_target_ms = 80\n").unwrap();
-        let c = Settings::resolve(args(&format!("--config {}", p.display())))
-            .unwrap()
-            .scheduler_config();
-        assert_eq!(c.itl_target, Some(std::time::Duration::from_millis(80)));
+        for (text, want) in [
+            (
+                "itl_target_ms = 80\n",
+                ItlTarget::Fixed(Duration::from_millis(80)),
+            ),
+            ("itl_target_ms = \"off\"\n", ItlTarget::Off),
+            ("itl_target_ms = \"auto\"\n", ItlTarget::auto(gpu)),
+        ] {
+            std::fs::write(&p, text).unwrap();
+            let c = Settings::resolve(args(&format!("--config {}", p.display())))
+                .unwrap()
+                .scheduler_config();
+            assert_eq!(c.itl_target, want, "{text}");
+        }
+        // The flag beats the file.
+        let c = Settings::resolve(args(&format!(
+            "--config {} --itl-target-ms 40",
+            p.display()
+        )))
+        .unwrap()
+        .scheduler_config();
+        assert_eq!(c.itl_target, ItlTarget::Fixed(Duration::from_millis(40)));
+        std::fs::write(&p, "itl_target_ms = \"soon\"\n").unwrap();
+        let e = Settings::resolve(args(&format!("--config {}", p.display()))).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("milliseconds, auto or off"),
+            "{e:#}"
+        );
+        assert!(Cli::try_parse_from(["serve", "--itl-target-ms", "fast"]).is_err());
     }
 
     #[test]
