@@ -77,21 +77,31 @@ pub struct FakeStepCost {
     pub per_decode_row: f64,
     pub per_prefill_token: f64,
     pub per_attention: f64,
+    /// Each forward's cost times `1 + jitter * u`, `u` in [-1, 1) from a hash of the
+    /// forward's number: a device shared with other work (0: none).
+    pub jitter: f64,
+    /// Decoding rows and prefill run side by side (a CPU's two lanes): a step costs
+    /// `base` plus the larger of its decode and its prefill parts, not their sum.
+    pub overlap: bool,
 }
 
 impl FakeStepCost {
     pub fn of(&self, batch: &[RowInput]) -> f64 {
-        let mut t = self.base;
+        let (mut decode, mut prefill) = (0.0, 0.0);
         for r in batch {
             let n = r.tokens.len();
             if n == 1 {
-                t += self.per_decode_row;
+                decode += self.per_decode_row;
             } else {
-                t += self.per_prefill_token * n as f64
+                prefill += self.per_prefill_token * n as f64
                     + self.per_attention * n as f64 * (r.start_pos as f64 + n as f64 / 2.0);
             }
         }
-        t
+        if self.overlap {
+            self.base + f64::max(decode, prefill)
+        } else {
+            self.base + decode + prefill
+        }
     }
 }
 
@@ -658,7 +668,10 @@ impl FakeModel {
                 .filter(|r| r.tokens.len() > 1)
                 .map(|r| r.tokens.len())
                 .sum();
-            (decode, other, c.of(batch))
+            let u = (mix64(0x5eed_c057 ^ self.stats.forwards) >> 11) as f64 / (1u64 << 53) as f64
+                * 2.0
+                - 1.0;
+            (decode, other, c.of(batch) * (1.0 + c.jitter * u))
         });
         self.staged.push_back(Staged {
             rows: staged,

@@ -495,6 +495,11 @@ pub struct Scheduler<M: Model> {
     faults: FaultPlan,
     /// What steps cost, learned from the ones run (sizes prefill under an ITL target).
     cost: StepCost,
+    /// What steps that only decode cost, learned from those alone: the base of
+    /// `ItlTarget::Auto`. (While prompts join, every step carries the same rows and a
+    /// similar prefill, so the fit of all steps cannot tell the rows' share; on a CPU
+    /// whose lanes overlap decoding and prefill it is not additive either.)
+    decode_cost: StepCost,
     /// When the last pipelined step was collected while its successor was queued.
     last_collect: Option<Instant>,
     tenants: Vec<Tenant>,
@@ -573,6 +578,7 @@ impl<M: Model> Scheduler<M> {
         let mut s = Self {
             faults: cfg.faults.clone(),
             cost: StepCost::new(),
+            decode_cost: StepCost::new(),
             last_collect: None,
             cfg,
             info,
@@ -1177,8 +1183,8 @@ impl<M: Model> Scheduler<M> {
                 ItlTarget::Off => None,
                 ItlTarget::Fixed(t) => Some(t.as_secs_f64()),
                 ItlTarget::Auto { factor, min } => self
-                    .cost
-                    .predict(&shape)
+                    .decode_cost
+                    .predict_seen(&shape)
                     .map(|d| (d * factor).max(min.as_secs_f64())),
             }
         };
@@ -1650,11 +1656,20 @@ impl<M: Model> Scheduler<M> {
         self.settle(rows, &out)?;
         self.model.commit().map_err(StepFault::model)?;
         self.pool_commit();
-        self.cost.observe(&shape_of(rows), seconds);
+        self.observe_cost(rows, seconds);
         let mut commits = std::mem::take(&mut self.bufs.commits);
         let rep = self.apply(rows, &mut commits, now);
         self.bufs.commits = commits;
         Ok(rep)
+    }
+
+    /// Learns from a committed step of `rows` that took `seconds`.
+    fn observe_cost(&mut self, rows: &[Planned], seconds: f64) {
+        let shape = shape_of(rows);
+        self.cost.observe(&shape, seconds);
+        if shape.prefill_tokens == 0 {
+            self.decode_cost.observe(&shape, seconds);
+        }
     }
 
     /// Whether the plan may run pipelined: the model pipelines, and every row gets its
@@ -1794,7 +1809,7 @@ impl<M: Model> Scheduler<M> {
                 .last_step_seconds()
                 .or_else(|| self.last_collect.map(|t| (now_i - t).as_secs_f64()));
             if let Some(seconds) = seconds {
-                self.cost.observe(&shape_of(&rows), seconds);
+                self.observe_cost(&rows, seconds);
             }
             self.last_collect = chained.then_some(now_i);
         } else {
