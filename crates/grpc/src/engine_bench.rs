@@ -47,8 +47,48 @@ pub struct EngineBenchArgs {
     /// (a GPU backend compiles and loads kernels per shape on first use).
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
+    /// throughput: every stream submitted at once (the default). long-prompts:
+    /// `--streams` decode while `--long-prompts` join, then one prompt of
+    /// `--cancel-prompt` tokens is cancelled halfway through its prefill; reports
+    /// the streams' inter-token latency against the ITL target and how soon the
+    /// cancelled prompt's blocks are back (see benches/RESULTS.md).
+    #[arg(long, value_enum, default_value_t = Scenario::Throughput)]
+    pub scenario: Scenario,
+    /// As `weft serve --itl-target-ms` [default: off for throughput, auto for
+    /// long-prompts, as `weft serve`].
+    #[arg(long, value_name = "MS|auto|off", value_parser = crate::server::config::parse_itl_target)]
+    pub itl_target_ms: Option<crate::server::config::ItlSetting>,
+    /// long-prompts: the prompts (tokens) that join the decoding streams, a
+    /// second apart.
+    #[arg(long, value_delimiter = ',', default_value = "2048,7000")]
+    pub long_prompts: Vec<usize>,
+    /// long-prompts: the prompt cancelled mid-prefill (tokens).
+    #[arg(long, default_value_t = 7000)]
+    pub cancel_prompt: usize,
     #[command(flatten)]
     pub compute: ComputeArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    Throughput,
+    LongPrompts,
+}
+
+/// The ITL target a bench run plans under.
+pub(crate) fn itl_target(
+    s: Option<crate::server::config::ItlSetting>,
+    default: crate::server::config::ItlSetting,
+    gpu: bool,
+) -> anyhow::Result<weft_scheduler::ItlTarget> {
+    use crate::server::config::ItlSetting;
+    use weft_scheduler::ItlTarget;
+    Ok(match s.unwrap_or(default) {
+        ItlSetting::Auto => ItlTarget::auto(gpu),
+        ItlSetting::Off => ItlTarget::Off,
+        ItlSetting::Ms(0) => anyhow::bail!("--itl-target-ms must be at least 1"),
+        ItlSetting::Ms(ms) => ItlTarget::Fixed(std::time::Duration::from_millis(ms)),
+    })
 }
 
 #[derive(Debug, Serialize)]
@@ -76,10 +116,23 @@ pub struct EngineBenchReport {
     pub eval_ms: f64,
 }
 
-pub fn run(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
+pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
+    match args.scenario {
+        Scenario::Throughput => throughput(args).map(|_| ()),
+        Scenario::LongPrompts => crate::engine_bench_long::run(args).map(|_| ()),
+    }
+}
+
+pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
     let dir = runtime::resolve_model(&args.model, false)?;
     let opts = args.compute.load_options()?;
+    let gpu = opts.device == weft_models::Device::Gpu;
     let config = SchedulerConfig {
+        itl_target: itl_target(
+            args.itl_target_ms,
+            crate::server::config::ItlSetting::Off,
+            gpu,
+        )?,
         max_batch_rows: args.streams.max(1),
         max_step_tokens: args
             .max_step_tokens

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod blas;
 pub mod codec;
 pub mod engine_bench;
+pub mod engine_bench_long;
 pub mod generate;
 pub mod malloc;
 pub mod paths;

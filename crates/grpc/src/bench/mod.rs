@@ -30,6 +30,7 @@
 pub mod arrivals;
 pub mod client;
 pub mod dist;
+pub mod mix;
 pub mod prompt;
 pub mod sse;
 pub mod stats;
@@ -170,6 +171,37 @@ pub struct BenchArgs {
     /// No progress bar (it is also hidden when stderr is not a terminal).
     #[arg(long, short = 'q')]
     pub quiet: bool,
+
+    /// load: the load the flags above describe. tenant-mix: latency isolation
+    /// between two tenants (the first --tenant floods with --flood-streams
+    /// streams, the second sends short requests one at a time), measured alone
+    /// and together in three phases of --phase-duration; see bench/mix.rs.
+    #[arg(long, value_enum, default_value_t = Scenario::Load)]
+    pub scenario: Scenario,
+
+    /// tenant-mix: the flooding tenant's closed-loop streams (its requests are
+    /// --prompt-tokens / --max-tokens).
+    #[arg(long, default_value_t = 32)]
+    pub flood_streams: u32,
+
+    /// tenant-mix: prompt length of the light tenant's requests.
+    #[arg(long, default_value = "32")]
+    pub light_prompt_tokens: LengthDist,
+
+    /// tenant-mix: tokens the light tenant's requests generate.
+    #[arg(long, default_value = "16")]
+    pub light_max_tokens: LengthDist,
+
+    /// tenant-mix: length of each phase (light alone, flood alone, both).
+    #[arg(long, value_parser = parse_positive_duration, default_value = "60s")]
+    pub phase_duration: Duration,
+}
+
+/// What `weft bench` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    Load,
+    TenantMix,
 }
 
 /// One source of load in the measured phase.
@@ -299,6 +331,8 @@ struct Shared {
     shares: Vec<f64>,
     prompt: LengthDist,
     max_tokens: LengthDist,
+    /// Per tenant: (prompt, max_tokens) in place of the shared ones.
+    lengths: Vec<Option<(LengthDist, LengthDist)>>,
     seed: u64,
     /// Unique request numbers (prompt headers, request ids).
     next_index: AtomicU64,
@@ -341,8 +375,14 @@ impl Shared {
             }
             x -= self.shares[t];
         }
-        let prompt_len = self.prompt.sample(&mut rng);
-        let max_tokens = self.max_tokens.sample(&mut rng);
+        let (prompt, max_tokens) = self
+            .lengths
+            .get(tenant)
+            .copied()
+            .flatten()
+            .unwrap_or((self.prompt, self.max_tokens));
+        let prompt_len = prompt.sample(&mut rng);
+        let max_tokens = max_tokens.sample(&mut rng);
         let index = self.next_index.fetch_add(1, Ordering::Relaxed);
         Planned {
             index,
@@ -479,13 +519,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
     Ok(report)
 }
 
-/// [`run`] on a new multi-threaded Tokio runtime, for a synchronous `main`.
-pub fn run_blocking(args: BenchArgs) -> anyhow::Result<BenchReport> {
-    tokio::runtime::Builder::new_multi_thread()
+/// [`run`] (or [`mix::run`] for `--scenario tenant-mix`) on a new multi-threaded
+/// Tokio runtime, for a synchronous `main`.
+pub fn run_blocking(args: BenchArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("starting the Tokio runtime")?
-        .block_on(run(args))
+        .context("starting the Tokio runtime")?;
+    match args.scenario {
+        Scenario::Load => rt.block_on(run(args)).map(|_| ()),
+        Scenario::TenantMix => rt.block_on(mix::run(args)).map(|_| ()),
+    }
 }
 
 fn config_json(args: &BenchArgs, plan: &Plan, nonce: u32) -> serde_json::Value {
@@ -559,6 +603,7 @@ async fn run_until(
         shares: plan.tenants.iter().map(|t| t.share).collect(),
         prompt: args.prompt_tokens,
         max_tokens: args.max_tokens,
+        lengths: Vec::new(),
         seed: args.seed,
         next_index: AtomicU64::new(0),
         cancel: cancel_rx,
@@ -780,6 +825,7 @@ mod tests {
 
     #[tokio::test]
     async fn planning_is_reproducible_and_follows_shares() {
+        use std::collections::HashSet;
         let (_tx, rx) = watch::channel(false);
         let mk = || Shared {
             client: Client::grpc("grpc://127.0.0.1:9", 1, &[None, None]).unwrap(),
@@ -793,6 +839,7 @@ mod tests {
             shares: vec![3.0, 1.0],
             prompt: "uniform:10:100".parse().unwrap(),
             max_tokens: "normal:50:10".parse().unwrap(),
+            lengths: Vec::new(),
             seed: 5,
             next_index: AtomicU64::new(0),
             cancel: rx.clone(),
@@ -816,5 +863,42 @@ mod tests {
         assert_eq!(prompts.len(), 4000);
         // A single-tenant source always picks that tenant.
         assert!((0..100).all(|k| a.plan(k, &[1]).tenant == 1));
+
+        // Per-tenant lengths (tenant-mix's light tenant) replace the shared ones
+        // for that tenant only.
+        let mut c = mk();
+        c.lengths = vec![None, Some(("5".parse().unwrap(), "3".parse().unwrap()))];
+        let words = |p: &Planned| p.prompt.split(' ').count();
+        let (mut light, mut other) = (HashSet::new(), HashSet::new());
+        for k in 0..200 {
+            let (p0, p1) = (c.plan(k, &[0]), c.plan(k, &[1]));
+            assert_eq!(p1.max_tokens, 3);
+            assert_ne!(p0.max_tokens, 3, "request {k} of tenant 0 kept its lengths");
+            assert!(words(&p1) <= words(&p0), "request {k}");
+            light.insert(words(&p1));
+            other.insert(words(&p0));
+        }
+        assert_eq!(light.len(), 1, "a fixed prompt length: {light:?}");
+        assert!(other.len() > 10, "tenant 0's uniform:10:100: {other:?}");
+    }
+
+    #[tokio::test]
+    async fn tenant_mix_needs_a_flood_and_a_light_tenant() {
+        let err = |l: &str| {
+            let a = args(l).unwrap();
+            async move { mix::run(a).await.unwrap_err().to_string() }
+        };
+        assert!(err("--scenario tenant-mix").await.contains("two --tenant"));
+        assert!(err("--scenario tenant-mix --tenant a:k --tenant b:k -c 3")
+            .await
+            .contains("sets its own load"));
+        assert!(
+            err("--scenario tenant-mix --tenant a:k --tenant b:k --flood-streams 0")
+                .await
+                .contains("at least 1")
+        );
+        let a = args("--scenario tenant-mix --flood-streams 48 --phase-duration 2m").unwrap();
+        assert_eq!((a.scenario, a.flood_streams), (Scenario::TenantMix, 48));
+        assert_eq!(a.phase_duration, Duration::from_secs(120));
     }
 }
