@@ -444,6 +444,9 @@ struct StepBufs {
     joiner: Vec<u32>,
 }
 
+/// Decode-only steps whose seconds `ItlTarget::Auto` takes the median of.
+const DECODE_TIMES: usize = 33;
+
 /// The token a pipelined step's row is appended with until the pick it follows is read
 /// (any id inside every vocabulary; the model feeds the real pick).
 const FOLLOW_PLACEHOLDER: u32 = 0;
@@ -495,11 +498,15 @@ pub struct Scheduler<M: Model> {
     faults: FaultPlan,
     /// What steps cost, learned from the ones run (sizes prefill under an ITL target).
     cost: StepCost,
-    /// What steps that only decode cost, learned from those alone: the base of
-    /// `ItlTarget::Auto`. (While prompts join, every step carries the same rows and a
-    /// similar prefill, so the fit of all steps cannot tell the rows' share; on a CPU
-    /// whose lanes overlap decoding and prefill it is not additive either.)
-    decode_cost: StepCost,
+    /// Seconds of the latest steps that only decoded (at most `DECODE_TIMES`): their
+    /// median is the base of `ItlTarget::Auto`. Not the fit of all steps: while
+    /// prompts join every step carries the same rows and a similar prefill, so that
+    /// fit cannot tell the rows' share, and on a CPU whose lanes overlap decoding and
+    /// prefill a step's cost is not a sum. Not a fit of decode steps either: their
+    /// context grows past anything seen while prompts join (no decode-only step
+    /// then), and a fit extrapolates it. A median also shrugs off a busy host's
+    /// spikes.
+    decode_times: VecDeque<f64>,
     /// When the last pipelined step was collected while its successor was queued.
     last_collect: Option<Instant>,
     tenants: Vec<Tenant>,
@@ -578,7 +585,7 @@ impl<M: Model> Scheduler<M> {
         let mut s = Self {
             faults: cfg.faults.clone(),
             cost: StepCost::new(),
-            decode_cost: StepCost::new(),
+            decode_times: VecDeque::new(),
             last_collect: None,
             cfg,
             info,
@@ -1183,8 +1190,7 @@ impl<M: Model> Scheduler<M> {
                 ItlTarget::Off => None,
                 ItlTarget::Fixed(t) => Some(t.as_secs_f64()),
                 ItlTarget::Auto { factor, min } => self
-                    .decode_cost
-                    .predict_seen(&shape)
+                    .decode_median()
                     .map(|d| (d * factor).max(min.as_secs_f64())),
             }
         };
@@ -1667,9 +1673,23 @@ impl<M: Model> Scheduler<M> {
     fn observe_cost(&mut self, rows: &[Planned], seconds: f64) {
         let shape = shape_of(rows);
         self.cost.observe(&shape, seconds);
-        if shape.prefill_tokens == 0 {
-            self.decode_cost.observe(&shape, seconds);
+        if shape.prefill_tokens == 0 && seconds.is_finite() && seconds >= 0.0 {
+            if self.decode_times.len() == DECODE_TIMES {
+                self.decode_times.pop_front();
+            }
+            self.decode_times.push_back(seconds);
         }
+    }
+
+    /// The median of the latest decode-only steps' seconds (None before 8).
+    fn decode_median(&self) -> Option<f64> {
+        if self.decode_times.len() < 8 {
+            return None;
+        }
+        let mut v: Vec<f64> = self.decode_times.iter().copied().collect();
+        let mid = v.len() / 2;
+        let (_, m, _) = v.select_nth_unstable_by(mid, f64::total_cmp);
+        Some(*m)
     }
 
     /// Whether the plan may run pipelined: the model pipelines, and every row gets its

@@ -130,16 +130,7 @@ impl StepCost {
     /// without prefill, were observed). Each term is taken at least at zero, so more
     /// work never predicts less time.
     pub fn predict(&self, shape: &StepShape) -> Option<f64> {
-        if self.observed_prefill == 0 {
-            return None;
-        }
-        self.predict_seen(shape)
-    }
-
-    /// [`Self::predict`] for a model fed steps of one kind only (e.g. decoding
-    /// alone, to predict such steps): enough steps observed is all it needs.
-    pub fn predict_seen(&self, shape: &StepShape) -> Option<f64> {
-        if self.observed < MIN_OBSERVED {
+        if self.observed < MIN_OBSERVED || self.observed_prefill == 0 {
             return None;
         }
         let x = shape.features();

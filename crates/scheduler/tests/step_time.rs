@@ -248,8 +248,8 @@ fn a_cancelled_long_prompt_frees_its_blocks_within_one_bounded_step() {
 }
 
 /// `ItlTarget::Auto`: the target is a multiple of what the step's decoding rows cost
-/// alone — here 3x the 8 streams' 18 ms, 54 ms — learned from the steps that decode
-/// alone, and the mixed steps keep to it as to a fixed one. Also on a noisy device
+/// alone — here 3x the 8 streams' 18 ms, 54 ms — the median of the latest steps that
+/// decoded alone, and the mixed steps keep to it as to a fixed one. Also on a noisy device
 /// (+-25% per step) whose lanes run decoding and prefill side by side (a step costs
 /// the larger part, as on a CPU with two lanes): the fit of all steps then puts the
 /// prefill's cost in its constant, and 3x its guess of "decoding alone" would be 3x
