@@ -119,6 +119,15 @@ impl Admission {
                 self.kv_capacity_tokens
             ));
         }
+        if let Some(c) = &r.constraint {
+            if c.vocab_words() != self.info.vocab_size.div_ceil(32) {
+                return inv(format!(
+                    "the output constraint was compiled for {} tokens, the model has {}",
+                    c.vocab_words() * 32,
+                    self.info.vocab_size
+                ));
+            }
+        }
         let s = &r.sampling;
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
             return inv(format!("temperature must be >= 0, got {}", s.temperature));

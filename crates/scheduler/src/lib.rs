@@ -83,6 +83,7 @@
 mod admission;
 mod chan;
 pub mod config;
+pub mod constraint;
 mod detok;
 pub mod draft;
 pub mod engine;
@@ -97,11 +98,12 @@ pub mod step_cost;
 mod util;
 
 pub use config::{ItlTarget, SchedulerConfig, TenantLimits, VtcWeights};
+pub use constraint::{Constraint, ConstraintSpec, Grammars};
 pub use engine::{Engine, EngineError, EngineHandle};
 pub use fault::{FaultPlan, FaultPoint};
 pub use model::{
     Detokenizer, KvGroups, Model, ModelError, ModelInfo, RowBlocks, RowId, RowInput, RowSampling,
-    SeenToken, StepOutput, StorageOp,
+    SeenToken, StepOutput, StorageOp, TokenMask,
 };
 pub use request::{
     Event, EventStream, FinishReason, Finished, Request, RequestKey, SamplingParams, StopMatch,

@@ -32,6 +32,8 @@ pub const PREFIX_HITS: &str = "weft_prefix_cache_hits_total";
 pub const REQUESTS_FINISHED: &str = "weft_requests_finished_total";
 pub const SPEC_DRAFT_TOKENS: &str = "weft_spec_draft_tokens_total";
 pub const SPEC_ACCEPTED_TOKENS: &str = "weft_spec_accepted_tokens_total";
+pub const CONSTRAINT_MASK: &str = "weft_constraint_mask_seconds";
+pub const CONSTRAINT_MASKS: &str = "weft_constraint_masks_total";
 
 /// Suggested histogram buckets for the exporter; they include common SLO thresholds
 /// (a 2 s TTFT bucket among them).
@@ -102,6 +104,15 @@ pub fn describe() {
         SPEC_ACCEPTED_TOKENS,
         "Speculative draft tokens accepted (each one a token without a step of its own)"
     );
+    describe_histogram!(
+        CONSTRAINT_MASK,
+        Unit::Seconds,
+        "Host time computing one step's output-constraint token masks (steps with constrained rows)"
+    );
+    describe_counter!(
+        CONSTRAINT_MASKS,
+        "Output-constraint token masks computed (one per constrained row per step)"
+    );
 }
 
 pub(crate) struct EngineMetrics {
@@ -123,6 +134,8 @@ pub(crate) struct EngineMetrics {
     pub prefix_hits: Counter,
     pub spec_drafted: Counter,
     pub spec_accepted: Counter,
+    pub constraint_mask: Histogram,
+    pub constraint_masks: Counter,
 }
 
 impl EngineMetrics {
@@ -147,6 +160,8 @@ impl EngineMetrics {
             prefix_hits: counter!(PREFIX_HITS),
             spec_drafted: counter!(SPEC_DRAFT_TOKENS),
             spec_accepted: counter!(SPEC_ACCEPTED_TOKENS),
+            constraint_mask: histogram!(CONSTRAINT_MASK),
+            constraint_masks: counter!(CONSTRAINT_MASKS),
         }
     }
 }

@@ -70,6 +70,53 @@ pub struct RowSampling {
     /// Distinct tokens the penalties apply to; empty unless `params` has penalties.
     /// Repetition applies to each, presence and frequency to those generated.
     pub seen: Vec<SeenToken>,
+    /// The tokens an output constraint allows at the row's position (None: any). The
+    /// others are removed before the pick (after penalties, before greedy or the draw:
+    /// their logits become -inf); logprobs stay those of the raw logits. A row with a
+    /// mask never carries a draft.
+    pub allowed: Option<TokenMask>,
+}
+
+/// A set of token ids as a bitmask: token `t` is in it when bit `t % 32` of word
+/// `t / 32` is set (llguidance's and the device sampler's layout). Cheap to clone.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TokenMask(std::sync::Arc<[u32]>);
+
+impl TokenMask {
+    pub fn from_words(words: Vec<u32>) -> Self {
+        Self(words.into())
+    }
+
+    /// The bitmask words (`ceil(vocab / 32)` of them for a mask built for `vocab`).
+    pub fn words(&self) -> &[u32] {
+        &self.0
+    }
+
+    pub fn allows(&self, t: u32) -> bool {
+        self.0
+            .get(t as usize / 32)
+            .is_some_and(|w| w >> (t % 32) & 1 == 1)
+    }
+
+    /// How many tokens are allowed.
+    pub fn count(&self) -> usize {
+        self.0.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// The smallest allowed token, if any.
+    pub fn first(&self) -> Option<u32> {
+        self.0
+            .iter()
+            .enumerate()
+            .find(|(_, &w)| w != 0)
+            .map(|(i, w)| i as u32 * 32 + w.trailing_zeros())
+    }
+}
+
+impl std::fmt::Debug for TokenMask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TokenMask({} allowed)", self.count())
+    }
 }
 
 /// One token a request has seen, for penalties.

@@ -77,6 +77,9 @@ pub struct Request {
     /// Client-chosen id, unique per tenant among live requests; needed for `cancel`.
     pub request_id: Option<String>,
     pub deadline: Option<Instant>,
+    /// What the output must match (JSON schema, regex, grammar, choices), compiled by
+    /// [`crate::constraint::Grammars`]; None: unconstrained.
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 impl Request {
@@ -96,6 +99,7 @@ impl Request {
             logprobs: None,
             request_id: None,
             deadline: None,
+            constraint: None,
         }
     }
 }
@@ -104,7 +108,7 @@ impl Request {
 pub enum FinishReason {
     /// `max_tokens` reached.
     Length,
-    /// A stop token id or stop string matched.
+    /// A stop token id or stop string matched, or the output constraint is complete.
     Stop,
     /// The model's end-of-sequence token (and `ignore_eos` was off).
     Eos,
@@ -134,6 +138,10 @@ impl FinishReason {
 pub enum StopMatch {
     TokenId(u32),
     String(String),
+    /// The output constraint is complete: `Some(eos)` when the request picked that
+    /// end-of-sequence token where the grammar may end (not emitted, as EOS never is),
+    /// None right after the token that completed a grammar nothing may follow.
+    Constraint(Option<u32>),
 }
 
 #[derive(Debug, Clone, PartialEq)]

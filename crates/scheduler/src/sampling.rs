@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 
-use crate::model::{ModelError, RowInput, RowSampling, SeenToken, StepOutput};
+use crate::model::{ModelError, RowInput, RowSampling, SeenToken, StepOutput, TokenMask};
 use crate::request::{SamplingParams, TokenLogprob};
 
 /// Candidates whose scaled logit is this far below the best one have relative
@@ -142,20 +142,35 @@ pub fn sample_position(
         return Err("empty logits".into());
     }
     let p = &s.params;
-    let penalized: &[f32] = if p.has_penalties() && !s.seen.is_empty() {
+    let penalize = p.has_penalties() && !s.seen.is_empty();
+    let penalized: &[f32] = if penalize || s.allowed.is_some() {
         scratch.work.clear();
         scratch.work.extend_from_slice(logits);
-        apply_penalties(&mut scratch.work, p, &s.seen);
+        if penalize {
+            apply_penalties(&mut scratch.work, p, &s.seen);
+        }
+        if let Some(mask) = &s.allowed {
+            apply_mask(&mut scratch.work, mask);
+        }
         &scratch.work
     } else {
         logits
     };
-    let token = if p.is_greedy() {
+    let mut token = if p.is_greedy() {
         argmax(penalized).ok_or("logits are all NaN")?
     } else {
         let u = uniform(s.seed, s.index + offset);
         draw(penalized, p, u, &mut scratch.cand)?
     };
+    if let Some(mask) = &s.allowed {
+        if !mask.allows(token) {
+            // Every allowed logit is -inf or NaN (argmax then returns the first value
+            // that is not NaN): the smallest allowed id, as any pick among equals.
+            token = mask
+                .first()
+                .ok_or("the output constraint allows no token")?;
+        }
+    }
     let logprob = match s.logprobs {
         Some(n) => Some(logprobs(logits, token, n)?),
         None => None,
@@ -174,6 +189,22 @@ fn apply_penalties(x: &mut [f32], p: &SamplingParams, seen: &[SeenToken]) {
         }
         if t.generated > 0 {
             *v -= p.presence_penalty + p.frequency_penalty * t.generated as f32;
+        }
+    }
+}
+
+/// Sets the logits of the tokens `mask` does not allow (and those past its end) to -inf.
+fn apply_mask(x: &mut [f32], mask: &TokenMask) {
+    let words = mask.words();
+    for (i, chunk) in x.chunks_mut(32).enumerate() {
+        let w = words.get(i).copied().unwrap_or(0);
+        if w == u32::MAX {
+            continue;
+        }
+        for (b, v) in chunk.iter_mut().enumerate() {
+            if w >> b & 1 == 0 {
+                *v = f32::NEG_INFINITY;
+            }
         }
     }
 }
@@ -481,5 +512,66 @@ mod tests {
         assert!((lp.logprob - (1.0f32.exp() / z).ln()).abs() < 1e-5);
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
         assert!((lp.top[0].1 - (3.0f32.exp() / z).ln()).abs() < 1e-5);
+    }
+
+    fn mask_of(vocab: usize, allowed: &[u32]) -> TokenMask {
+        let mut w = vec![0u32; vocab.div_ceil(32)];
+        for &t in allowed {
+            w[t as usize / 32] |= 1 << (t % 32);
+        }
+        TokenMask::from_words(w)
+    }
+
+    #[test]
+    fn a_mask_restricts_greedy_and_drawn_picks() {
+        let mut s = Scratch::default();
+        let logits: Vec<f32> = (0..70).map(|i| (i % 17) as f32).collect();
+        let allowed = [3u32, 40, 65];
+        let mask = mask_of(70, &allowed);
+        assert_eq!(mask.count(), 3);
+        assert_eq!(mask.first(), Some(3));
+        assert!(mask.allows(65) && !mask.allows(64) && !mask.allows(1000));
+        let greedy = RowSampling {
+            allowed: Some(mask.clone()),
+            ..ctx(&SamplingParams::default(), 0)
+        };
+        // 16 is the best logit overall (id 16); among the allowed, 65 % 17 = 14 wins.
+        assert_eq!(sample(&logits, &greedy, &mut s).unwrap(), 65);
+        let hot = SamplingParams {
+            temperature: 5.0,
+            ..SamplingParams::default()
+        };
+        let mut seen = std::collections::HashSet::new();
+        for index in 0..200 {
+            let c = RowSampling {
+                allowed: Some(mask.clone()),
+                ..ctx(&hot, index)
+            };
+            let (t, lp) = sample_position(&logits, &c, 0, &mut s).unwrap();
+            assert!(allowed.contains(&t), "drew {t}");
+            assert!(lp.is_none());
+            seen.insert(t);
+        }
+        assert_eq!(seen.len(), 3, "every allowed token is drawn at some point");
+        // Logprobs stay those of the raw logits.
+        let c = RowSampling {
+            allowed: Some(mask.clone()),
+            logprobs: Some(1),
+            ..ctx(&SamplingParams::default(), 0)
+        };
+        let (_, lp) = sample_position(&logits, &c, 0, &mut s).unwrap();
+        assert_eq!(lp.unwrap().top[0].0, 16);
+        // Allowed tokens whose logits are all -inf: the smallest allowed id.
+        let mut dead = logits.clone();
+        for &t in &allowed {
+            dead[t as usize] = f32::NEG_INFINITY;
+        }
+        assert_eq!(sample(&dead, &greedy, &mut s).unwrap(), 3);
+        // A mask allowing nothing is an error, not a pick.
+        let none = RowSampling {
+            allowed: Some(mask_of(70, &[])),
+            ..ctx(&SamplingParams::default(), 0)
+        };
+        assert!(sample(&dead, &none, &mut s).is_err());
     }
 }

@@ -22,6 +22,7 @@ use tracing::{debug, error, warn};
 use crate::admission::Admission;
 use crate::chan;
 use crate::config::{ItlTarget, SchedulerConfig};
+use crate::constraint::MaskTime;
 use crate::detok::{TextState, TextUpdate};
 use crate::draft::{self, Seq};
 use crate::fault::{FaultPlan, FaultPoint};
@@ -94,6 +95,10 @@ pub struct Stats {
     /// Seconds: the inter-token latency target of the latest step planned under one
     /// (`SchedulerConfig::itl_target`; with `ItlTarget::Auto`, what it came to).
     pub itl_target: Option<f64>,
+    /// Output-constraint masks computed (one per constrained row per step; a retried
+    /// step reuses its masks) and the host seconds they took.
+    pub constraint_masks: u64,
+    pub constraint_mask_seconds: f64,
 }
 
 /// Why one attempt of a step failed.
@@ -214,7 +219,14 @@ impl Req {
     /// the draft in their counts) or stop strings (matched on staged text) is involved.
     fn speculates(&self) -> bool {
         let s = &self.r.sampling;
-        s.is_greedy() && !s.has_penalties() && self.r.stop_strings.is_empty()
+        // Constrained rows do not draft: every draft position would need the mask of
+        // the constraint's state after the draft tokens before it (a tentative
+        // consume and a mask computation per position, each as costly as a step's
+        // own mask), while prompt-lookup drafts are rarely accepted inside a schema.
+        s.is_greedy()
+            && !s.has_penalties()
+            && self.r.stop_strings.is_empty()
+            && self.r.constraint.is_none()
     }
 
     /// Fills `s` with how this request's next tokens are picked (its first position
@@ -228,6 +240,7 @@ impl Req {
             Some(p) => s.seen.clone_from(&p.seen),
             None => s.seen.clear(),
         }
+        s.allowed = None;
     }
 
     /// Whether generated token `t` ends the request by EOS, a stop token id or length
@@ -246,6 +259,17 @@ impl Req {
             last.then_some((FinishReason::Length, None))
         }
     }
+}
+
+/// Whether a request's last token ends it without text of its own (EOS, a stop token
+/// id, the EOS that completed its constraint).
+fn silent_end(finish: &Option<(FinishReason, Option<StopMatch>)>) -> bool {
+    matches!(
+        finish,
+        Some((FinishReason::Eos, _))
+            | Some((FinishReason::Stop, Some(StopMatch::TokenId(_))))
+            | Some((FinishReason::Stop, Some(StopMatch::Constraint(Some(_)))))
+    )
 }
 
 /// Live requests: a slab, so the per-row hot path (plan, forward inputs, sampling, apply)
@@ -1771,7 +1795,8 @@ impl<M: Model> Scheduler<M> {
                 continue;
             };
             live += 1;
-            if r.penalties.is_some() {
+            // Penalty counts and a constraint's mask both need this step's pick.
+            if r.penalties.is_some() || r.r.constraint.is_some() {
                 return Vec::new();
             }
             if r.generated.len() + 1 >= r.r.max_tokens || r.row.is_none_or(|x| x.row != p.row) {
@@ -1924,6 +1949,28 @@ impl<M: Model> Scheduler<M> {
 
     fn fill_inputs(&mut self, rows: &[Planned], follows: bool) -> Result<(), String> {
         let shift = self.bs_shift;
+        let mut mask_time = MaskTime::default();
+        let r = self.fill_rows(rows, follows, shift, &mut mask_time);
+        if mask_time.computed > 0 {
+            self.stats.constraint_masks += mask_time.computed;
+            self.stats.constraint_mask_seconds += mask_time.seconds;
+            self.metrics.constraint_masks.increment(mask_time.computed);
+            self.metrics.constraint_mask.record(mask_time.seconds);
+        }
+        r?;
+        if self.faults.hit(FaultPoint::AfterPlan) {
+            return Err("injected fault after planning".into());
+        }
+        Ok(())
+    }
+
+    fn fill_rows(
+        &mut self,
+        rows: &[Planned],
+        follows: bool,
+        shift: u32,
+        mask_time: &mut MaskTime,
+    ) -> Result<(), String> {
         let inputs = &mut self.bufs.inputs;
         let held = &mut self.bufs.held;
         if held.len() < rows.len() {
@@ -1955,7 +2002,7 @@ impl<M: Model> Scheduler<M> {
             input.follows = follows;
             input.tokens.clear();
             *held = 0;
-            if let Some(r) = self.reqs.at(p.slot) {
+            if let Some(r) = self.reqs.at_mut(p.slot) {
                 // Committed now: before this step, and before the one it follows.
                 *held = r.computed.min(p.start);
                 if follows {
@@ -1967,6 +2014,21 @@ impl<M: Model> Scheduler<M> {
                 if p.want_logits {
                     r.fill_sampling(&mut input.sampling);
                     input.sampling.index += u64::from(follows);
+                    if let Some(c) = &mut r.r.constraint {
+                        // The mask of the committed state: a constrained row never
+                        // follows a pick it does not know, nor carries a draft.
+                        if follows || p.draft > 0 {
+                            return Err(format!(
+                                "request {}: a constrained row was planned after an unread pick or with a draft",
+                                p.key.0
+                            ));
+                        }
+                        let t = Instant::now();
+                        let (mask, computed) =
+                            c.mask().map_err(|e| format!("request {}: {e}", p.key.0))?;
+                        mask_time.add(t, computed);
+                        input.sampling.allowed = Some(mask);
+                    }
                 }
             }
             // Exactly the tokens the row feeds; a draft's rejected tail is truncated
@@ -1997,9 +2059,6 @@ impl<M: Model> Scheduler<M> {
                 rb.blocks.truncate(keep);
                 rb.blocks.extend_from_slice(&t.blocks[keep..]);
             }
-        }
-        if self.faults.hit(FaultPoint::AfterPlan) {
-            return Err("injected fault after planning".into());
         }
         Ok(())
     }
@@ -2087,16 +2146,32 @@ impl<M: Model> Scheduler<M> {
             // EOS or a stop token ends a request even at max_tokens; Length only if
             // nothing else matched.
             let mut finish = r.token_finish(t, last, &self.info.eos_token_ids);
+            if let Some(c) = &mut r.r.constraint {
+                // The pick was made under the mask of the committed state.
+                if !c.allows(t) || p.draft > 0 {
+                    return Err(format!(
+                        "model picked token {t} for request {}, which its output constraint does not allow",
+                        p.key.0
+                    ));
+                }
+                if self.info.eos_token_ids.contains(&t) {
+                    // Allowed only where the grammar may end.
+                    finish = Some((FinishReason::Stop, Some(StopMatch::Constraint(Some(t)))));
+                } else if !matches!(finish, Some((FinishReason::Stop, _)))
+                    && c.completes_with(t)
+                        .map_err(|e| format!("request {}: {e}", p.key.0))?
+                {
+                    finish = Some((FinishReason::Stop, Some(StopMatch::Constraint(None))));
+                }
+            }
             let update = if !engine_text {
                 None
-            } else if matches!(
-                finish,
-                Some((FinishReason::Eos, _)) | Some((FinishReason::Stop, _))
-            ) {
+            } else if silent_end(&finish) {
                 // The ending token's text is never emitted; flush what was held back.
                 Some(r.text.stage(None, true, detok, stops)?)
             } else {
-                let u = r.text.stage(Some(t), last, detok, stops)?;
+                let end = last || finish.is_some();
+                let u = r.text.stage(Some(t), end, detok, stops)?;
                 if let Some(s) = &u.stop {
                     finish = Some((FinishReason::Stop, Some(StopMatch::String(s.clone()))));
                 }
@@ -2218,6 +2293,7 @@ impl<M: Model> Scheduler<M> {
         let w_out = self.cfg.vtc.output;
         let mut done = std::mem::take(&mut self.bufs.done);
         done.clear();
+        let mut broken: Vec<(RequestKey, String)> = Vec::new();
         // Generated tokens per metrics label, recorded once per step.
         let mut per_label = std::mem::take(&mut self.bufs.per_label);
         per_label.clear();
@@ -2278,11 +2354,17 @@ impl<M: Model> Scheduler<M> {
                 },
             }
             r.last_token_at = Some(now);
-            let textual_end = !matches!(
-                c.finish,
-                Some((FinishReason::Eos, _))
-                    | Some((FinishReason::Stop, Some(StopMatch::TokenId(_))))
-            );
+            let textual_end = !silent_end(&c.finish);
+            if c.finish.is_none() {
+                if let Some(con) = &mut r.r.constraint {
+                    // The step committed: its pick is the constraint's now (checked
+                    // against its mask in `settle`, so this cannot fail but for an
+                    // internal error of the matcher, which fails the request).
+                    if let Err(e) = con.advance(&[s.token]) {
+                        broken.push((p.key, e));
+                    }
+                }
+            }
             for (i, s) in std::iter::once(s).chain(c.more).enumerate() {
                 let end = i + 1 == n;
                 r.generated.push(s.token);
@@ -2318,6 +2400,10 @@ impl<M: Model> Scheduler<M> {
         self.bufs.per_label = per_label;
         for (k, reason, stop) in done.drain(..) {
             self.finish(k, reason, stop, None, now);
+        }
+        for (k, e) in broken {
+            error!(request = k.0, error = %e, "output constraint failed");
+            self.finish(k, FinishReason::Error, None, Some(e), now);
         }
         self.bufs.done = done;
         rep
@@ -2451,6 +2537,7 @@ impl<M: Model> Scheduler<M> {
                 &r.text,
                 r.charged,
                 r.preemptions,
+                r.r.constraint.as_ref().map(|c| c.consumed()),
             )
                 .hash(&mut h);
             r.penalties

@@ -230,9 +230,20 @@ pub fn run(
     fake: FakeConfig,
     faults: FakeFaults,
     specs: &[Spec],
+    on_step: impl FnMut(u64, &Scheduler<FakeModel>, &[Outcome]),
+) -> Run {
+    run_detok(cfg, fake, faults, specs, Arc::new(FakeDetokenizer), on_step)
+}
+
+/// [`run`] with another detokenizer (a vocabulary of the test's own).
+pub fn run_detok(
+    cfg: SchedulerConfig,
+    fake: FakeConfig,
+    faults: FakeFaults,
+    specs: &[Spec],
+    detok: Arc<dyn Detokenizer>,
     mut on_step: impl FnMut(u64, &Scheduler<FakeModel>, &[Outcome]),
 ) -> Run {
-    let detok: Arc<dyn Detokenizer> = Arc::new(FakeDetokenizer);
     let max_waiting = cfg.max_waiting;
     let model = FakeModel::with_faults(fake, faults);
     let mut sched = Scheduler::new(cfg, model, detok).expect("config");
