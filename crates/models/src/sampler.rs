@@ -41,6 +41,11 @@ pub struct SampleRow {
     pub uniforms: Vec<f64>,
     /// Logprob of the pick and the `n` most likely tokens, at every position.
     pub logprobs: Option<usize>,
+    /// Tokens an output constraint allows at every position of the row, as bitmask
+    /// words (token `t`: bit `t % 32` of word `t / 32`; missing words allow nothing);
+    /// None: any. The others get -inf logits after penalties, before the pick;
+    /// logprobs stay those of the raw logits.
+    pub allowed: Option<std::sync::Arc<[u32]>>,
 }
 
 impl Default for SampleRow {
@@ -56,6 +61,7 @@ impl Default for SampleRow {
             seen: Vec::new(),
             uniforms: vec![0.0],
             logprobs: None,
+            allowed: None,
         }
     }
 }
@@ -157,12 +163,22 @@ pub fn sample(logits: &Array, rows: &[SampleRow]) -> Result<PendingPicks> {
         return Err(ModelError::Invalid("a sampled row has no positions".into()));
     }
     let vocab = logits.dim(1);
+    // Only when some row is constrained: `[positions, vocab]` booleans.
+    let allowed = allowed_mask(rows, positions, vocab)?;
     // Plain greedy rows only: the first maximum of the logits as they are
     // (exact in any float dtype), nothing else in the graph.
     if rows
         .iter()
         .all(|r| r.is_greedy() && !r.penalized() && r.logprobs.is_none())
     {
+        let masked;
+        let logits = match &allowed {
+            Some(a) => {
+                masked = ops::select(a, logits, Array::from_f32(f32::NEG_INFINITY))?;
+                &masked
+            }
+            None => logits,
+        };
         let out = argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?;
         return Ok(PendingPicks {
             tokens: out.clone(),
@@ -211,6 +227,10 @@ pub fn sample(logits: &Array, rows: &[SampleRow]) -> Result<PendingPicks> {
         x = flat
             .put_along_axis(&idx, &v, 0)?
             .reshape(&[positions as i32, vocab])?;
+    }
+
+    if let Some(a) = &allowed {
+        x = ops::select(a, &x, Array::from_f32(f32::NEG_INFINITY))?;
     }
 
     let mut tokens = argmax_axis(&x, -1, false)?.as_dtype(Dtype::Int32)?;
@@ -317,4 +337,39 @@ pub fn sample(logits: &Array, rows: &[SampleRow]) -> Result<PendingPicks> {
         out,
         logprobs,
     })
+}
+
+/// The tokens every position may pick, `[positions, vocab]` booleans, or None when no
+/// row is constrained (then nothing of this is in the graph). Only the rows' bitmask
+/// words cross to the device (`positions * vocab / 8` bytes); unconstrained rows of
+/// a batch that has constrained ones get all-ones words.
+fn allowed_mask(rows: &[SampleRow], positions: usize, vocab: i32) -> Result<Option<Array>> {
+    if rows.iter().all(|r| r.allowed.is_none()) {
+        return Ok(None);
+    }
+    let w = (vocab as usize).div_ceil(32);
+    let mut bits: Vec<u32> = Vec::with_capacity(positions * w);
+    for r in rows {
+        for _ in 0..r.positions() {
+            match &r.allowed {
+                None => bits.extend(std::iter::repeat_n(u32::MAX, w)),
+                Some(m) => {
+                    let n = m.len().min(w);
+                    bits.extend_from_slice(&m[..n]);
+                    bits.extend(std::iter::repeat_n(0, w - n));
+                }
+            }
+        }
+    }
+    let words = Array::from_slice(&bits, &[positions as i32, w as i32, 1]);
+    // Bit j of a word: (word / 2^j) % 2, exact in uint32 (mlx-rs has no shifts).
+    let pow: Vec<u32> = (0..32).map(|j| 1u32 << j).collect();
+    let pow = Array::from_slice(&pow, &[1, 1, 32]);
+    let bit = ops::remainder(
+        &ops::floor_divide(&words, &pow)?,
+        Array::from_slice(&[2u32], &[1]),
+    )?
+    .reshape(&[positions as i32, (w * 32) as i32])?
+    .index((.., 0..vocab));
+    Ok(Some(bit.ne(Array::from_slice(&[0u32], &[1]))?))
 }

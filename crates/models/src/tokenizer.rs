@@ -50,6 +50,11 @@ impl Tokenizer {
         })
     }
 
+    /// The underlying `tokenizers` tokenizer (e.g. to build a token trie from it).
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -7,7 +7,7 @@
 use mlx_rs::Array;
 use weft_models::sampler::{sample, SampleRow};
 use weft_scheduler::sampling::{sample_position, uniform, Scratch};
-use weft_scheduler::{RowSampling, SamplingParams, SeenToken};
+use weft_scheduler::{RowSampling, SamplingParams, SeenToken, TokenMask};
 
 /// Deterministic pseudo-random logits in [-4, 4), with exact ties sprinkled in.
 fn logits(rows: usize, vocab: usize, seed: u64) -> Vec<f32> {
@@ -48,6 +48,7 @@ fn contract(
         index,
         logprobs: lp,
         seen: seen.to_vec(),
+        allowed: None,
     }
 }
 
@@ -66,6 +67,7 @@ fn row_of(s: &RowSampling, positions: u64) -> SampleRow {
             .map(|j| uniform(s.seed, s.index + j))
             .collect(),
         logprobs: s.logprobs,
+        allowed: s.allowed.as_ref().map(|m| m.shared()),
     }
 }
 
@@ -309,5 +311,114 @@ fn drafts_logprobs_and_mixed_rows() {
             }
             (h, d) => panic!("position {i}: host {h:?}, device {d:?}"),
         }
+    }
+}
+
+/// A mask allowing every `stride`-th token from `first` (and nothing past `vocab`).
+fn mask(vocab: usize, first: usize, stride: usize) -> TokenMask {
+    let mut w = vec![0u32; vocab.div_ceil(32)];
+    for t in (first..vocab).step_by(stride) {
+        w[t / 32] |= 1 << (t % 32);
+    }
+    TokenMask::from_words(w)
+}
+
+#[test]
+fn constrained_rows_pick_inside_their_mask_as_the_host_does() {
+    // A vocabulary that is not a multiple of 32 (the last word is partial).
+    let vocab = 1000;
+    let n = 48;
+    let data = logits(n, vocab, 11);
+    let seen = [SeenToken {
+        id: 7,
+        in_prompt: true,
+        generated: 2,
+    }];
+    let rows: Vec<RowSampling> = (0..n)
+        .map(|i| {
+            let p = match i % 4 {
+                0 => params(0.0, 0, 1.0, 0.0),
+                1 => params(0.9, 40, 0.95, 0.0),
+                2 => SamplingParams {
+                    repetition_penalty: 1.3,
+                    frequency_penalty: 0.5,
+                    ..params(0.0, 0, 1.0, 0.0)
+                },
+                _ => params(1.0, 0, 1.0, 0.05),
+            };
+            let mut s = contract(&p, 100 + i as u64, 3, &seen, (i % 5 == 0).then_some(3));
+            // Every third row unconstrained; the others allow a sparse, varying set.
+            if i % 3 != 0 {
+                s.allowed = Some(mask(vocab, i % 7, 3 + i % 11));
+            }
+            s
+        })
+        .collect();
+    let sample_rows: Vec<SampleRow> = rows.iter().map(|s| row_of(s, 1)).collect();
+    let got = device(&data, vocab, &sample_rows);
+    let mut drawn_agree = 0;
+    let mut drawn = 0;
+    for (i, s) in rows.iter().enumerate() {
+        let x = &data[i * vocab..(i + 1) * vocab];
+        let (want, lp) = host(x, s, 0);
+        let t = got.tokens[i];
+        if let Some(m) = &s.allowed {
+            assert!(m.allows(t), "row {i} picked {t} outside its mask");
+        }
+        if s.params.is_greedy() {
+            assert_eq!(t, want, "row {i} greedy");
+        } else {
+            drawn += 1;
+            drawn_agree += usize::from(t == want);
+        }
+        // Logprobs are the raw logits' on both sides, the mask notwithstanding.
+        if let Some(lp) = lp {
+            let d = got.logprobs[i].as_ref().expect("device logprobs");
+            assert_eq!(
+                d.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                lp.top.iter().map(|t| t.0).collect::<Vec<_>>()
+            );
+        }
+    }
+    assert!(
+        drawn_agree * 100 >= drawn * 90,
+        "{drawn_agree} of {drawn} draws agree"
+    );
+    // No constrained row: no mask in the graph, the same picks as before.
+    let plain: Vec<SampleRow> = rows
+        .iter()
+        .map(|s| {
+            let mut r = row_of(s, 1);
+            r.allowed = None;
+            r
+        })
+        .collect();
+    let free = device(&data, vocab, &plain);
+    for (i, s) in rows.iter().enumerate() {
+        let x = &data[i * vocab..(i + 1) * vocab];
+        let unmasked = RowSampling {
+            allowed: None,
+            ..s.clone()
+        };
+        if s.params.is_greedy() {
+            assert_eq!(free.tokens[i], host(x, &unmasked, 0).0, "row {i}");
+        }
+    }
+    // A greedy-only batch takes the argmax path with the mask applied.
+    let greedy: Vec<SampleRow> = (0..n)
+        .map(|i| SampleRow {
+            allowed: Some(mask(vocab, i, 5).shared()),
+            ..SampleRow::default()
+        })
+        .collect();
+    let g = device(&data, vocab, &greedy);
+    for i in 0..n {
+        let s = RowSampling {
+            allowed: Some(mask(vocab, i, 5)),
+            ..RowSampling::default()
+        };
+        let x = &data[i * vocab..(i + 1) * vocab];
+        assert_eq!(g.tokens[i], host(x, &s, 0).0, "greedy row {i}");
+        assert_eq!(g.tokens[i] as usize % 5, i % 5);
     }
 }

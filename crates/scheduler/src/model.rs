@@ -92,6 +92,11 @@ impl TokenMask {
         &self.0
     }
 
+    /// The words, shared (a model hands them to its device sampler without a copy).
+    pub fn shared(&self) -> std::sync::Arc<[u32]> {
+        self.0.clone()
+    }
+
     pub fn allows(&self, t: u32) -> bool {
         self.0
             .get(t as usize / 32)
