@@ -65,6 +65,15 @@ pub struct EngineBenchArgs {
     /// long-prompts: the prompt cancelled mid-prefill (tokens).
     #[arg(long, default_value_t = 7000)]
     pub cancel_prompt: usize,
+    /// Streams (of `--streams`) whose output is constrained by a JSON schema: the
+    /// constrained-output benchmark (e.g. `--streams 32 --constrained 16` against
+    /// `--streams 32`). Their masks are computed on the engine thread each step.
+    #[arg(long, default_value_t = 0)]
+    pub constrained: usize,
+    /// The JSON schema file those streams follow [default: a list of at least 64
+    /// objects, so no stream can complete it before `--gen-tokens`].
+    #[arg(long)]
+    pub json_schema: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -114,7 +123,26 @@ pub struct EngineBenchReport {
     pub forward_ms: f64,
     pub build_ms: f64,
     pub eval_ms: f64,
+    /// Streams with a JSON-schema constraint, and of the reported round: steps that
+    /// ran pipelined, the host time computing masks per step and per mask, and how
+    /// many generated tokens the constrained streams had (they end early only by
+    /// completing the schema).
+    pub constrained_streams: usize,
+    pub pipelined_steps: u64,
+    pub mask_ms_per_step: f64,
+    pub mask_us_per_row: f64,
+    pub constrained_tokens: usize,
 }
+
+/// The default schema of `--constrained`: records in an array of at least 64, so a
+/// stream cannot complete it inside a benchmark's generation length.
+pub const BENCH_SCHEMA: &str = r#"{"type": "object",
+ "properties": {"records": {"type": "array", "minItems": 64,
+   "items": {"type": "object",
+     "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+                    "ok": {"type": "boolean"}},
+     "required": ["id", "name", "ok"], "additionalProperties": false}}},
+ "required": ["records"], "additionalProperties": false}"#;
 
 pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     match args.scenario {
@@ -148,7 +176,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
     // one partial), as the peer's dense cache has.
     let per_row = (args.prompt_tokens + args.gen_tokens).div_ceil(16) + 1;
     let blocks = args.streams.max(1) * per_row + 64;
-    let (engine, _tok, served) = runtime::start_engine(
+    let (engine, tok, served) = runtime::start_engine(
         &dir,
         opts,
         config,
@@ -158,6 +186,30 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             max_batch_rows: args.streams,
         },
     )?;
+    let constraint = if args.constrained > 0 {
+        anyhow::ensure!(
+            args.constrained <= args.streams,
+            "--constrained {} is more than --streams {}",
+            args.constrained,
+            args.streams
+        );
+        let schema = match &args.json_schema {
+            Some(p) => std::fs::read_to_string(p)?,
+            None => BENCH_SCHEMA.to_string(),
+        };
+        let g = crate::constraints::grammars(&tok, &served)?;
+        let t = Instant::now();
+        let c = g
+            .compile(&weft_scheduler::ConstraintSpec::JsonSchema(schema))
+            .map_err(|e| anyhow::anyhow!("--json-schema: {e}"))?;
+        eprintln!(
+            "json schema compiled in {:.1} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Some(c)
+    } else {
+        None
+    };
     let vocab = served.vocab_size as u32;
     // Distinct prompts: no prefix sharing between streams.
     let prompts: Vec<Vec<u32>> = (0..args.streams)
@@ -194,6 +246,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             &prompts,
             args.gen_tokens,
             &format!("bench-{round}"),
+            constraint.as_ref().map(|c| (c, args.constrained)),
         )?);
     }
     let Some(Round {
@@ -202,6 +255,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         steady,
         steady_span,
         ttft,
+        constrained_tokens,
     }) = last
     else {
         anyhow::bail!("no round ran");
@@ -228,6 +282,17 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         ttft_p50_ms: ttft[ttft.len() / 2],
         ttft_max_ms: ttft[ttft.len() - 1],
         openblas: crate::blas::active(),
+        constrained_streams: if constraint.is_some() {
+            args.constrained
+        } else {
+            0
+        },
+        pipelined_steps: after.pipelined_steps - before.pipelined_steps,
+        mask_ms_per_step: (after.constraint_mask_seconds - before.constraint_mask_seconds) * 1e3
+            / steps.max(1) as f64,
+        mask_us_per_row: (after.constraint_mask_seconds - before.constraint_mask_seconds) * 1e6
+            / (after.constraint_masks - before.constraint_masks).max(1) as f64,
+        constrained_tokens,
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(report)
@@ -240,6 +305,7 @@ struct Round {
     steady_span: f64,
     /// Sorted, ms.
     ttft: Vec<f64>,
+    constrained_tokens: usize,
 }
 
 /// Submits every prompt at once and times the streams until all finish.
@@ -248,18 +314,26 @@ fn one_round(
     prompts: &[Vec<u32>],
     gen_tokens: usize,
     tenant: &str,
+    constrained: Option<(&weft_scheduler::Constraint, usize)>,
 ) -> anyhow::Result<Round> {
     let start = Instant::now();
     let mut streams = Vec::new();
-    for p in prompts {
+    for (i, p) in prompts.iter().enumerate() {
         let mut r = Request::new(tenant, p.clone(), gen_tokens);
         r.ignore_eos = true;
-        streams.push(engine.submit(r)?);
+        // `n` of the streams, spread evenly through the batch (half: every other).
+        if let Some((c, n)) = constrained {
+            if (i * n) % prompts.len() < n {
+                r.constraint = Some(c.clone());
+            }
+        }
+        let constrained = r.constraint.is_some();
+        streams.push((constrained, engine.submit(r)?));
     }
     // One thread per stream keeps arrival times honest without a runtime.
     let handles: Vec<_> = streams
         .into_iter()
-        .map(|mut s| {
+        .map(|(constrained, mut s)| {
             std::thread::spawn(move || {
                 let mut first = None;
                 let mut times = Vec::new();
@@ -274,18 +348,22 @@ fn one_round(
                         Event::Finished(f) => err = f.error,
                     }
                 }
-                (first, times, err)
+                (first, times, err, constrained)
             })
         })
         .collect();
     let mut firsts = Vec::new();
     let mut all_times = Vec::new();
+    let mut constrained_tokens = 0;
     for h in handles {
-        let (first, times, err) = h
+        let (first, times, err, constrained) = h
             .join()
             .map_err(|_| anyhow::anyhow!("stream thread panicked"))?;
         if let Some(e) = err {
             anyhow::bail!("a request failed: {e}");
+        }
+        if constrained {
+            constrained_tokens += times.len();
         }
         firsts.push(first.ok_or_else(|| anyhow::anyhow!("a stream produced no token"))?);
         all_times.extend(times);
@@ -305,5 +383,6 @@ fn one_round(
         steady,
         steady_span: (end - last_first).as_secs_f64(),
         ttft,
+        constrained_tokens,
     })
 }

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod blas;
 pub mod codec;
+pub mod constraints;
 pub mod engine_bench;
 pub mod engine_bench_long;
 pub mod generate;

@@ -190,6 +190,7 @@ fn fill_sample_row(r: &RowInput, out: &mut SampleRow) {
             .extend((0..n).map(|j| uniform(s.seed, s.index + j)));
     }
     out.logprobs = s.logprobs;
+    out.allowed = s.allowed.as_ref().map(|m| m.shared());
 }
 
 /// How the KV pool is sized and what its startup log reports.

@@ -462,6 +462,7 @@ fn whole_requests_are_valid_or_refused_with_invalid_argument() {
         model: &model,
         tokenizer: &tok,
         default_max_tokens: 16,
+        grammars: None,
     };
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(2048));
     let strategy = (

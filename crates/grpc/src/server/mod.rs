@@ -394,10 +394,25 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
         },
         model_faults,
     )?;
+    let t = std::time::Instant::now();
+    let grammars = match crate::constraints::grammars(&tokenizer, &model) {
+        Ok(g) => {
+            info!(
+                ms = t.elapsed().as_millis() as u64,
+                "output constraints (JSON schema, regex, grammar, choice) ready"
+            );
+            Some(g)
+        }
+        Err(e) => {
+            warn!(error = %e, "output constraints unavailable for this tokenizer; constrained requests will be refused");
+            None
+        }
+    };
     let ready = Ready {
         engine: engine.handle(),
         tokenizer,
         model,
+        grammars,
     };
     Ok((engine, ready))
 }

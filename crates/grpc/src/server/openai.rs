@@ -105,6 +105,12 @@ struct Common {
     ignore_eos: bool,
     priority: Option<i32>,
     request_id: Option<String>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}`.
+    response_format: Option<Value>,
+    /// vLLM's names for the other constraints: a regex, a Lark grammar, a choice list.
+    guided_regex: Option<String>,
+    guided_grammar: Option<String>,
+    guided_choice: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -148,7 +154,6 @@ struct ChatBody {
     #[serde(default)]
     logprobs: bool,
     top_logprobs: Option<u32>,
-    response_format: Option<Value>,
     tools: Option<Value>,
     #[serde(flatten)]
     common: Common,
@@ -263,6 +268,10 @@ fn param_of(message: &str, chat: bool) -> Option<String> {
         }
         "priority" => "priority",
         "request_id" => "request_id",
+        "constraint.json_schema" | "constraint.json_object" => "response_format",
+        "constraint.regex" => "guided_regex",
+        "constraint.grammar" => "guided_grammar",
+        "constraint.choice" => "guided_choice",
         "model" => "model",
         _ => return None,
     };
@@ -311,6 +320,68 @@ fn sampling(c: &Common) -> Result<pb::SamplingParams, ApiError> {
     })
 }
 
+/// The output constraint of `response_format` or one of the `guided_*` fields (at
+/// most one of them).
+fn constraint(c: &Common) -> Result<Option<pb::OutputConstraint>, ApiError> {
+    use pb::output_constraint::Kind;
+    let mut set: Vec<(&str, Kind)> = Vec::new();
+    if let Some(f) = &c.response_format {
+        let bad = |m: String| ApiError::invalid("response_format", m);
+        let kind = f.get("type").and_then(Value::as_str).ok_or_else(|| {
+            bad("response_format must be an object with a string \"type\"".into())
+        })?;
+        match kind {
+            "text" => {}
+            "json_object" => set.push(("response_format", Kind::JsonObject(true))),
+            "json_schema" => {
+                let schema = f
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .ok_or_else(|| {
+                        bad(
+                            "response_format.json_schema.schema is required for type json_schema"
+                                .into(),
+                        )
+                    })?;
+                set.push(("response_format", Kind::JsonSchema(schema.to_string())));
+            }
+            other => {
+                return Err(bad(format!(
+                "response_format type {other:?} is not supported (text, json_object, json_schema)"
+            )))
+            }
+        }
+    }
+    if let Some(r) = &c.guided_regex {
+        set.push(("guided_regex", Kind::Regex(r.clone())));
+    }
+    if let Some(g) = &c.guided_grammar {
+        set.push(("guided_grammar", Kind::Grammar(g.clone())));
+    }
+    if let Some(ch) = &c.guided_choice {
+        set.push((
+            "guided_choice",
+            Kind::Choice(pb::Choices {
+                choices: ch.clone(),
+            }),
+        ));
+    }
+    match set.len() {
+        0 => Ok(None),
+        1 => Ok(set
+            .pop()
+            .map(|(_, k)| pb::OutputConstraint { kind: Some(k) })),
+        _ => Err(ApiError::invalid(
+            set[1].0,
+            format!(
+                "{} and {} both constrain the output; set at most one of response_format \
+                 (json_object, json_schema), guided_regex, guided_grammar, guided_choice",
+                set[0].0, set[1].0
+            ),
+        )),
+    }
+}
+
 fn base_request(c: &Common, max_tokens: Option<u32>) -> Result<pb::GenerateRequest, ApiError> {
     if let Some(n) = c.n.filter(|&n| n != 1) {
         return Err(ApiError::invalid(
@@ -334,6 +405,7 @@ fn base_request(c: &Common, max_tokens: Option<u32>) -> Result<pb::GenerateReque
         logprobs: 0,
         priority: c.priority.unwrap_or(0),
         request_id: c.request_id.clone().unwrap_or_default(),
+        constraint: constraint(c)?,
     })
 }
 
@@ -370,15 +442,6 @@ fn completion_request(b: &CompletionBody) -> Result<pb::GenerateRequest, ApiErro
 }
 
 fn chat_request(b: &ChatBody) -> Result<pb::GenerateRequest, ApiError> {
-    if b.response_format
-        .as_ref()
-        .is_some_and(|f| f.get("type").and_then(Value::as_str) != Some("text"))
-    {
-        return Err(ApiError::invalid(
-            "response_format",
-            "constrained output (json_object, json_schema) is not supported yet",
-        ));
-    }
     if b.tools.as_ref().is_some_and(|t| !t.is_null()) {
         return Err(ApiError::invalid("tools", "tool calls are not supported"));
     }

@@ -46,6 +46,9 @@ pub struct Ready {
     pub engine: EngineHandle,
     pub tokenizer: Arc<Tokenizer>,
     pub model: ServedModel,
+    /// Output constraints compiled against the served tokenizer (None: it could not
+    /// be adapted; constrained requests are refused with a reason).
+    pub grammars: Option<weft_scheduler::Grammars>,
 }
 
 /// Shared by every call.
@@ -268,6 +271,7 @@ impl GenerationService {
             model: &ready.model,
             tokenizer: &ready.tokenizer,
             default_max_tokens: st.default_max_tokens,
+            grammars: ready.grammars.as_ref(),
         };
         let request = validate::build(&body, &tenant, &limits, id.clone(), deadline)?;
         let Some(slot) = tenant.acquire() else {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use tonic::Status;
 use weft_models::{ChatMessage, Tokenizer};
-use weft_scheduler::{Request, SamplingParams};
+use weft_scheduler::{Constraint, ConstraintSpec, Grammars, Request, SamplingParams};
 
 use super::tenants::Tenant;
 use crate::pb;
@@ -29,6 +29,41 @@ pub struct Limits<'a> {
     pub model: &'a ServedModel,
     pub tokenizer: &'a Tokenizer,
     pub default_max_tokens: usize,
+    /// Compiles output constraints against the served tokenizer (None: the tokenizer
+    /// could not be adapted, and constrained requests are refused).
+    pub grammars: Option<&'a Grammars>,
+}
+
+/// The request's output constraint, compiled; INVALID_ARGUMENT naming
+/// `constraint.<kind>` and what is wrong with it.
+pub fn constraint(
+    c: Option<&pb::OutputConstraint>,
+    grammars: Option<&Grammars>,
+) -> Result<Option<Constraint>, Status> {
+    use pb::output_constraint::Kind;
+    let Some(c) = c else { return Ok(None) };
+    let spec = match &c.kind {
+        None => return Ok(None),
+        Some(Kind::JsonSchema(s)) => ConstraintSpec::JsonSchema(s.clone()),
+        Some(Kind::JsonObject(true)) => ConstraintSpec::JsonObject,
+        Some(Kind::JsonObject(false)) => {
+            return Err(invalid(
+                "constraint.json_object must be true when set (leave the constraint unset for free text)",
+            ))
+        }
+        Some(Kind::Regex(s)) => ConstraintSpec::Regex(s.clone()),
+        Some(Kind::Grammar(s)) => ConstraintSpec::Lark(s.clone()),
+        Some(Kind::Choice(c)) => ConstraintSpec::Choice(c.choices.clone()),
+    };
+    let kind = spec.kind();
+    let Some(g) = grammars else {
+        return Err(invalid(format!(
+            "constraint.{kind}: constrained output is not available for this model's tokenizer"
+        )));
+    };
+    g.compile(&spec)
+        .map(Some)
+        .map_err(|e| invalid(format!("constraint.{kind}: {e}")))
 }
 
 /// Checks a model name: empty or the served model's name.
@@ -266,6 +301,8 @@ pub fn build(
         )));
     }
 
+    let constraint = constraint(r.constraint.as_ref(), l.grammars)?;
+
     let prompt = prompt_ids(r.input.as_ref(), l)?;
     let n = prompt.len();
     if let Some(max) = tenant.max_prompt_tokens {
@@ -304,6 +341,7 @@ pub fn build(
     req.logprobs = (r.logprobs > 0).then_some(r.logprobs as usize);
     req.request_id = Some(request_id);
     req.deadline = deadline;
+    req.constraint = constraint;
     Ok(req)
 }
 
