@@ -253,7 +253,7 @@ async fn bad_constraints_are_invalid_argument_and_openai_400s() {
     .await
     .unwrap();
     assert_eq!(r.status(), 200);
-    let v: Value = r.json().await.unwrap();
+    let v: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
     let content = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     (cases()[0].check)(content).unwrap();
@@ -297,7 +297,7 @@ async fn bad_constraints_are_invalid_argument_and_openai_400s() {
     .await
     .unwrap();
     assert_eq!(r.status(), 200);
-    let v: Value = r.json().await.unwrap();
+    let v: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
     let t = v["choices"][0]["text"].as_str().unwrap();
     assert!(["yes", "no", "sometimes"].contains(&t), "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
@@ -308,7 +308,7 @@ async fn bad_constraints_are_invalid_argument_and_openai_400s() {
     )
     .await
     .unwrap();
-    let v: Value = r.json().await.unwrap();
+    let v: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
     full_match(DATE_RX, v["choices"][0]["text"].as_str().unwrap()).unwrap();
     // Refusals: 400 with an OpenAI error naming the parameter.
     for (body, param, needle) in [
@@ -348,7 +348,7 @@ async fn bad_constraints_are_invalid_argument_and_openai_400s() {
         };
         let r = post(path, body.clone()).await.unwrap();
         assert_eq!(r.status(), 400, "{body}");
-        let e: Value = r.json().await.unwrap();
+        let e: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
         assert_eq!(e["error"]["param"], param, "{e}");
         assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
         let msg = e["error"]["message"].as_str().unwrap();
