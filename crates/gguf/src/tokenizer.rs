@@ -334,6 +334,11 @@ fn finish(
 /// SentencePiece's escaped space (U+2581).
 pub const SPM_SPACE: char = '\u{2581}';
 
+/// Pieces longer than this (in chars) get no merges (SentencePiece's trainer
+/// caps pieces at 16 by default; Gemma's longest normal piece has 16). Bounds
+/// the work per piece, which is quadratic in its length.
+pub const MAX_MERGE_PIECE_CHARS: usize = 256;
+
 /// The merges a SentencePiece BPE vocabulary implies, best first.
 ///
 /// SentencePiece's BPE encoder (`bpe_model.cc`) starts from the characters
@@ -345,20 +350,46 @@ pub const SPM_SPACE: char = '\u{2581}';
 /// ranked by the piece's score — the derivation transformers' SentencePiece
 /// converters use (`SentencePieceExtractor`): score descending, then piece
 /// id, then the ids of the two halves.
-pub fn spm_merges(tokens: &[&str], scores: &[f32], types: &[i64]) -> Vec<(String, String)> {
+///
+/// A vocabulary built to blow this up (every prefix of a long piece also a
+/// piece) is refused: more than 4 merges per token, or more merge text than
+/// 8 times the tokens' own bytes, is an error rather than a huge allocation
+/// (Gemma 3: 513,511 merges for 262,144 tokens).
+pub fn spm_merges(tokens: &[&str], scores: &[f32], types: &[i64]) -> Result<Vec<(String, String)>> {
     let mut normal: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
     for (id, (&t, &ty)) in tokens.iter().zip(types).enumerate() {
         if ty == token_type::NORMAL {
             normal.entry(t).or_insert(id as u32);
         }
     }
+    let token_bytes: usize = tokens.iter().map(|t| t.len()).sum();
+    let max_merges = tokens.len().saturating_mul(4);
+    let max_bytes = token_bytes.saturating_mul(8);
+    let too_many = |what: String| GgufError::WrongType {
+        key: "tokenizer.ggml.tokens".into(),
+        expected: format!(
+            "a SentencePiece vocabulary (at most {max_merges} implied merges of {max_bytes} bytes)"
+        ),
+        found: what,
+    };
     // (score, piece id, left id, right id, split byte offset)
     let mut found: Vec<(f32, u32, u32, u32, usize)> = Vec::new();
+    let mut bytes = 0usize;
     for (&piece, &id) in &normal {
+        if piece.chars().nth(MAX_MERGE_PIECE_CHARS).is_some() {
+            continue;
+        }
         let score = scores.get(id as usize).copied().unwrap_or(0.0);
         for (at, _) in piece.char_indices().skip(1) {
             let (l, r) = piece.split_at(at);
             if let (Some(&li), Some(&ri)) = (normal.get(l), normal.get(r)) {
+                bytes += piece.len();
+                if found.len() >= max_merges || bytes > max_bytes {
+                    return Err(too_many(format!(
+                        "more than {} merges / {bytes} bytes of merges",
+                        found.len()
+                    )));
+                }
                 found.push((score, id, li, ri, at));
             }
         }
@@ -369,13 +400,13 @@ pub fn spm_merges(tokens: &[&str], scores: &[f32], types: &[i64]) -> Vec<(String
             .then(a.2.cmp(&b.2))
             .then(a.3.cmp(&b.3))
     });
-    found
+    Ok(found
         .into_iter()
         .map(|(_, id, _, _, at)| {
             let (l, r) = tokens[id as usize].split_at(at);
             (l.to_string(), r.to_string())
         })
-        .collect()
+        .collect())
 }
 
 /// A SentencePiece BPE vocabulary (`tokenizer.ggml.model = "llama"`, with
@@ -465,7 +496,7 @@ pub fn build_spm_tokenizer(gguf: &GgufFile) -> Result<GgufTokenizer> {
         Some(id) => tokens.get(id as usize).map(|t| t.to_string()),
         None => vocab.contains_key("<unk>").then(|| "<unk>".to_string()),
     };
-    let merges = spm_merges(&tokens, &scores, &types);
+    let merges = spm_merges(&tokens, &scores, &types)?;
     let mut builder = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .byte_fallback(true)

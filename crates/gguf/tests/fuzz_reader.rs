@@ -14,6 +14,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use proptest::prelude::*;
+use weft_gguf::gemma3::{convert_gemma3_weights, Gemma3Params};
+use weft_gguf::quant::dequantize_gguf;
 use weft_gguf::{
     build_tokenizer, convert_weights, GgmlType, GgufBuilder, GgufError, GgufFile, GgufValue,
     LlamaParams,
@@ -168,6 +170,99 @@ fn seed() -> Vec<u8> {
     b.build()
 }
 
+/// A complete Gemma 3 GGUF with every K-quant the converter decodes: hidden
+/// 256 (K-quant rows are 256 long), 1 layer, 1 head of 256, FFN 256, a
+/// SentencePiece vocabulary of 8; Q6_K, Q4_K, Q5_K, Q2_K, Q5_0, Q5_1, Q8_0,
+/// F16 and F32 tensors.
+fn gemma3_seed() -> Vec<u8> {
+    let s = |v: &str| GgufValue::String(v.into());
+    let toks = [
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<unk>",
+        "\u{2581}",
+        "a",
+        "\u{2581}a",
+        "  ",
+    ];
+    let mut b = GgufBuilder::new()
+        .kv("general.architecture", s("gemma3"))
+        .kv("gemma3.embedding_length", GgufValue::U32(256))
+        .kv("gemma3.block_count", GgufValue::U32(1))
+        .kv("gemma3.feed_forward_length", GgufValue::U32(256))
+        .kv("gemma3.attention.head_count", GgufValue::U32(1))
+        .kv("gemma3.attention.head_count_kv", GgufValue::U32(1))
+        .kv("gemma3.attention.key_length", GgufValue::U32(256))
+        .kv("gemma3.attention.value_length", GgufValue::U32(256))
+        .kv(
+            "gemma3.attention.layer_norm_rms_epsilon",
+            GgufValue::F32(1e-6),
+        )
+        .kv("gemma3.rope.freq_base", GgufValue::F32(1e6))
+        .kv("gemma3.attention.sliding_window", GgufValue::U32(512))
+        .kv("gemma3.context_length", GgufValue::U32(1024))
+        .kv("tokenizer.ggml.model", s("llama"))
+        .kv(
+            "tokenizer.ggml.tokens",
+            GgufValue::Array(toks.iter().map(|t| s(t)).collect()),
+        )
+        .kv(
+            "tokenizer.ggml.scores",
+            GgufValue::Array(
+                [0.0f32, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, 0.0]
+                    .into_iter()
+                    .map(GgufValue::F32)
+                    .collect(),
+            ),
+        )
+        .kv(
+            "tokenizer.ggml.token_type",
+            GgufValue::Array(
+                [3, 3, 3, 2, 1, 1, 1, 4]
+                    .into_iter()
+                    .map(GgufValue::I32)
+                    .collect(),
+            ),
+        )
+        .kv("tokenizer.ggml.bos_token_id", GgufValue::U32(2))
+        .kv("tokenizer.ggml.eos_token_id", GgufValue::U32(1))
+        .kv("tokenizer.ggml.unknown_token_id", GgufValue::U32(3))
+        .kv("tokenizer.ggml.add_space_prefix", GgufValue::Bool(false));
+    let bytes_for = |ty: GgmlType, n: u64| -> Vec<u8> {
+        let (be, bb) = ty.block_layout().expect("known layout");
+        let len = (n / be * bb) as usize;
+        let mut v: Vec<u8> = (0..len).map(|i| (i * 37 % 251) as u8).collect();
+        if ty == GgmlType::F32 {
+            for f in v.chunks_exact_mut(4) {
+                f.copy_from_slice(&1.5f32.to_le_bytes());
+            }
+        }
+        v
+    };
+    let tensors: [(&str, &[u64], GgmlType); 15] = [
+        ("token_embd.weight", &[256, 8], GgmlType::Q6_K),
+        ("output_norm.weight", &[256], GgmlType::F32),
+        ("blk.0.attn_norm.weight", &[256], GgmlType::F32),
+        ("blk.0.post_attention_norm.weight", &[256], GgmlType::F16),
+        ("blk.0.ffn_norm.weight", &[256], GgmlType::F32),
+        ("blk.0.post_ffw_norm.weight", &[256], GgmlType::F32),
+        ("blk.0.attn_q_norm.weight", &[256], GgmlType::F32),
+        ("blk.0.attn_k_norm.weight", &[256], GgmlType::F32),
+        ("blk.0.attn_q.weight", &[256, 256], GgmlType::Q4_K),
+        ("blk.0.attn_k.weight", &[256, 256], GgmlType::Q5_K),
+        ("blk.0.attn_v.weight", &[256, 256], GgmlType::Q8_0),
+        ("blk.0.attn_output.weight", &[256, 256], GgmlType::Q2_K),
+        ("blk.0.ffn_gate.weight", &[256, 256], GgmlType::Q5_0),
+        ("blk.0.ffn_up.weight", &[256, 256], GgmlType::Q5_1),
+        ("blk.0.ffn_down.weight", &[256, 256], GgmlType::Q6_K),
+    ];
+    for (name, dims, ty) in tensors {
+        b = b.tensor(name, dims, ty, bytes_for(ty, dims.iter().product()));
+    }
+    b.build()
+}
+
 /// Where the header ends (the data section starts) in the seed.
 fn header_len(bytes: &[u8]) -> usize {
     GgufFile::from_bytes("seed", bytes.to_vec())
@@ -190,6 +285,9 @@ fn exercise(bytes: Vec<u8>) -> Result<(), GgufError> {
     }
     if let Ok(p) = LlamaParams::from_gguf(&g) {
         let _ = convert_weights(&g, &p);
+    }
+    if let Ok(p) = Gemma3Params::from_gguf(&g) {
+        let _ = convert_gemma3_weights(&g, &p);
     }
     let _ = build_tokenizer(&g);
     Ok(())
@@ -275,6 +373,58 @@ fn the_seed_is_valid_and_converts() {
     let (out, peak, _) = measured(|| exercise(bytes.clone()));
     out.expect("seed exercises");
     assert!(peak > bytes.len(), "peak {peak} for {} bytes", bytes.len());
+}
+
+#[test]
+fn the_gemma3_seed_is_valid_and_converts() {
+    let bytes = gemma3_seed();
+    let g = GgufFile::from_bytes("seed", bytes.clone()).expect("parse");
+    let p = Gemma3Params::from_gguf(&g).expect("params");
+    let w = convert_gemma3_weights(&g, &p).expect("convert");
+    assert_eq!(w.tensors.len(), 15);
+    build_tokenizer(&g).expect("tokenizer");
+    let (out, peak, _) = measured(|| exercise(bytes.clone()));
+    out.expect("seed exercises");
+    assert!(peak > bytes.len(), "peak {peak} for {} bytes", bytes.len());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The Gemma 3 seed (SentencePiece tokenizer, K-quants, bf16 conversion)
+    /// under the same hostile overwrites.
+    #[test]
+    fn mutated_gemma3_files_never_panic_nor_overallocate(
+        muts in {
+            let b = gemma3_seed();
+            let (len, header) = (b.len(), header_len(&b));
+            proptest::collection::vec(mutation(len, header), 1..4)
+        }
+    ) {
+        let mut bytes = gemma3_seed();
+        for m in &muts {
+            apply(&mut bytes, m);
+        }
+        let _ = check(bytes)?;
+    }
+
+    /// Any type code, byte string and element count: values or a typed
+    /// error naming the tensor, no panic, no allocation beyond the data's own
+    /// decoded size.
+    #[test]
+    fn dequantize_takes_any_bytes(
+        code in 0u32..40,
+        data in proptest::collection::vec(any::<u8>(), 0..2048),
+        n in prop_oneof![0usize..4096, Just(usize::MAX), Just(usize::MAX / 4)],
+    ) {
+        let len = data.len();
+        let (out, peak, _) = measured(|| dequantize_gguf("t", GgmlType(code), &data, n));
+        prop_assert!(peak <= 64 * len + 4096, "peak {peak} for {len} bytes");
+        match out {
+            Ok(v) => prop_assert_eq!(v.len(), n),
+            Err(e) => prop_assert!(e.to_string().contains("\"t\""), "{e}"),
+        }
+    }
 }
 
 proptest! {

@@ -22,7 +22,7 @@ pub struct EngineBenchArgs {
     /// Tokens generated per request (EOS ignored).
     #[arg(long, default_value_t = 64)]
     pub gen_tokens: usize,
-    /// Model directory or the default model's name.
+    /// Model directory or a known model's name (default: SmolLM2-135M-Instruct).
     #[arg(long, default_value = "")]
     pub model: String,
     /// Prefill chunk size of the scheduler.

@@ -103,7 +103,8 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long, short)]
     pub prompt: String,
-    /// Model directory, or the default model's name (fetched on first use).
+    /// Model directory, or a known model's name (SmolLM2-135M-Instruct, the
+    /// default; gemma3-270m), fetched and converted on first use.
     #[arg(long, short, default_value = "", env = "WEFT_MODEL")]
     pub model: String,
     #[arg(long, default_value_t = 64)]

@@ -11,8 +11,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Download and convert the default model (SmolLM2-135M-Instruct) into the cache.
-    Pull,
+    /// Download and convert a known model into the cache (default:
+    /// SmolLM2-135M-Instruct; also gemma3-270m) and print its directory.
+    Pull {
+        /// The model's name (SmolLM2-135M-Instruct, gemma3-270m).
+        model: Option<String>,
+    },
     /// Generate a completion for one prompt, streaming it to stdout.
     Generate(GenerateArgs),
     /// Load generator: Weft gRPC or OpenAI-compatible HTTP (e.g. mlx_lm.server).
@@ -46,9 +50,7 @@ fn main() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match cli.command {
-        Command::Pull => weft_grpc::runtime::resolve_model("", true).map(|dir| {
-            println!("{}", dir.display());
-        }),
+        Command::Pull { model } => pull(model.as_deref().unwrap_or("")),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => weft_grpc::bench::run_blocking(args).map(|_| ()),
         Command::Serve(args) => weft_grpc::server::run(*args),
@@ -59,6 +61,18 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+fn pull(name: &str) -> anyhow::Result<()> {
+    let Some(model) = weft_gguf::find_model(name) else {
+        anyhow::bail!(
+            "unknown model {name:?} (known: {})",
+            weft_grpc::runtime::known_model_names()
+        );
+    };
+    let dir = model.pull(&weft_grpc::paths::cache_dir(), true)?;
+    println!("{}", dir.display());
+    Ok(())
 }
 
 fn hash_key(key: Option<String>) -> anyhow::Result<()> {

@@ -420,21 +420,33 @@ pub struct ServedModel {
     pub eos_token_ids: Vec<u32>,
 }
 
-/// Resolves `--model`: empty or the default model's name fetches (once) and
-/// converts the default model; anything else is a model directory.
+/// The names `--model` and `weft pull` accept (`weft_gguf::KNOWN_MODELS`,
+/// the default first), for help and error texts.
+pub fn known_model_names() -> String {
+    weft_gguf::KNOWN_MODELS
+        .iter()
+        .map(|m| m.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Resolves `--model`: empty, `default` or the name of a known model
+/// (`weft_gguf::KNOWN_MODELS`: SmolLM2-135M-Instruct, gemma3-270m) fetches
+/// (once) and converts that model into the cache; anything else is a model
+/// directory.
 pub fn resolve_model(spec: &str, progress: bool) -> anyhow::Result<PathBuf> {
-    let default = weft_gguf::DEFAULT_MODEL.name;
-    if spec.is_empty() || spec == default || spec == "default" {
+    if let Some(model) = weft_gguf::find_model(spec) {
         let cache = crate::paths::cache_dir();
-        return Ok(weft_gguf::pull_default(&cache, progress)?);
+        return Ok(model.pull(&cache, progress)?);
     }
     let p = PathBuf::from(spec);
-    if !p.is_dir() {
-        anyhow::bail!(
-            "--model {spec:?} is neither {default:?} nor a model directory (config.json, *.safetensors, tokenizer.json)"
-        );
+    if p.is_dir() {
+        return Ok(p);
     }
-    Ok(p)
+    anyhow::bail!(
+        "--model {spec:?} is neither a known model ({}) nor a model directory (config.json, *.safetensors, tokenizer.json)",
+        known_model_names()
+    )
 }
 
 /// `WEFT_PIPELINE` (`on`/`1`, the default, or `off`/`0`): whether decode

@@ -95,8 +95,9 @@ pub struct ServeArgs {
     /// Mutual TLS: clients must present a certificate signed by this CA (PEM).
     #[arg(long, env = "WEFT_TLS_CLIENT_CA", value_name = "PATH")]
     pub tls_client_ca: Option<PathBuf>,
-    /// Model directory, or the default model's name (SmolLM2-135M-Instruct,
-    /// fetched and converted on first use) [default: the default model].
+    /// Model directory, or the name of a known model (SmolLM2-135M-Instruct,
+    /// gemma3-270m; fetched and converted on first use) [default:
+    /// SmolLM2-135M-Instruct].
     #[arg(long, short, env = "WEFT_MODEL")]
     pub model: Option<String>,
     /// Tenant file (TOML): tenants, API-key sha256 hashes, weights, priority
