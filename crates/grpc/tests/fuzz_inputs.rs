@@ -411,6 +411,7 @@ fn request() -> impl Strategy<Value = pb::GenerateRequest> {
                     logprobs,
                     priority,
                     request_id,
+                    constraint: None,
                 }
             },
         )
