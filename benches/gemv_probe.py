@@ -1,11 +1,22 @@
-"""Few-row matmul on the GPU: MLX's own (x @ w.T, mx.quantized_matmul) vs
-Weft's GEMV kernels (crates/models/src/kernels/gemv.cu, qgemv4.cu) through
-mx.fast.cuda_kernel, at the 1.2B Llama's projection shapes. Prints max |diff|
-against MLX and the device's bandwidth: each timed op multiplies by the weights
-of all layers stacked ([layers * N, K], far past L2), so the host's few us per
-op are noise beside the device's time.
+"""Few-row matmuls on the GPU: MLX's own ops vs Weft's GEMV kernels
+(crates/models/src/kernels/gemv_{head,dense,q4,tail}.cu, joined as
+crates/models/src/gemv.rs joins them) through mx.fast.cuda_kernel, at the
+1.2B Llama's projection shapes, bf16 and affine 4-bit (g64). Each decode-layer
+op is measured as the fused kernel Weft runs and as MLX's chain of ops it
+replaces:
 
-    python3 benches/gemv_probe.py [--rows 1,2,4,8] [--reps 20]
+  qkv      rms_norm(h) @ Wqkv^T              (NORM=1)
+  o        h + a @ Wo^T                      (EPI=1)
+  gate_up  silu(n @ Wg^T) * (n @ Wu^T), n = rms_norm(h)   (NORM=1, EPI=2)
+  down     h + m @ Wd^T                      (EPI=1)
+  head     rms_norm(h) @ Wlm^T               (NORM=1)
+
+Prints the error against MLX's chain (max |diff| / max |ref|) and the device's
+bandwidth; each timed op multiplies by the weights of all layers stacked
+([layers * N, K], far past L2), so the host's few us per op are noise beside
+the device's time.
+
+    python3 benches/gemv_probe.py [--rows 1,2,4,8] [--reps 20] [--max-blocks 1024]
 """
 import argparse
 import pathlib
@@ -13,28 +24,39 @@ import statistics
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "crates/models/src/kernels"
-SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (11264, 2048),
-          "down": (2048, 5632), "head": (49152, 2048)}
+# name: (N, K, NORM, EPI)
+OPS = {"qkv": (2560, 2048, 1, 0), "o": (2048, 2048, 0, 1), "gate_up": (11264, 2048, 1, 2),
+       "down": (2048, 5632, 0, 1), "head": (49152, 2048, 1, 0)}
+EPS = 1e-5
 
 
-def kernel(name, inputs):
-    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=["y"],
-                               source=(SRC / f"{name}.cu").read_text())
+def source(loop):
+    return "".join((SRC / f"gemv_{p}.cu").read_text() for p in ("head", loop, "tail"))
 
 
-def gemv(k, x, w, extra=(), tmpl=()):
-    n = w.shape[0]
+def kernels():
+    dense = mx.fast.cuda_kernel(name="weft_gemv_dense", input_names=["x", "w", "nw", "eps", "res"],
+                                output_names=["y"], source=source("dense"))
+    q4 = mx.fast.cuda_kernel(name="weft_gemv_q4",
+                             input_names=["x", "w", "scales", "biases", "nw", "eps", "res"],
+                             output_names=["y"], source=source("q4"))
+    return dense, q4
+
+
+def launch(k, x, weights, nw, eps, res, n, norm, epi, max_blocks, g=None):
     b = x.shape[0]
-    threads = 256
-    grid = (n * 32 + threads - 1) // threads * threads
-    return k(inputs=[x, w, *extra], template=[("NB", b), *tmpl, ("DT", x.dtype)],
-             grid=(grid, 1, 1), threadgroup=(threads, 1, 1),
-             output_shapes=[(b, n)], output_dtypes=[x.dtype])[0]
+    no = n // 2 if epi == 2 else n
+    blocks = min((no + 7) // 8, max_blocks)
+    tmpl = [("NB", b), ("NORM", norm), ("EPI", epi)] + ([("G", g)] if g else []) + [("DT", x.dtype)]
+    return k(inputs=[x, *weights, nw, eps, res], template=tmpl, grid=(blocks * 256, 1, 1),
+             threadgroup=(256, 1, 1), output_shapes=[(b, no)], output_dtypes=[x.dtype])[0]
 
 
 def timed(fn, reps):
+    mx.eval(fn())
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -48,34 +70,49 @@ def main():
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--max-blocks", type=int, default=1024)
     a = ap.parse_args()
-    kd = kernel("gemv", ["x", "w"])
-    kq = kernel("qgemv4", ["x", "w", "scales", "biases"])
-    for name, (n, k) in SHAPES.items():
-        n = n * (2 if name == "head" else a.layers)
+    kd, kq = kernels()
+    eps = mx.array([EPS], dtype=mx.float32)
+    for name, (n, k, norm, epi) in OPS.items():
+        # Stack the layers' weights (gate/up stays [gate; up] per kernel call,
+        # so the stacked form is [L * F gate rows; L * F up rows]).
+        n = n * (1 if name == "head" else a.layers)
         w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
         q = mx.quantize(w, group_size=64, bits=4)
-        mx.eval(w, q)
+        nw = (1.0 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
+        mx.eval(w, q, nw)
         mb = n * k * 2 / 1e6
         for b in [int(r) for r in a.rows.split(",")]:
             x = mx.random.normal((b, k)).astype(mx.bfloat16)
-            mx.eval(x)
-            ref = x @ w.T
-            got = gemv(kd, x, w)
-            qref = mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4)
-            qgot = gemv(kq, x, q[0], q[1:], [("G", 64)])
+            no = n // 2 if epi == 2 else n
+            res = mx.random.normal((b, no)).astype(mx.bfloat16) if epi == 1 else mx.zeros((1,), mx.bfloat16)
+            mx.eval(x, res)
+
+            def chain(mm):
+                y = mm(mx.fast.rms_norm(x, nw, EPS) if norm else x)
+                if epi == 1:
+                    y = res + y
+                elif epi == 2:
+                    gt, up = mx.split(y, 2, axis=-1)
+                    y = nn.silu(gt) * up
+                return y
+
+            dense_mm = lambda v: v @ w.T
+            q_mm = lambda v: mx.quantized_matmul(v, *q, transpose=True, group_size=64, bits=4)
+            own = lambda: launch(kd, x, [w], nw, eps, res, n, norm, epi, a.max_blocks)
+            qown = lambda: launch(kq, x, list(q), nw, eps, res, n, norm, epi, a.max_blocks, 64)
+            ref, qref = chain(dense_mm), chain(q_mm)
+            got, qgot = own(), qown()
             scale = mx.abs(ref).max().item()
             err = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item() / scale
             qerr = mx.abs(qgot.astype(mx.float32) - qref.astype(mx.float32)).max().item() / scale
-            t_mlx = timed(lambda: x @ w.T, a.reps)
-            t_own = timed(lambda: gemv(kd, x, w), a.reps)
-            t_qmlx = timed(lambda: mx.quantized_matmul(x, *q, transpose=True, group_size=64,
-                                                       bits=4), a.reps)
-            t_qown = timed(lambda: gemv(kq, x, q[0], q[1:], [("G", 64)]), a.reps)
-            print(f"{name:8s} {n:6d}x{k:5d} rows {b}: bf16 mlx {t_mlx*1e6:7.0f} us "
-                  f"({mb/t_mlx/1e3:5.0f} GB/s) own {t_own*1e6:7.0f} us ({mb/t_own/1e3:5.0f} GB/s) "
-                  f"err {err:.1e} | q4 mlx {t_qmlx*1e6:7.0f} us ({mb/4/t_qmlx/1e3:5.0f} GB/s) "
-                  f"own {t_qown*1e6:7.0f} us ({mb/4/t_qown/1e3:5.0f} GB/s) err {qerr:.1e}",
+            t_mlx, t_own = timed(lambda: chain(dense_mm), a.reps), timed(own, a.reps)
+            t_qmlx, t_qown = timed(lambda: chain(q_mm), a.reps), timed(qown, a.reps)
+            print(f"{name:8s} {n:6d}x{k:5d} rows {b}: bf16 mlx {t_mlx*1e6:6.0f} us "
+                  f"({mb/t_mlx/1e3:5.0f} GB/s) own {t_own*1e6:6.0f} us ({mb/t_own/1e3:5.0f} GB/s) "
+                  f"err {err:.1e} | q4 mlx {t_qmlx*1e6:6.0f} us ({mb/4/t_qmlx/1e3:5.0f} GB/s) "
+                  f"own {t_qown*1e6:6.0f} us ({mb/4/t_qown/1e3:5.0f} GB/s) err {qerr:.1e}",
                   flush=True)
 
 

@@ -14,13 +14,17 @@
 #           decode: DECODE_ROWS="1 64 128 256"; OPS_SWEEP="40 100" adds pipelined steps at
 #           SWEEP_ROWS ("1 64") with MLX_MAX_OPS_PER_BUFFER at each value; SPLIT_SWEEP="32 16"
 #           the same with WEFT_SPLIT_KEYS (fewest keys per paged-attention split);
+#           SKIP_Q4_ENGINE=1: q4 makes the 4-bit model for the sweeps without its own engine run;
 #           q4 with QMM_SWEEP="4 16": the 4-bit engine again with WEFT_QMM_MAX_ROWS at each;
 #           plain: the engine with WEFT_PIPELINE=off at PLAIN_STREAMS (1,8,64);
 #           nocompile: the engine with WEFT_COMPILE=off at PLAIN_STREAMS;
 #           decode: each row count one step at a time, pipelined compiled (fused decode
 #           kernels), compiled with WEFT_FUSED=off, and WEFT_COMPILE=off, with graph census;
+#           gemvstep: decode_timing with WEFT_GEMV_MAX_ROWS=0 and 8 at GEMV_ROWS_STEP (1 8),
+#           and fused_decode_check with the GEMV kernels (bf16; 4-bit too with q4);
 #           gemv: benches/gemv_probe.py (MLX's few-row matmuls vs Weft's GEMV kernels) at GEMV_ROWS;
 #           GEMV_SWEEP="0 8": the engine again with WEFT_GEMV_MAX_ROWS at each value (0 = off);
+#           constrained: benches/constrained.sh on the 1.2B model (C_STREAMS, default 32);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated)
@@ -61,6 +65,19 @@ fi
 if [[ $S == *gemv* ]]; then
   echo "== few-row matmuls: MLX's vs Weft's GEMV kernels (benches/gemv_probe.py)" | tee -a $R
   python3 benches/gemv_probe.py --rows ${GEMV_ROWS:-1,2,4,8} 2>&1 | tee -a $R
+fi
+if [[ $S == *gemvstep* ]]; then
+  for b in ${GEMV_ROWS_STEP:-1 8}; do
+    for g in 0 8; do
+      echo "== runner decode step, $b rows, pipelined, compiled, WEFT_GEMV_MAX_ROWS=$g" | tee -a $R
+      WEFT_GEMV_MAX_ROWS=$g CENSUS=1 PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+    done
+    echo "== compiled steps with the GEMV kernels (WEFT_GEMV_MAX_ROWS=8) vs op-by-op, $b rows" | tee -a $R
+    WEFT_GEMV_MAX_ROWS=8 /root/fused_decode_check $M $b 120 24 2>&1 | tail -4 | tee -a $R
+    if [[ $S == *q4* ]]; then
+      WEFT_GEMV_MAX_ROWS=8 /root/fused_decode_check $Q $b 120 24 2>&1 | tail -3 | tee -a $R
+    fi
+  done
 fi
 if [[ $S == *check* ]]; then
   echo "== compiled (fused kernels) vs op-by-op decode steps, same KV, lockstep" | tee -a $R
@@ -112,13 +129,13 @@ if [[ $S == *nocompile* ]]; then
   WEFT_COMPILE=off python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
     --streams ${PLAIN_STREAMS:-1,8,64} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
-if [[ $S == *q4* ]]; then
+if [[ $S == *q4* && -z "${SKIP_Q4_ENGINE:-}" ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B 4-bit (affine g64), prompt 128, gen 128" | tee -a $R
   python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
     --streams ${Q_STREAMS:-${STREAMS:-1,8,32,64,128,256}} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
 for g in ${GEMV_SWEEP:-}; do
-  echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_GEMV_MAX_ROWS=$g (GEMV kernels up to $g rows; default 0 = off)" | tee -a $R
+  echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_GEMV_MAX_ROWS=$g (GEMV kernels up to $g rows; default: 1 row with 4-bit weights, off with dense)" | tee -a $R
   WEFT_GEMV_MAX_ROWS=$g python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
     --streams ${GEMV_STREAMS:-1,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
   if [[ $S == *q4* ]]; then
@@ -131,6 +148,10 @@ for r in ${QMM_SWEEP:-}; do
   WEFT_QMM_MAX_ROWS=$r python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
     --streams ${Q_STREAMS:-1,2,4,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 done
+if [[ $S == *constrained* ]]; then
+  echo "== constrained output: 32 streams, half JSON-schema constrained vs none (benches/constrained.sh)" | tee -a $R
+  WEFT=/root/weft MODEL=$M STREAMS=${C_STREAMS:-32} bash benches/constrained.sh 2>&1 | tee -a $R
+fi
 if [[ $S == *server* ]]; then
   echo "== weft serve vs mlx_lm.server, 1.2B bf16, prompt 128, 128 generated, 2 requests per stream" | tee -a $R
   up() { python3 - "$1" <<'PY'

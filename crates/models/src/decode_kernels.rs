@@ -28,7 +28,7 @@ use mlx_rs::{Array, Dtype};
 
 use crate::cuda_kernel::Kernel;
 use crate::error::{ModelError, Result};
-use crate::gemv::Gemv;
+use crate::gemv::{Gemv, Post, Pre};
 use crate::linear::Linear;
 
 /// `sum = h + a` (in the dtype), `normed = rms_norm(sum) * w`: one thread
@@ -177,9 +177,49 @@ impl DecodeKernels {
     /// GEMV kernels ([`crate::gemv`]) where they take the layer and `B`, the
     /// layer's own forward otherwise.
     pub fn linear(&self, lin: &Linear, x: &Array) -> Result<Array> {
-        match self.gemv.apply(lin, x)? {
-            Some(y) => Ok(y),
-            None => lin.forward(x),
+        self.product(lin, x, Pre::None, Post::None)
+    }
+
+    /// Whether a step of `rows` rows of a model whose weights are
+    /// `quantized` runs its products through the GEMV kernels with the norms
+    /// and epilogues fused into them ([`crate::gemv::GEMV_MAX_ROWS`]).
+    pub(crate) fn gemv_rows(&self, rows: i32, quantized: bool) -> bool {
+        rows >= 1 && rows <= crate::gemv::max_rows(quantized)
+    }
+
+    /// `post(pre(x) @ W^T)` for a decode step's input `x` `[B, K]`: one GEMV
+    /// kernel where the kernels take the layer and `B`, MLX's ops (and this
+    /// module's element-wise kernels) with the same rounding otherwise.
+    pub(crate) fn product(
+        &self,
+        lin: &Linear,
+        x: &Array,
+        pre: Pre<'_>,
+        post: Post<'_>,
+    ) -> Result<Array> {
+        if let Some(y) = self.gemv.apply(lin, x, pre, post)? {
+            return Ok(y);
+        }
+        let normed;
+        let x = match pre {
+            Pre::None => x,
+            Pre::Norm { w, eps_f, .. } => {
+                normed = mlx_rs::fast::rms_norm(x, Some(w), eps_f)?;
+                &normed
+            }
+        };
+        let y = lin.forward(x)?;
+        match post {
+            Post::None => Ok(y),
+            Post::Residual(r) => {
+                let y = if y.dtype() == r.dtype() {
+                    y
+                } else {
+                    y.as_dtype(r.dtype())?
+                };
+                Ok(mlx_rs::ops::add(r, &y)?)
+            }
+            Post::SiluPair => self.silu_mul(&y),
         }
     }
 

@@ -13,6 +13,7 @@ use crate::config::{Activation, Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
 use crate::decode_kernels::{self, DecodeKernels, QkvHeads};
 use crate::error::{ModelError, Result};
+use crate::gemv::{Post, Pre};
 use crate::kv::{self, KvShape, KvStep, LayerKv};
 use crate::linear::{Linear, WeightPolicy};
 use crate::weights::Weights;
@@ -631,6 +632,13 @@ impl LlamaModel {
         let mut h = self
             .embed
             .embed(&tokens.reshape(&[b])?, self.policy.dtype)?;
+        let quantized = matches!(
+            self.layers.first().map(|l| &l.mlp.down),
+            Some(Linear::Quantized { .. })
+        );
+        if k.gemv_rows(b, quantized) {
+            return self.forward_gemv(h, kv, k, heads, scale, after_layer);
+        }
         let first = self
             .layers
             .first()
@@ -673,6 +681,62 @@ impl LlamaModel {
             Some(head) => k.linear(head, &x)?,
             None => k.linear(&self.embed, &x)?,
         };
+        Ok(logits.reshape(&[b, 1, -1])?)
+    }
+
+    /// The model's RMS norm of weight `w`, before a GEMV.
+    fn pre_norm<'a>(&'a self, w: &'a Array) -> Pre<'a> {
+        Pre::Norm {
+            w,
+            eps: &self.eps,
+            eps_f: self.config.rms_norm_eps,
+        }
+    }
+
+    /// [`Self::forward_fused`] for a step of few rows, every product one
+    /// GEMV kernel ([`crate::gemv`]) with the norm before it and the residual
+    /// add or SwiGLU after it fused in: 8 primitives per layer (QKV, RoPE,
+    /// two scatters, two attention kernels, then output, gate/up and down).
+    /// `h` is the embedded tokens `[B, hidden]`.
+    fn forward_gemv<K: LayerKv + ?Sized>(
+        &self,
+        mut h: Array,
+        kv: &mut K,
+        k: &DecodeKernels,
+        heads: QkvHeads,
+        scale: f32,
+        after_layer: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Array> {
+        let b = h.dim(0);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (Proj::Fused { lin: qkv, .. }, Proj::Fused { lin: gate_up, .. }) =
+                (&layer.attn.qkv, &layer.mlp.gate_up)
+            else {
+                return Err(ModelError::Invalid(format!(
+                    "layer {i}: fused decode needs fused projections"
+                )));
+            };
+            let y = k.product(qkv, &h, self.pre_norm(&layer.input_norm), Post::None)?;
+            let (q, kr, vr) = k.rope_qkv(
+                &y,
+                kv.offsets(),
+                &self.rope.inv_freq,
+                &self.rope.scale_arr,
+                heads,
+            )?;
+            let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
+            let h1 = k.product(&layer.attn.o, &a, Pre::None, Post::Residual(&h))?;
+            let act = k.product(
+                gate_up,
+                &h1,
+                self.pre_norm(&layer.post_norm),
+                Post::SiluPair,
+            )?;
+            h = k.product(&layer.mlp.down, &act, Pre::None, Post::Residual(&h1))?;
+            after_layer(i)?;
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let logits = k.product(head, &h, self.pre_norm(&self.norm), Post::None)?;
         Ok(logits.reshape(&[b, 1, -1])?)
     }
 
