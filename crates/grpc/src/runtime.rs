@@ -568,32 +568,81 @@ fn log_kv(runner: &BatchRunner, max_rows: usize, context: u64) {
 /// One throwaway prefill and decode (blocks from a private pool over the
 /// same storage, given back after) so the first request does not pay for
 /// MLX's first-use setup.
+/// Runs one step of each kind the scheduler plans before the server says it
+/// is ready, so MLX's one-time costs (NVRTC compiles of the kernels a step
+/// kind needs, cuDNN plans, first allocations) are not paid by the first
+/// requests: measured on the H200, a cold server's first batched prefill of
+/// 16 rows took 6.2 s and a mixed step 2.7 s, the same steps ~90 ms once
+/// warm (benches/RESULTS.md). Steps: one row, one decode token, a ragged
+/// prefill of three fresh rows, a mixed step (decode rows beside a
+/// continuation chunk), a decode step of four rows, and on the GPU a long
+/// continuation; rows sample greedily, with temperature / top-k / top-p, and
+/// with logprobs. The blocks written here are the pool's own and are simply
+/// overwritten once the scheduler hands them out.
 fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
     use weft_scheduler::kv_pool::{KvPool, OwnerId, SeqSpec};
     let mut pool = KvPool::new(runner.kv_groups().clone())?;
-    let seq = pool.allocate(SeqSpec::new(OwnerId(0)))?;
-    let mut start = 0;
-    for tokens in [vec![1u32, 2, 3, 4], vec![5]] {
-        pool.begin()?;
-        pool.append(seq, tokens.len())?;
-        let mut blocks = Vec::with_capacity(pool.num_groups());
-        for g in 0..pool.num_groups() {
-            let mut b = RowBlocks::default();
-            b.copy_from(&pool.table(seq, g)?);
-            blocks.push(b);
+    let seqs = (0..4)
+        .map(|i| pool.allocate(SeqSpec::new(OwnerId(i))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut lens = [0usize; 4];
+    let long = if runner.kv().uses_kernel() { 600 } else { 0 };
+    let plan: [&[(usize, usize)]; 6] = [
+        &[(0, 4)],
+        &[(0, 1)],
+        &[(1, 37), (2, 9), (3, 130)],
+        &[(0, 1), (1, 1), (2, 70), (3, 1)],
+        &[(0, 1), (1, 1), (2, 1), (3, 1)],
+        &[(3, long)],
+    ];
+    let vocab = (runner.model().config.vocab_size as u32).max(2);
+    for step in plan {
+        let step: Vec<(usize, usize)> = step.iter().copied().filter(|&(_, n)| n > 0).collect();
+        if step.is_empty() {
+            continue;
         }
-        let steps = [RowStep {
-            row: u64::MAX,
-            start_pos: start,
-            want_logits: true,
-            draft: 0,
-            blocks,
-            tokens,
-        }];
-        runner.forward(pool.step_ops(), &steps)?;
+        pool.begin()?;
+        let mut rows = Vec::with_capacity(step.len());
+        let mut sampling = Vec::with_capacity(step.len());
+        for &(i, n) in &step {
+            pool.append(seqs[i], n)?;
+            let mut blocks = Vec::with_capacity(pool.num_groups());
+            for g in 0..pool.num_groups() {
+                let mut b = RowBlocks::default();
+                b.copy_from(&pool.table(seqs[i], g)?);
+                blocks.push(b);
+            }
+            rows.push(RowStep {
+                row: u64::MAX - i as u64,
+                start_pos: lens[i],
+                want_logits: true,
+                draft: 0,
+                blocks,
+                tokens: (0..n)
+                    .map(|t| 1 + ((t * 7 + i * 13) as u32) % (vocab - 1))
+                    .collect(),
+            });
+            sampling.push(match i {
+                1 => SampleRow {
+                    temperature: 0.8,
+                    top_k: 40,
+                    top_p: 0.9,
+                    uniforms: vec![0.5],
+                    ..SampleRow::default()
+                },
+                2 => SampleRow {
+                    logprobs: Some(2),
+                    ..SampleRow::default()
+                },
+                _ => SampleRow::default(),
+            });
+        }
+        runner.forward_sampled(pool.step_ops(), &rows, &sampling)?;
         runner.commit()?;
         pool.commit()?;
-        start += steps[0].tokens.len();
+        for &(i, n) in &step {
+            lens[i] += n;
+        }
     }
     Ok(())
 }
