@@ -589,6 +589,7 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
             draft: 0,
             blocks,
             tokens,
+            adapter: None,
         }];
         runner.forward(pool.step_ops(), &steps)?;
         runner.commit()?;
