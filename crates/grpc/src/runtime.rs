@@ -357,6 +357,7 @@ impl MlxModel {
             s.want_logits = r.want_logits;
             s.draft = r.draft;
             s.blocks.clone_from(&r.blocks);
+            s.adapter = r.adapter.map(|a| weft_models::AdapterId(u64::from(a)));
         }
     }
 
