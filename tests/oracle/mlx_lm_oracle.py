@@ -1,7 +1,10 @@
 """mlx-lm as the parity oracle for Weft's tests.
 
-  fixture --arch llama|qwen2|qwen3|gemma3 --out DIR [--quantize]   random-weight model dir
-  run --model DIR --requests FILE                      logits + greedy tokens
+  fixture --arch llama|llama-tiny|qwen2|qwen3|gemma3 --out DIR [--quantize]   random-weight model dir
+  lora-fixture --model DIR --out DIR --rank R --scale S --seed N [--keys K,..] [--num-layers N]
+               [--peft-out DIR [--rslora]]            random LoRA adapter (mlx-lm layout; the
+                                                     same weights in PEFT's layout too)
+  run --model DIR --requests FILE [--adapter DIR]      logits + greedy tokens
 
 `run` reads JSON {"max_tokens": N, "prompts": [{"ids": [...]} or {"text": "..."}],
 "batch": bool} and prints JSON results. Everything runs in float32 so it matches
@@ -19,8 +22,15 @@ from mlx.utils import tree_flatten, tree_map
 
 
 def make_fixture(arch, out, quantize):
-    mx.random.seed({"llama": 7, "qwen3": 11, "qwen2": 13, "gemma3": 17}[arch])
-    if arch == "gemma3":
+    mx.random.seed({"llama": 7, "llama-tiny": 5, "qwen3": 11, "qwen2": 13, "gemma3": 17}[arch])
+    if arch == "llama-tiny":
+        from mlx_lm.models import llama as mod
+
+        cfg = dict(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                   intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                   rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0,
+                   tie_word_embeddings=False, max_position_embeddings=2048)
+    elif arch == "gemma3":
         from mlx_lm.models import gemma3_text as mod
 
         # A window of 8 tokens and a global layer every third: short prompts
@@ -87,6 +97,60 @@ def make_fixture(arch, out, quantize):
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
+LORA_MODULES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def make_lora_fixture(model_dir, out, rank, scale, seed, keys, num_layers, peft_out, rslora):
+    """Random LoRA weights for the model in model_dir: lora_a as mlx-lm
+    initializes it, lora_b random too (mlx-lm starts it at zero, which would
+    make the adapter a no-op)."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(model_dir))
+    mx.random.seed(seed)
+    keys = keys.split(",") if keys else None
+    n = len(model.layers)
+    first = 0 if num_layers <= 0 else max(n - num_layers, 0)
+    mods = dict(model.named_modules())
+    weights = {}
+    for i in range(first, n):
+        for k in (keys or LORA_MODULES):
+            m = mods[f"model.layers.{i}.{k}"]
+            out_dims, in_dims = m.weight.shape
+            if isinstance(m, nn.QuantizedLinear):
+                in_dims = in_dims * 32 // m.bits
+            bound = in_dims ** -0.5
+            a = mx.random.uniform(low=-bound, high=bound, shape=(in_dims, rank))
+            b = mx.random.normal((rank, out_dims)) * rank ** -0.5
+            weights[f"model.layers.{i}.{k}.lora_a"] = a
+            weights[f"model.layers.{i}.{k}.lora_b"] = b
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    params = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys:
+        params["keys"] = keys
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}, indent=1))
+    if peft_out:
+        peft = {}
+        for name, w in weights.items():
+            stem, half = name.rsplit(".", 1)
+            peft_name = "base_model.model." + stem + (".lora_A.weight" if half == "lora_a"
+                                                      else ".lora_B.weight")
+            peft[peft_name] = mx.array(w.T)
+        p = Path(peft_out)
+        p.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(p / "adapter_model.safetensors"), peft)
+        alpha = scale * (rank ** 0.5 if rslora else rank)
+        cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": rslora,
+               "bias": "none", "lora_dropout": 0.0, "fan_in_fan_out": False,
+               "target_modules": sorted({k.rsplit(".", 1)[-1] for k in (keys or LORA_MODULES)}),
+               "layers_to_transform": list(range(first, n))}
+        (p / "adapter_config.json").write_text(json.dumps(cfg, indent=1))
+
+
 def dequantize_modules(model):
     """Replace quantized layers by dense float32 ones holding the same values
     (what Weft's CPU policy does at load)."""
@@ -113,14 +177,17 @@ def dequantize_modules(model):
             setattr(parent, parts[-1], new)
 
 
-def run(model_dir, requests, dequantize=False):
-    from mlx_lm.utils import load_model
+def run(model_dir, requests, dequantize=False, adapter=None):
+    from mlx_lm.utils import load_model, load_adapters
     from mlx_lm.generate import generate_step
 
     model_dir = Path(model_dir)
     model, _ = load_model(model_dir)
     if dequantize:
         dequantize_modules(model)
+    if adapter:
+        model = load_adapters(model, adapter)
+        model.eval()
     model.set_dtype(mx.float32)
     req = json.loads(Path(requests).read_text())
     tok = None
@@ -139,14 +206,20 @@ def run(model_dir, requests, dequantize=False):
         logits = model(mx.array(ids)[None])[0, -1].astype(mx.float32)
         greedy = []
         margins = []
+        steps = []
         for token, lp in generate_step(mx.array(ids), model, max_tokens=req["max_tokens"],
                                        sampler=lambda x: mx.argmax(x, axis=-1)):
             greedy.append(int(token))
             t2 = mx.sort(lp.astype(mx.float32))[-2:].tolist()
             margins.append(t2[1] - t2[0])
+            if req.get("full"):
+                steps.append(lp.astype(mx.float32).tolist())
         top2 = mx.sort(logits)[-2:].tolist()
-        results.append({"ids": ids, "logits": logits.tolist(), "greedy": greedy,
-                        "margin": top2[1] - top2[0], "margins": margins})
+        r = {"ids": ids, "logits": logits.tolist(), "greedy": greedy,
+             "margin": top2[1] - top2[0], "margins": margins}
+        if req.get("full"):
+            r["steps"] = steps
+        results.append(r)
     json.dump({"results": results}, sys.stdout)
 
 
@@ -197,13 +270,25 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fixture")
-    f.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3"], required=True)
+    f.add_argument("--arch", choices=["llama", "llama-tiny", "qwen2", "qwen3", "gemma3"],
+                   required=True)
     f.add_argument("--out", required=True)
     f.add_argument("--quantize", action="store_true")
     r = sub.add_parser("run")
     r.add_argument("--model", required=True)
     r.add_argument("--requests", required=True)
     r.add_argument("--dequantize", action="store_true")
+    r.add_argument("--adapter")
+    lf = sub.add_parser("lora-fixture")
+    lf.add_argument("--model", required=True)
+    lf.add_argument("--out", required=True)
+    lf.add_argument("--rank", type=int, required=True)
+    lf.add_argument("--scale", type=float, required=True)
+    lf.add_argument("--seed", type=int, required=True)
+    lf.add_argument("--keys")
+    lf.add_argument("--num-layers", type=int, default=0)
+    lf.add_argument("--peft-out")
+    lf.add_argument("--rslora", action="store_true")
     b = sub.add_parser("batch")
     b.add_argument("--model", required=True)
     b.add_argument("--requests", required=True)
@@ -211,7 +296,10 @@ def main():
     if a.cmd == "fixture":
         make_fixture(a.arch, a.out, a.quantize)
     elif a.cmd == "run":
-        run(a.model, a.requests, a.dequantize)
+        run(a.model, a.requests, a.dequantize, a.adapter)
+    elif a.cmd == "lora-fixture":
+        make_lora_fixture(a.model, a.out, a.rank, a.scale, a.seed, a.keys, a.num_layers,
+                          a.peft_out, a.rslora)
     else:
         batch(a.model, a.requests)
 

@@ -357,6 +357,7 @@ impl MlxModel {
             s.want_logits = r.want_logits;
             s.draft = r.draft;
             s.blocks.clone_from(&r.blocks);
+            s.adapter = r.adapter.map(|a| weft_models::AdapterId(u64::from(a)));
         }
     }
 
@@ -621,6 +622,7 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
                 tokens: (0..n)
                     .map(|t| 1 + ((t * 7 + i * 13) as u32) % (vocab - 1))
                     .collect(),
+                adapter: None,
             });
             sampling.push(match i {
                 1 => SampleRow {

@@ -7,7 +7,10 @@
 //! the block and offset its new K/V go to, its block table, and the K/V pool
 //! arrays themselves, which come back written as outputs and replace the
 //! storage's (so each write still updates the pool in place). The weights are
-//! constants of the trace. Shapes are bucketed so a changing batch meets few
+//! constants of the trace; LoRA adapters are not: with an adapter pool, a
+//! step with adapter rows also takes each row's slot and the pool's stacked
+//! adapter arrays as inputs ([`crate::lora`]), so loading or swapping an
+//! adapter changes inputs, never the trace. Shapes are bucketed so a changing batch meets few
 //! traces: rows are padded by the runner (`decode_bucket`, padding rows read
 //! and write only the null block) and block tables to a power of two of
 //! blocks (padded with the null block, never read: attention stops at each
@@ -32,6 +35,7 @@ use crate::decode_kernels::DecodeKernels;
 use crate::error::{ModelError, Result};
 use crate::kv::{LayerKv, PagedKv};
 use crate::llama::LlamaModel;
+use crate::lora::{Layout, LoraStep};
 use crate::paged_attention::PagedAttention;
 
 type Traced = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
@@ -49,6 +53,8 @@ pub struct CompiledDecode {
     block_size: usize,
     null_block: u32,
     min_width: usize,
+    /// K and V pool arrays per step (two per layer).
+    pools: usize,
 }
 
 impl CompiledDecode {
@@ -61,36 +67,57 @@ impl CompiledDecode {
     /// Tables are at least `min_width` blocks wide: every row of up to that
     /// many blocks shares one table width, so a batch's rows growing meet
     /// no new trace until one passes it (then widths double).
+    ///
+    /// `lora`: the layout of the runner's adapter pool, whose arrays steps
+    /// with adapter rows pass after the K/V pools (a step without adapter
+    /// rows passes none and traces the plain forward).
     pub fn new(
         model: Rc<LlamaModel>,
         kv: &PagedKv,
         fused: Option<Rc<DecodeKernels>>,
         min_width: usize,
+        lora: Option<Layout>,
     ) -> Self {
         let traces = Rc::new(Cell::new(0u64));
         let kernel = kv.kernel();
         let fused = if kernel.is_some() { fused } else { None };
         let block_size = kv.block_size() as usize;
         let counter = traces.clone();
+        let pools = 2 * model.num_layers();
         let body = move |args: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
             counter.set(counter.get() + 1);
             crate::llama::count_trace();
             let fail = |e: ModelError| Exception::custom(e.to_string());
-            if args.len() < FIXED_INPUTS {
+            let pools_end = FIXED_INPUTS + pools;
+            if args.len() < pools_end {
                 return Err(Exception::custom("compiled decode: too few inputs"));
             }
+            let adapters: Option<LoraStep> = if args.len() > pools_end {
+                let layout = lora.as_ref().ok_or_else(|| {
+                    Exception::custom("compiled decode: adapter inputs without a pool")
+                })?;
+                Some(
+                    layout
+                        .step(args[pools_end].clone(), &args[pools_end + 1..])
+                        .map_err(fail)?,
+                )
+            } else {
+                None
+            };
             let mut kv = TracedKv {
                 start: args[1].clone(),
                 write_block: args[2].clone(),
                 write_offset: args[3].clone(),
                 table: args[4].clone(),
                 ntok: args[5].clone(),
-                pools: args[FIXED_INPUTS..].to_vec(),
+                pools: args[FIXED_INPUTS..pools_end].to_vec(),
                 kernel: kernel.clone(),
                 fused: fused.clone(),
                 block_size: block_size as i32,
             };
-            let logits = model.forward_kv(&args[0], &mut kv, true).map_err(fail)?;
+            let logits = model
+                .forward_kv(&args[0], &mut kv, true, adapters.as_ref())
+                .map_err(fail)?;
             let mut out = Vec::with_capacity(1 + kv.pools.len());
             out.push(logits);
             out.append(&mut kv.pools);
@@ -104,6 +131,7 @@ impl CompiledDecode {
             block_size,
             null_block: kv.null_block(),
             min_width: min_width.max(1).next_power_of_two(),
+            pools,
         }
     }
 
@@ -124,7 +152,7 @@ impl CompiledDecode {
         };
         let r: Vec<(&RowBlocks, usize)> = vec![(&null, 0); rows];
         let tokens = Array::from_slice(&vec![0i32; rows], &[rows as i32, 1]);
-        let logits = self.step_at(kv, &tokens, &r, width)?;
+        let logits = self.step_at(kv, &tokens, &r, width, None)?;
         logits.eval()?;
         Ok(self.traces() > before)
     }
@@ -143,14 +171,16 @@ impl CompiledDecode {
     /// `(block table, committed length)` (padding rows included; B is the
     /// runner's bucket). Writes every row's new K/V (the storage's pool
     /// arrays are replaced by the written ones) and returns the logits
-    /// `[B, 1, vocab]`, unevaluated.
+    /// `[B, 1, vocab]`, unevaluated. `lora`: the rows' adapters (covering
+    /// all B rows), passed as inputs.
     pub fn step(
         &mut self,
         kv: &PagedKv,
         tokens: &Array,
         rows: &[(&RowBlocks, usize)],
+        lora: Option<&LoraStep>,
     ) -> Result<Array> {
-        self.step_at(kv, tokens, rows, self.min_width)
+        self.step_at(kv, tokens, rows, self.min_width, lora)
     }
 
     fn step_at(
@@ -159,6 +189,7 @@ impl CompiledDecode {
         tokens: &Array,
         rows: &[(&RowBlocks, usize)],
         min_width: usize,
+        lora: Option<&LoraStep>,
     ) -> Result<Array> {
         let b = rows.len();
         if tokens.shape() != [b as i32, 1] {
@@ -202,7 +233,25 @@ impl CompiledDecode {
             Array::from_slice(&table, &[bi, wi]),
             Array::from_slice(&vec![1i32; b], &[bi]),
         ];
-        inputs.extend(kv.dense_pools()?);
+        let pools = kv.dense_pools()?;
+        if pools.len() != self.pools {
+            return Err(ModelError::Invalid(format!(
+                "compiled decode: {} pool arrays for {} expected",
+                pools.len(),
+                self.pools
+            )));
+        }
+        inputs.extend(pools);
+        if let Some(l) = lora {
+            if l.rows() != b {
+                return Err(ModelError::Invalid(format!(
+                    "compiled decode: adapter slots for {} of {b} rows",
+                    l.rows()
+                )));
+            }
+            inputs.push(l.slots().clone());
+            inputs.extend(l.arrays());
+        }
         let mut out = (self.f)(&inputs)?;
         // The old pools' only references are now the written ones' graph.
         drop(inputs);

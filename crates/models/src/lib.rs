@@ -2,6 +2,7 @@
 //!
 //! Everything here runs on the engine thread: MLX arrays never cross threads.
 
+pub mod adapter;
 pub mod compiled_decode;
 pub mod config;
 pub mod cpu_gemm;
@@ -17,12 +18,14 @@ pub mod lanes;
 pub mod linear;
 pub mod llama;
 pub mod loader;
+pub mod lora;
 pub mod paged_attention;
 pub mod runner;
 pub mod sampler;
 pub mod tokenizer;
 pub mod weights;
 
+pub use adapter::{Adapter, AdapterFormat, Target};
 pub use config::{Arch, ModelConfig};
 pub use cpu_kernels::Kernels;
 pub use error::ModelError;
@@ -31,6 +34,7 @@ pub use lanes::Lanes;
 pub use linear::WeightPolicy;
 pub use llama::{compile_traces, LlamaModel};
 pub use loader::{load, Device, LoadOptions, LoadedModel};
+pub use lora::{AdapterId, AdapterPool, AdapterPoolConfig, LoraStep};
 pub use runner::{
     BatchRunner, RowId, RowStep, StepLogits, StepPicks, StepTiming, DEFAULT_BLOCK_SIZE,
 };

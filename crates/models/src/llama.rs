@@ -16,6 +16,7 @@ use crate::error::{ModelError, Result};
 use crate::gemv::{Post, Pre};
 use crate::kv::{self, KvShape, KvStep, LayerKv};
 use crate::linear::{Linear, WeightPolicy};
+use crate::lora::{Group, LoraStep};
 use crate::weights::Weights;
 
 /// Projections computed by one matmul whose output is split.
@@ -41,19 +42,22 @@ impl Proj {
         })
     }
 
-    async fn forward(&self, x: &Array) -> Result<Vec<Array>> {
-        match self {
+    /// The parts' outputs `[N, out_i]`, each plus its adapter delta
+    /// (`deltas`, one per part; None: not adapted).
+    async fn forward(&self, x: &Array, deltas: Option<Vec<Option<Array>>>) -> Result<Vec<Array>> {
+        let out = match self {
             Proj::Fused { lin, splits } => {
-                Ok(lin.forward_async(x).await?.split_at_indices(splits, -1)?)
+                lin.forward_async(x).await?.split_at_indices(splits, -1)?
             }
             Proj::Separate(parts) => {
                 let mut out = Vec::with_capacity(parts.len());
                 for p in parts {
                     out.push(p.forward_async(x).await?);
                 }
-                Ok(out)
+                out
             }
-        }
+        };
+        add_deltas(out, deltas, |d, _| Ok(d))
     }
 
     /// The projections as `[B, T, heads, head_dim]` per part (`heads[i]`
@@ -66,8 +70,9 @@ impl Proj {
         (b, t): (i32, i32),
         heads: &[i32],
         head_dim: i32,
+        deltas: Option<Vec<Option<Array>>>,
     ) -> Result<Vec<Array>> {
-        match self {
+        let out = match self {
             Proj::Fused { lin, .. } => {
                 let total: i32 = heads.iter().sum();
                 let y = lin
@@ -80,17 +85,20 @@ impl Proj {
                     acc += h;
                     at.push(acc);
                 }
-                Ok(y.split_at_indices(&at, 2)?)
+                y.split_at_indices(&at, 2)?
             }
             Proj::Separate(_) => {
-                let parts = self.forward(x).await?;
+                let parts = self.forward(x, None).await?;
                 parts
                     .into_iter()
                     .zip(heads)
                     .map(|(p, &h)| Ok(p.reshape(&[b, t, h, head_dim])?))
-                    .collect()
+                    .collect::<Result<Vec<_>>>()?
             }
-        }
+        };
+        add_deltas(out, deltas, |d, i| {
+            Ok(d.reshape(&[b, t, heads[i], head_dim])?)
+        })
     }
 
     /// Packs every part for the CPU GEMM (those that are dense f32).
@@ -110,6 +118,41 @@ impl Proj {
             Proj::Fused { lin, .. } => vec![lin],
             Proj::Separate(parts) => parts.iter().collect(),
         }
+    }
+}
+
+/// `parts[i] + deltas[i]` where a delta is given (shaped by `shape(delta, i)`).
+fn add_deltas(
+    parts: Vec<Array>,
+    deltas: Option<Vec<Option<Array>>>,
+    shape: impl Fn(Array, usize) -> Result<Array>,
+) -> Result<Vec<Array>> {
+    let Some(deltas) = deltas else {
+        return Ok(parts);
+    };
+    if deltas.len() != parts.len() {
+        return Err(ModelError::Invalid(format!(
+            "{} adapter deltas for {} projections",
+            deltas.len(),
+            parts.len()
+        )));
+    }
+    parts
+        .into_iter()
+        .zip(deltas)
+        .enumerate()
+        .map(|(i, (p, d))| match d {
+            Some(d) => Ok(ops::add(&p, &shape(d.as_dtype(p.dtype())?, i)?)?),
+            None => Ok(p),
+        })
+        .collect()
+}
+
+/// `y + delta` (the adapter's low-rank output of a single projection).
+fn with_delta(y: Array, delta: Option<Vec<Option<Array>>>) -> Result<Array> {
+    match delta.and_then(|mut d| d.pop().flatten()) {
+        Some(d) => Ok(ops::add(&y, &d.as_dtype(y.dtype())?)?),
+        None => Ok(y),
     }
 }
 
@@ -478,17 +521,30 @@ impl LlamaModel {
         last_only: bool,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
-        block_on(self.forward_async(tokens, kv, last_only, after_layer))
+        block_on(self.forward_async(tokens, kv, last_only, None, after_layer))
     }
 
-    /// Runs independent forwards (`(lane, tokens, kv, last_only)`) in
+    /// As `forward`, each row adding its adapter's low-rank deltas (`lora`
+    /// covers the forward's rows; None: no row has an adapter).
+    pub fn forward_lora(
+        &self,
+        tokens: &Array,
+        kv: &mut KvStep<'_>,
+        last_only: bool,
+        lora: Option<&LoraStep>,
+    ) -> Result<Array> {
+        let mut no_hook = |_: usize| Ok(());
+        block_on(self.forward_async(tokens, kv, last_only, lora, &mut no_hook))
+    }
+
+    /// Runs independent forwards (`(lane, tokens, kv, last_only, adapters)`) in
     /// lockstep, each built on its lane's stream. With packed linears a
     /// forward stops at each GEMM; while one forward's GEMM runs on the CPU
     /// pool, MLX evaluates the others' norms, RoPE and attention on their
     /// streams, so both kinds of work overlap instead of taking turns.
     pub fn forward_interleaved(
         &self,
-        jobs: Vec<(usize, &Array, &mut KvStep<'_>, bool)>,
+        jobs: Vec<(usize, &Array, &mut KvStep<'_>, bool, Option<&LoraStep>)>,
         lanes: &crate::Lanes,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Vec<Array>> {
@@ -499,9 +555,9 @@ impl LlamaModel {
             .collect();
         let mut lane_of = Vec::with_capacity(jobs.len());
         let mut futs = Vec::with_capacity(jobs.len());
-        for ((lane, tokens, kv, last_only), h) in jobs.into_iter().zip(hooks.iter_mut()) {
+        for ((lane, tokens, kv, last_only, lora), h) in jobs.into_iter().zip(hooks.iter_mut()) {
             lane_of.push(lane);
-            futs.push(Box::pin(self.forward_async(tokens, kv, last_only, h)));
+            futs.push(Box::pin(self.forward_async(tokens, kv, last_only, lora, h)));
         }
         let mut out: Vec<Option<Array>> = futs.iter().map(|_| None).collect();
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
@@ -530,9 +586,10 @@ impl LlamaModel {
         tokens: &Array,
         kv: &mut dyn LayerKv,
         last_only: bool,
+        lora: Option<&LoraStep>,
     ) -> Result<Array> {
         let mut no_hook = |_: usize| Ok(());
-        block_on(self.forward_async(tokens, kv, last_only, &mut no_hook))
+        block_on(self.forward_async(tokens, kv, last_only, lora, &mut no_hook))
     }
 
     async fn forward_async<K: LayerKv + ?Sized>(
@@ -540,6 +597,7 @@ impl LlamaModel {
         tokens: &Array,
         kv: &mut K,
         last_only: bool,
+        lora: Option<&LoraStep>,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
         let shape = tokens.shape();
@@ -553,9 +611,21 @@ impl LlamaModel {
         // The hidden state stays `[B * T, hidden]`: 2-D matmuls need no
         // flatten / unflatten around them in every layer.
         let (b, t) = (shape[0], shape[1]);
+        if let Some(l) = lora {
+            if l.rows() != b as usize {
+                return Err(ModelError::Invalid(format!(
+                    "adapter slots for {} rows in a forward of {b}",
+                    l.rows()
+                )));
+            }
+        }
+        let deltas = |i: usize, g: Group, x: &Array| match lora {
+            Some(l) => l.deltas(i, g, x),
+            None => Ok(None),
+        };
         if t == 1 && self.fusable {
             if let Some(k) = kv.fused() {
-                return self.forward_fused(tokens, kv, &k, after_layer).await;
+                return self.forward_fused(tokens, kv, &k, lora, after_layer).await;
             }
         }
         let mut h = self
@@ -574,18 +644,21 @@ impl LlamaModel {
         };
         for (i, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, Some(&layer.input_norm), eps)?;
-            let a = self.attention(i, layer, &x, kv, &offsets).await?;
+            let a = self.attention(i, layer, &x, kv, &offsets, lora).await?;
             h = residual_add(&h, &out_norm(a, &layer.attn_out_norm)?)?;
             let x = fast::rms_norm(&h, Some(&layer.post_norm), eps)?;
             let m = &layer.mlp;
-            let gu = m.gate_up.forward(&x).await?;
+            let gu = m.gate_up.forward(&x, deltas(i, Group::GateUp, &x)?).await?;
             let (g, u) = (&gu[0], &gu[1]);
             let act = match (self.config.activation, self.policy.kernels) {
                 (Activation::GeluTanh, _) => gelu_tanh_mul(g, u)?,
                 (Activation::Silu, Kernels::Stock) => fused_silu_mul(g, u)?,
                 (Activation::Silu, Kernels::CpuTuned) => cpu_kernels::silu_mul(g, u)?,
             };
-            let down = m.down.forward_async(&act).await?;
+            let down = with_delta(
+                m.down.forward_async(&act).await?,
+                deltas(i, Group::Down, &act)?,
+            )?;
             h = residual_add(&h, &out_norm(down, &layer.mlp_out_norm)?)?;
             after_layer(i)?;
         }
@@ -619,9 +692,23 @@ impl LlamaModel {
         tokens: &Array,
         kv: &mut K,
         k: &DecodeKernels,
+        lora: Option<&LoraStep>,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
         let c = &self.config;
+        // Adapter deltas of a fused projection's whole output.
+        let qd = c.num_heads * c.head_dim;
+        let kvd = c.num_kv_heads * c.head_dim;
+        let plus = |y: Array, i: usize, g: Group, x: &Array, outs: &[i32]| -> Result<Array> {
+            match lora
+                .map(|l| l.fused_delta(i, g, x, outs))
+                .transpose()?
+                .flatten()
+            {
+                Some(d) => Ok(ops::add(&y, &d.as_dtype(y.dtype())?)?),
+                None => Ok(y),
+            }
+        };
         let b = tokens.dim(0);
         let heads = QkvHeads {
             q: c.num_heads,
@@ -636,7 +723,10 @@ impl LlamaModel {
             self.layers.first().map(|l| &l.mlp.down),
             Some(Linear::Quantized { .. })
         );
-        if k.gemv_rows(b, quantized) {
+        // The GEMV path has no adapter deltas: steps with adapters (or a
+        // compiled step traced with the adapter pool's inputs) take the
+        // fused layer below.
+        if lora.is_none() && k.gemv_rows(b, quantized) {
             return self.forward_gemv(h, kv, k, heads, scale, after_layer);
         }
         let first = self
@@ -661,17 +751,37 @@ impl LlamaModel {
                 )));
             };
             let (q, kr, vr) = k.rope_qkv(
-                &k.linear(qkv, &x)?,
+                &plus(k.linear(qkv, &x)?, i, Group::Qkv, &x, &[qd, kvd, kvd])?,
                 kv.offsets(),
                 &self.rope.inv_freq,
                 &self.rope.scale_arr,
                 heads,
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
-            let a = k.linear(&layer.attn.o, &a)?;
+            let a = plus(
+                k.linear(&layer.attn.o, &a)?,
+                i,
+                Group::O,
+                &a,
+                &[c.hidden_size],
+            )?;
             let (s, n) = add_norm(&h, &a, &layer.post_norm)?;
-            let act = k.silu_mul(&k.linear(gate_up, &n)?)?;
-            let m = k.linear(&layer.mlp.down, &act)?;
+            let inter = c.intermediate_size;
+            let gu = plus(
+                k.linear(gate_up, &n)?,
+                i,
+                Group::GateUp,
+                &n,
+                &[inter, inter],
+            )?;
+            let act = k.silu_mul(&gu)?;
+            let m = plus(
+                k.linear(&layer.mlp.down, &act)?,
+                i,
+                Group::Down,
+                &act,
+                &[c.hidden_size],
+            )?;
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
             (h, x) = add_norm(&s, &m, next)?;
             after_layer(i)?;
@@ -747,9 +857,14 @@ impl LlamaModel {
         x: &Array,
         kv: &mut K,
         offsets: &Array,
+        lora: Option<&LoraStep>,
     ) -> Result<Array> {
         let c = &self.config;
         let attn = &l.attn;
+        let deltas = |g: Group, x: &Array| match lora {
+            Some(lr) => lr.deltas(layer, g, x),
+            None => Ok(None),
+        };
         let (b, t) = (kv.batch() as i32, kv.step_tokens());
         let heads = |y: Array, norm: &Option<Array>| -> Result<Array> {
             let y = match norm {
@@ -765,6 +880,7 @@ impl LlamaModel {
                 (b, t),
                 &[c.num_heads, c.num_kv_heads, c.num_kv_heads],
                 c.head_dim,
+                deltas(Group::Qkv, x)?,
             )
             .await?
             .into_iter();
@@ -791,7 +907,8 @@ impl LlamaModel {
             out.transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b * t, width])?
         };
-        attn.o.forward_async(&out).await
+        let d = deltas(Group::O, &out)?;
+        with_delta(attn.o.forward_async(&out).await?, d)
     }
 
     /// Dtype activations run in.

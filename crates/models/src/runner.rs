@@ -23,6 +23,7 @@ use crate::error::{ModelError, Result};
 use crate::kv::{KvMemory, KvStep, PagedKv};
 use crate::lanes::{self, Lanes};
 use crate::llama::LlamaModel;
+use crate::lora::{AdapterId, AdapterPool, AdapterPoolConfig, LoraStep};
 use crate::sampler::{self, Picked, SampleRow};
 
 pub type RowId = u64;
@@ -43,6 +44,9 @@ pub struct RowStep {
     /// The row's block table per KV group ([`PagedKv::groups`]), holding
     /// slots `start_pos .. start_pos + tokens.len()`.
     pub blocks: Vec<RowBlocks>,
+    /// The LoRA adapter this row runs with (resident in the runner's
+    /// [`AdapterPool`]; None: the base model).
+    pub adapter: Option<AdapterId>,
 }
 
 impl RowStep {
@@ -134,6 +138,8 @@ pub struct BatchRunner {
     /// Whether the next sampled step records its graph's census.
     census_next: bool,
     census: Option<std::collections::BTreeMap<String, usize>>,
+    /// The LoRA adapters rows may run with, when set up.
+    adapters: Option<AdapterPool>,
 }
 
 /// Where the last forward's wall time went: building the graph on the host
@@ -163,6 +169,7 @@ impl BatchRunner {
                 &kv,
                 fused_kernels(),
                 compiled_min_width(&kv),
+                None,
             )
         });
         Self {
@@ -176,7 +183,79 @@ impl BatchRunner {
             timing: StepTiming::default(),
             census_next: false,
             census: None,
+            adapters: None,
         }
+    }
+
+    /// Sets up (or, with None, removes) the pool of LoRA adapters rows may
+    /// run with ([`RowStep::adapter`]); a new pool is empty. Refused while a
+    /// step is open. Compiled decode steps (when on) are rebuilt for the
+    /// pool's layout: its arrays are their inputs.
+    pub fn set_adapter_pool(&mut self, config: Option<AdapterPoolConfig>) -> Result<()> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "adapter pool changed inside an open step".into(),
+            ));
+        }
+        self.adapters = match config {
+            Some(c) => Some(AdapterPool::new(
+                &self.model.config,
+                self.model.policy.dtype,
+                c,
+            )?),
+            None => None,
+        };
+        if self.compiled.is_some() {
+            self.compiled = Some(self.new_compiled());
+        }
+        Ok(())
+    }
+
+    /// Makes `adapter` resident as `id` (see [`AdapterPool::insert`]);
+    /// returns its slot. Refused while a step is open or without a pool.
+    pub fn load_adapter(
+        &mut self,
+        id: AdapterId,
+        adapter: &crate::adapter::Adapter,
+    ) -> Result<u32> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "adapter loaded inside an open step".into(),
+            ));
+        }
+        self.adapters
+            .as_mut()
+            .ok_or_else(|| ModelError::Invalid("no adapter pool set up".into()))?
+            .insert(id, adapter)
+    }
+
+    /// Frees `id`'s slot; returns whether it was resident. Refused while a
+    /// step is open.
+    pub fn unload_adapter(&mut self, id: AdapterId) -> Result<bool> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "adapter unloaded inside an open step".into(),
+            ));
+        }
+        match self.adapters.as_mut() {
+            Some(p) => p.remove(id),
+            None => Ok(false),
+        }
+    }
+
+    /// The adapter pool, when set up.
+    pub fn adapters(&self) -> Option<&AdapterPool> {
+        self.adapters.as_ref()
+    }
+
+    fn new_compiled(&self) -> crate::compiled_decode::CompiledDecode {
+        crate::compiled_decode::CompiledDecode::new(
+            self.model.clone(),
+            &self.kv,
+            fused_kernels(),
+            compiled_min_width(&self.kv),
+            self.adapters.as_ref().map(AdapterPool::layout),
+        )
     }
 
     /// A runner whose KV storage takes `memory` in `block_size`-token blocks,
@@ -220,14 +299,7 @@ impl BatchRunner {
                     .into(),
             ));
         }
-        self.compiled = on.then(|| {
-            crate::compiled_decode::CompiledDecode::new(
-                self.model.clone(),
-                &self.kv,
-                fused_kernels(),
-                compiled_min_width(&self.kv),
-            )
-        });
+        self.compiled = on.then(|| self.new_compiled());
         Ok(())
     }
 
@@ -580,6 +652,18 @@ impl BatchRunner {
                     s.blocks.len()
                 )));
             }
+            if let Some(id) = s.adapter {
+                if self
+                    .adapters
+                    .as_ref()
+                    .is_none_or(|p| p.slot_of(id).is_none())
+                {
+                    return Err(ModelError::Invalid(format!(
+                        "row {} runs with adapter {}, which is not resident",
+                        s.row, id.0
+                    )));
+                }
+            }
         }
         self.kv.apply(ops)?;
         let decode: Vec<&RowStep> = steps.iter().filter(|s| s.decodes()).collect();
@@ -622,6 +706,7 @@ impl BatchRunner {
                     want_logits: false,
                     draft: 0,
                     blocks: vec![null.clone(); groups_needed],
+                    adapter: None,
                 })
                 .collect()
         } else {
@@ -683,6 +768,17 @@ impl BatchRunner {
             }
             jobs.push((rows, plan.decode_lane, tokens, true));
         }
+        // Each forward's rows' adapters (None: no row of it has one).
+        let loras: Vec<Option<LoraStep>> = match &self.adapters {
+            Some(pool) => jobs
+                .iter()
+                .map(|(rows, _, _, _)| {
+                    let ids: Vec<Option<AdapterId>> = rows.iter().map(|s| s.adapter).collect();
+                    pool.step(&ids)
+                })
+                .collect::<Result<_>>()?,
+            None => jobs.iter().map(|_| None).collect(),
+        };
         let mut no_hook = |_: usize| Ok(());
         let hook: &mut dyn FnMut(usize) -> Result<()> = match &mut self.layer_hook {
             Some(h) => h.as_mut(),
@@ -695,7 +791,7 @@ impl BatchRunner {
             {
                 let r: Vec<(&RowBlocks, usize)> =
                     rows.iter().map(|s| (&s.blocks[0], s.start_pos)).collect();
-                let logits = c.step(&self.kv, tokens, &r)?;
+                let logits = c.step(&self.kv, tokens, &r, loras[0].as_ref())?;
                 // Fault injection sees a compiled step layer by layer too.
                 for i in 0..self.model.num_layers() {
                     hook(i)?;
@@ -720,10 +816,12 @@ impl BatchRunner {
             // forward's pending attention cannot be updated in place by the
             // next forward's write (MLX copies the whole pool instead), so the
             // forwards of one step run one after the other, each evaluated.
-            for ((_, lane, tokens, dec), kvs) in jobs.iter().zip(steps_kv.iter_mut()) {
+            for (((_, lane, tokens, dec), kvs), lora) in
+                jobs.iter().zip(steps_kv.iter_mut()).zip(&loras)
+            {
                 let last_only = !*dec || tokens.dim(1) == 1;
                 let mut one = self.model.forward_interleaved(
-                    vec![(*lane, tokens, kvs, last_only)],
+                    vec![(*lane, tokens, kvs, last_only, lora.as_ref())],
                     &self.lanes,
                     hook,
                 )?;
@@ -736,11 +834,18 @@ impl BatchRunner {
                 outs.push(o);
             }
         } else {
-            let batch: Vec<(usize, &Array, &mut KvStep<'_>, bool)> = jobs
+            let batch: Vec<(usize, &Array, &mut KvStep<'_>, bool, Option<&LoraStep>)> = jobs
                 .iter()
                 .zip(steps_kv.iter_mut())
-                .map(|((_, lane, tokens, dec), kvs)| {
-                    (*lane, tokens, kvs, !*dec || tokens.dim(1) == 1)
+                .zip(&loras)
+                .map(|(((_, lane, tokens, dec), kvs), lora)| {
+                    (
+                        *lane,
+                        tokens,
+                        kvs,
+                        !*dec || tokens.dim(1) == 1,
+                        lora.as_ref(),
+                    )
                 })
                 .collect();
             outs = self.model.forward_interleaved(batch, &self.lanes, hook)?;
@@ -1041,6 +1146,7 @@ mod tests {
                 want_logits: true,
                 draft: 0,
                 blocks: Vec::new(),
+                adapter: None,
             })
             .collect()
     }

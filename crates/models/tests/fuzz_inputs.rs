@@ -265,3 +265,146 @@ proptest! {
         let _ = load(&f);
     }
 }
+
+// ---- LoRA adapters -------------------------------------------------------
+
+const ADAPTER_KEYS: &[&str] = &[
+    "fine_tune_type",
+    "num_layers",
+    "lora_parameters",
+    "rank",
+    "scale",
+    "keys",
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "use_rslora",
+    "use_dora",
+    "layers_to_transform",
+    "rank_pattern",
+    "bias",
+    "modules_to_save",
+];
+
+const LORA_NAMES: &[&str] = &[
+    "model.layers.0.self_attn.q_proj.lora_a",
+    "model.layers.0.self_attn.q_proj.lora_b",
+    "model.layers.1.mlp.down_proj.lora_a",
+    "model.layers.1.mlp.down_proj.lora_b",
+    "model.layers.7.self_attn.k_proj.lora_a",
+    "model.layers.0.self_attn.qkv_proj.lora_a",
+    "base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight",
+    "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight",
+    "lm_head.weight",
+];
+
+/// Loads an adapter directory holding `config` and a tensor file `file`
+/// named for `peft`'s layout or mlx-lm's; any failure must be a typed error.
+fn load_adapter(config: &str, file: &[u8], peft: bool) -> Result<weft_models::Adapter, ModelError> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("adapter_config.json"), config).expect("write");
+    let name = if peft {
+        "adapter_model.safetensors"
+    } else {
+        "adapters.safetensors"
+    };
+    std::fs::write(dir.path().join(name), file).expect("write");
+    let base = ModelConfig::parse(&base_config().to_string()).expect("base config");
+    let out = weft_models::Adapter::load(dir.path(), &base);
+    if let Err(e) = &out {
+        assert!(
+            matches!(
+                e,
+                ModelError::Config { .. } | ModelError::Weights(_) | ModelError::Tensor { .. }
+            ),
+            "{e:?}"
+        );
+    }
+    out
+}
+
+/// A file of f32 tensors `(name, shape)`.
+fn lora_file(tensors: &[(String, Vec<u64>)]) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    let mut at = 0u64;
+    for (n, s) in tensors {
+        let len = s.iter().product::<u64>() * 4;
+        header.insert(
+            n.clone(),
+            json!({"dtype": "F32", "shape": s, "data_offsets": [at, at + len]}),
+        );
+        at += len;
+    }
+    st_file(&Value::Object(header), &vec![0u8; at as usize])
+}
+
+#[test]
+fn a_valid_adapter_loads() {
+    let cfg = json!({"fine_tune_type": "lora", "num_layers": 2,
+        "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}});
+    let file = lora_file(&[
+        (LORA_NAMES[0].into(), vec![64, 4]),
+        (LORA_NAMES[1].into(), vec![4, 64]),
+    ]);
+    let a = load_adapter(&cfg.to_string(), &file, false).expect("valid adapter");
+    assert_eq!((a.rank, a.scale), (4, 2.0));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Adapter configs of either layout with keys replaced by arbitrary JSON,
+    /// over a valid or arbitrary tensor file: a typed error or an adapter,
+    /// never a panic; a rank outside 1..=64 never loads.
+    #[test]
+    fn mutated_adapters_load_or_give_typed_errors(
+        peft in any::<bool>(),
+        edits in proptest::collection::vec(
+            (proptest::sample::select(ADAPTER_KEYS), json_value()), 0..4),
+        tensors in proptest::collection::vec(
+            (proptest::sample::select(LORA_NAMES),
+             proptest::collection::vec(prop_oneof![0u64..70, Just(64u64)], 0..3)),
+            0..4),
+        keep_valid in any::<bool>(),
+    ) {
+        let mut cfg = if peft {
+            json!({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "bias": "none",
+                "target_modules": ["v_proj"]})
+        } else {
+            json!({"fine_tune_type": "lora", "num_layers": 2,
+                "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}})
+        };
+        for (k, v) in edits {
+            let nested = matches!(k, "rank" | "scale" | "keys");
+            match cfg.get_mut("lora_parameters").and_then(Value::as_object_mut) {
+                Some(p) if nested => {
+                    p.insert(k.to_string(), v);
+                }
+                _ => {
+                    if let Some(o) = cfg.as_object_mut() {
+                        o.insert(k.to_string(), v);
+                    }
+                }
+            }
+        }
+        let mut ts: Vec<(String, Vec<u64>)> = if keep_valid {
+            if peft {
+                vec![(LORA_NAMES[6].into(), vec![4, 64]), (LORA_NAMES[7].into(), vec![32, 4])]
+            } else {
+                vec![(LORA_NAMES[0].into(), vec![64, 4]), (LORA_NAMES[1].into(), vec![4, 64])]
+            }
+        } else {
+            Vec::new()
+        };
+        for (n, s) in tensors {
+            if !ts.iter().any(|(m, _)| m == n) {
+                ts.push((n.to_string(), s));
+            }
+        }
+        if let Ok(a) = load_adapter(&cfg.to_string(), &lora_file(&ts), peft) {
+            prop_assert!((1..=64).contains(&a.rank), "rank {}", a.rank);
+            prop_assert!(a.scale.is_finite());
+        }
+    }
+}

@@ -211,6 +211,8 @@ pub struct FakeStats {
     /// hits), and slots re-verified through tables.
     pub prefix_rows: u64,
     pub verified_slots: u64,
+    /// Every adapter a row of a forward named (None: a row without one).
+    pub adapters: std::collections::BTreeSet<Option<u32>>,
 }
 
 #[derive(Debug)]
@@ -652,6 +654,7 @@ impl FakeModel {
         let out = self.sampler.sample(&data, vocab, batch)?;
         self.last_logits = data;
         self.stats.tokens += batch.iter().map(|r| r.tokens.len() as u64).sum::<u64>();
+        self.stats.adapters.extend(batch.iter().map(|r| r.adapter));
         self.stats.max_batch_rows = self.stats.max_batch_rows.max(batch.len());
         let mut picks = HashMap::with_capacity(out.rows.len());
         let mut at = 0;
@@ -860,6 +863,7 @@ mod tests {
             blocks: vec![RowBlocks { offset: 0, blocks }],
             sampling: Default::default(),
             follows: false,
+            adapter: None,
         }
     }
 

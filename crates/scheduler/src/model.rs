@@ -43,6 +43,9 @@ pub struct RowInput {
     /// in the step submitted just before this one, still outstanding
     /// ([`Model::submit`]): the model feeds that pick, which the host does not know yet.
     pub follows: bool,
+    /// The LoRA adapter the row runs with ([`crate::Request::adapter`]; None: the base
+    /// model).
+    pub adapter: Option<u32>,
 }
 
 impl RowInput {

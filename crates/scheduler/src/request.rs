@@ -80,6 +80,10 @@ pub struct Request {
     /// What the output must match (JSON schema, regex, grammar, choices), compiled by
     /// [`crate::constraint::Grammars`]; None: unconstrained.
     pub constraint: Option<crate::constraint::Constraint>,
+    /// The LoRA adapter the request runs with (the model's id for it; None: the
+    /// base model). Its prefix-cache domain is the tenant's and the adapter's: KV
+    /// computed under one adapter is never reused under another.
+    pub adapter: Option<u32>,
 }
 
 impl Request {
@@ -100,6 +104,7 @@ impl Request {
             request_id: None,
             deadline: None,
             constraint: None,
+            adapter: None,
         }
     }
 }

@@ -1364,9 +1364,19 @@ impl<M: Model> Scheduler<M> {
             .map(|(i, _)| i)
     }
 
-    /// The prefix-cache domain of a tenant's sequences (None: caching off).
-    fn salt_of(&self, t: usize) -> Option<Salt> {
-        self.cfg.prefix_cache.then(|| self.tenants[t].salt)
+    /// The prefix-cache domain of a tenant's sequences running with `adapter`
+    /// (None: caching off): the tenant's salt for the base model, and for each adapter
+    /// a salt no other (tenant, adapter) pair has — tenant salts (`index + 1`) sit in
+    /// the low 31 bits, bit 31 marks an adapter and the adapter id is the high 32 — so
+    /// KV is shared only within one tenant and one adapter.
+    fn salt_of(&self, t: usize, adapter: Option<u32>) -> Option<Salt> {
+        self.cfg.prefix_cache.then(|| {
+            let base = self.tenants[t].salt;
+            match adapter {
+                None => base,
+                Some(a) => Salt((u64::from(a) << 32) | (1 << 31) | (base.0 & 0x7fff_ffff)),
+            }
+        })
     }
 
     /// Admits waiting requests in fair order while rows, the token budget, the step's
@@ -1406,8 +1416,10 @@ impl<M: Model> Scheduler<M> {
                 }
             }
             toks.clear();
+            let mut adapter = None;
             if let Some(r) = self.reqs.get(&k) {
                 r.extend_tokens(0, r.seq_len(), &mut toks);
+                adapter = r.r.adapter;
             }
             let total = toks.len();
             if total == 0 {
@@ -1416,7 +1428,7 @@ impl<M: Model> Scheduler<M> {
             // What a hit would cover (all but the last token are offered, so the forward
             // computes at least one), and how many of its blocks sit evictable in the
             // cache: taking those leaves fewer blocks for everyone else.
-            let (cached, revived) = match self.salt_of(t) {
+            let (cached, revived) = match self.salt_of(t, adapter) {
                 Some(salt) => {
                     let hit = self.pool.lookup(salt, &toks[..total - 1]);
                     let revived = match (self.pool.group(0), hit.groups.first()) {
@@ -1491,12 +1503,18 @@ impl<M: Model> Scheduler<M> {
         now: Instant,
     ) -> Option<(Resident, u32, usize)> {
         let req_slot = self.reqs.slot(&k)?;
-        let (t, qslot, prompt_len, first) = {
+        let (t, qslot, prompt_len, first, adapter) = {
             let r = self.reqs.at(req_slot)?;
-            (r.tenant, r.queue_slot(), r.r.prompt.len(), !r.charged)
+            (
+                r.tenant,
+                r.queue_slot(),
+                r.r.prompt.len(),
+                !r.charged,
+                r.r.adapter,
+            )
         };
         let mut spec = SeqSpec::new(OwnerId(u32::try_from(t).unwrap_or(u32::MAX)));
-        if let Some(salt) = self.salt_of(t) {
+        if let Some(salt) = self.salt_of(t, adapter) {
             spec = spec.salted(salt);
         }
         let offered = &toks[..toks.len().saturating_sub(1)];
@@ -1986,6 +2004,7 @@ impl<M: Model> Scheduler<M> {
                 blocks: Vec::new(),
                 sampling: RowSampling::default(),
                 follows: false,
+                adapter: None,
             });
         }
         for ((p, input), held) in rows.iter().zip(inputs.iter_mut()).zip(held.iter_mut()) {
@@ -2002,7 +2021,9 @@ impl<M: Model> Scheduler<M> {
             input.follows = follows;
             input.tokens.clear();
             *held = 0;
+            input.adapter = None;
             if let Some(r) = self.reqs.at_mut(p.slot) {
+                input.adapter = r.r.adapter;
                 // Committed now: before this step, and before the one it follows.
                 *held = r.computed.min(p.start);
                 if follows {

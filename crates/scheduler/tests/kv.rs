@@ -346,3 +346,52 @@ fn a_failed_step_never_leaves_overwritten_blocks_in_the_cache() {
     s.kv_pool().check_invariants().unwrap();
     assert_eq!(s.kv_pool().stats().groups[0].used, 0);
 }
+
+/// One tenant's requests with the same system prompt under three adapters (and
+/// none): the prefix cache is salted by adapter as well as by tenant — no block is
+/// ever in the tables of two (tenant, adapter) domains, while requests of one adapter
+/// do share their prefix — and the rows carry their request's adapter to the model.
+#[test]
+fn adapters_get_their_own_prefix_cache_domains() {
+    let mut g = rng(21);
+    let specs: Vec<Spec> = (0..240)
+        .map(|i| {
+            let t = ["a", "b"][i % 2];
+            let mut req = varied_request(&mut g, t, 1.0, i);
+            let q = req.prompt.len().min(20);
+            req.prompt = [system(1, 48), req.prompt[..q].to_vec()].concat();
+            req.adapter = [None, Some(1), Some(2), Some(u32::MAX)][(i / 2) % 4];
+            Spec::at(below(&mut g, 300), req)
+        })
+        .collect();
+    let mut salts = std::collections::HashSet::new();
+    let r = run(
+        sched_config(),
+        fake_config(),
+        FakeFaults::default(),
+        &specs,
+        |_, s: &Scheduler<FakeModel>, _| {
+            audit_pool(s);
+            let pool = s.kv_pool();
+            for q in pool.live_sequences() {
+                if let Ok(info) = pool.sequence(q) {
+                    salts.insert((info.owner, info.salt));
+                }
+            }
+        },
+    );
+    assert_clean(&r);
+    assert_eq!(salts.len(), 8, "2 tenants x 4 adapter domains: {salts:?}");
+    let hits = r.sched.kv_pool().stats().prefix.hit_tokens;
+    assert!(
+        hits > 1000,
+        "requests of one adapter shared no prefix ({hits})"
+    );
+    let seen = &r.sched.model().stats().adapters;
+    for a in [None, Some(1), Some(2), Some(u32::MAX)] {
+        assert!(
+            seen.contains(&a),
+            "no row reached the model with adapter {a:?}"
+        );
+    }
+}

@@ -311,6 +311,18 @@ pub fn drive(runner: &mut BatchRunner, rows: &[Row], fail: impl FnMut(usize) -> 
 pub fn drive_watched(
     runner: &mut BatchRunner,
     rows: &[Row],
+    fail: impl FnMut(usize) -> bool,
+    watch: impl FnMut(&Kv, &[usize]),
+) -> Trace {
+    drive_adapters(runner, rows, &[], fail, watch)
+}
+
+/// As [`drive_watched`], row `i` running with adapter `adapters[i]` (none
+/// past the slice's end).
+pub fn drive_adapters(
+    runner: &mut BatchRunner,
+    rows: &[Row],
+    adapters: &[Option<weft_models::AdapterId>],
     mut fail: impl FnMut(usize) -> bool,
     mut watch: impl FnMut(&Kv, &[usize]),
 ) -> Trace {
@@ -335,6 +347,7 @@ pub fn drive_watched(
                         tokens: ids.clone(),
                         start_pos: 0,
                         want_logits: true,
+                        adapter: adapters.get(i).copied().flatten(),
                         ..Default::default()
                     }
                 } else {
@@ -343,6 +356,7 @@ pub fn drive_watched(
                         tokens: vec![*gen.last().unwrap()],
                         start_pos: ids.len() + gen.len() - 1,
                         want_logits: true,
+                        adapter: adapters.get(i).copied().flatten(),
                         ..Default::default()
                     }
                 }

@@ -1,0 +1,600 @@
+//! LoRA adapters on disk: mlx-lm's (`adapters.safetensors` +
+//! `adapter_config.json`) and PEFT's (`adapter_model.safetensors` +
+//! `adapter_config.json`), read and validated against the base model.
+//!
+//! Both formats hold, per adapted projection, a low-rank pair whose product
+//! is added to the projection's output: `y = W x + scale * B (A x)`.
+//!
+//! - **mlx-lm** (`mlx_lm/tuner/lora.py`, `tuner/utils.py::load_adapters`):
+//!   `model.layers.N.<module>.lora_a` `[in, r]` and `.lora_b` `[r, out]`,
+//!   applied as `y + scale * ((x @ lora_a) @ lora_b)`; the config's
+//!   `lora_parameters.scale` is the multiplier itself (mlx-lm has no alpha),
+//!   `num_layers` adapts the last N layers (0 or less: all), `keys`
+//!   (optional, layer-relative module paths such as `self_attn.q_proj`)
+//!   restricts the modules, `fine_tune_type` must be `lora`.
+//! - **PEFT**: `base_model.model.model.layers.N.<module>.lora_A.weight`
+//!   `[r, in]` and `.lora_B.weight` `[out, r]`; scale `lora_alpha / r`, or
+//!   `lora_alpha / sqrt(r)` with `use_rslora`. Per-module rank or alpha
+//!   patterns, DoRA, `fan_in_fan_out`, trained biases and
+//!   `modules_to_save` change the model beyond a LoRA delta and are refused.
+//!
+//! Adapters are outside input: every name, rank and shape is checked, and an
+//! error names the tensor (and the expected and found shapes).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use mlx_rs::Array;
+use serde_json::Value;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+
+/// Largest LoRA rank an adapter may have.
+pub const MAX_RANK: usize = 64;
+
+/// A projection of a decoder layer an adapter can adapt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// The module path inside a layer (`self_attn.q_proj`, ...).
+    pub fn module(self) -> &'static str {
+        match self {
+            Target::Q => "self_attn.q_proj",
+            Target::K => "self_attn.k_proj",
+            Target::V => "self_attn.v_proj",
+            Target::O => "self_attn.o_proj",
+            Target::Gate => "mlp.gate_proj",
+            Target::Up => "mlp.up_proj",
+            Target::Down => "mlp.down_proj",
+        }
+    }
+
+    /// The module's own name (`q_proj`, ...), what PEFT's `target_modules` lists.
+    pub fn short(self) -> &'static str {
+        let m = self.module();
+        m.rsplit('.').next().unwrap_or(m)
+    }
+
+    fn from_module(path: &str) -> Option<Target> {
+        Target::ALL.into_iter().find(|t| t.module() == path)
+    }
+
+    /// `(in, out)` features of this projection in `c`'s layers.
+    pub fn dims(self, c: &ModelConfig) -> (i32, i32) {
+        let q = c.num_heads * c.head_dim;
+        let kv = c.num_kv_heads * c.head_dim;
+        match self {
+            Target::Q => (c.hidden_size, q),
+            Target::K | Target::V => (c.hidden_size, kv),
+            Target::O => (q, c.hidden_size),
+            Target::Gate | Target::Up => (c.hidden_size, c.intermediate_size),
+            Target::Down => (c.intermediate_size, c.hidden_size),
+        }
+    }
+}
+
+/// Which file layout an adapter came in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdapterFormat {
+    MlxLm,
+    Peft,
+}
+
+/// One adapted projection: `delta = scale * (x @ a) @ b`.
+#[derive(Debug, Clone)]
+pub struct LoraPair {
+    /// `[in, rank]`.
+    pub a: Array,
+    /// `[rank, out]`, not scaled.
+    pub b: Array,
+}
+
+/// A validated LoRA adapter for one base model.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    pub path: PathBuf,
+    pub format: AdapterFormat,
+    pub rank: usize,
+    /// Multiplier of the low-rank product.
+    pub scale: f32,
+    /// Per layer of the base model, the projections this adapter adapts.
+    pub layers: Vec<BTreeMap<Target, LoraPair>>,
+}
+
+impl Adapter {
+    /// Reads the adapter in `dir` (mlx-lm's or PEFT's layout, told apart by
+    /// the safetensors file present) and checks it against the base model
+    /// `base`.
+    pub fn load(dir: &Path, base: &ModelConfig) -> Result<Adapter> {
+        let config_path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::Io {
+            path: config_path.clone(),
+            source: e,
+        })?;
+        let config: Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+            path: config_path.clone(),
+            message: e.to_string(),
+        })?;
+        let mlx = dir.join("adapters.safetensors");
+        let peft = dir.join("adapter_model.safetensors");
+        if mlx.exists() {
+            let spec = MlxSpec::parse(&config, &config_path, base)?;
+            let tensors = read_safetensors(&mlx)?;
+            build(dir, AdapterFormat::MlxLm, &spec.common, tensors, base)
+        } else if peft.exists() {
+            let spec = PeftSpec::parse(&config, &config_path)?;
+            let tensors = read_safetensors(&peft)?;
+            build(dir, AdapterFormat::Peft, &spec.common, tensors, base)
+        } else {
+            Err(ModelError::Weights(format!(
+                "{}: neither adapters.safetensors (mlx-lm) nor adapter_model.safetensors (PEFT)",
+                dir.display()
+            )))
+        }
+    }
+
+    /// The projections adapted in any layer.
+    pub fn targets(&self) -> std::collections::BTreeSet<Target> {
+        self.layers.iter().flat_map(|l| l.keys().copied()).collect()
+    }
+}
+
+/// What both formats' configs decide.
+struct Common {
+    rank: usize,
+    scale: f32,
+    /// Layers the adapter may touch (None: all).
+    layers: Option<Vec<bool>>,
+    /// Modules it may touch (None: all seven).
+    targets: Option<Vec<Target>>,
+}
+
+struct MlxSpec {
+    common: Common,
+}
+
+impl MlxSpec {
+    fn parse(v: &Value, path: &Path, base: &ModelConfig) -> Result<Self> {
+        let bad = |message: String| ModelError::Config {
+            path: path.to_path_buf(),
+            message,
+        };
+        let kind = v
+            .get("fine_tune_type")
+            .map(|t| t.as_str().unwrap_or("?"))
+            .unwrap_or("lora");
+        if kind != "lora" {
+            return Err(bad(format!(
+                "fine_tune_type {kind:?}: only \"lora\" adapters are served"
+            )));
+        }
+        let p = v
+            .get("lora_parameters")
+            .ok_or_else(|| bad("lora_parameters missing".into()))?;
+        let rank = rank_of(p.get("rank"), "lora_parameters.rank").map_err(bad)?;
+        let scale = p
+            .get("scale")
+            .and_then(Value::as_f64)
+            .ok_or_else(|| bad("lora_parameters.scale missing or not a number".into()))?
+            as f32;
+        if !scale.is_finite() {
+            return Err(bad(format!("lora_parameters.scale {scale} is not finite")));
+        }
+        let n = base.num_layers.max(0) as usize;
+        let layers = match v.get("num_layers") {
+            None => None,
+            Some(x) => {
+                let k = x
+                    .as_i64()
+                    .ok_or_else(|| bad("num_layers is not an integer".into()))?;
+                // mlx-lm adapts `layers[-max(k, 0):]`: the last k, or all for k <= 0.
+                let k = if k <= 0 { n } else { (k as usize).min(n) };
+                Some((0..n).map(|i| i >= n - k).collect())
+            }
+        };
+        let targets = match p.get("keys") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(keys)) => {
+                let mut out = Vec::new();
+                for k in keys {
+                    let s = k
+                        .as_str()
+                        .ok_or_else(|| bad("lora_parameters.keys: not a string".into()))?;
+                    let t = Target::from_module(s).ok_or_else(|| {
+                        bad(format!(
+                            "lora_parameters.keys: {s:?} is not one of {:?}",
+                            Target::ALL.map(Target::module)
+                        ))
+                    })?;
+                    out.push(t);
+                }
+                Some(out)
+            }
+            Some(_) => return Err(bad("lora_parameters.keys is not a list".into())),
+        };
+        Ok(Self {
+            common: Common {
+                rank,
+                scale,
+                layers,
+                targets,
+            },
+        })
+    }
+}
+
+struct PeftSpec {
+    common: Common,
+}
+
+impl PeftSpec {
+    fn parse(v: &Value, path: &Path) -> Result<Self> {
+        let bad = |message: String| ModelError::Config {
+            path: path.to_path_buf(),
+            message,
+        };
+        if let Some(t) = v.get("peft_type") {
+            if t.as_str() != Some("LORA") {
+                return Err(bad(format!("peft_type {t}: only LORA adapters are served")));
+            }
+        }
+        let truthy = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
+        for k in ["use_dora", "fan_in_fan_out"] {
+            if truthy(k) {
+                return Err(bad(format!("{k}: true is not supported")));
+            }
+        }
+        for k in ["rank_pattern", "alpha_pattern"] {
+            if v.get(k)
+                .and_then(Value::as_object)
+                .is_some_and(|m| !m.is_empty())
+            {
+                return Err(bad(format!(
+                    "{k}: per-module ranks or alphas are not supported"
+                )));
+            }
+        }
+        if let Some(b) = v.get("bias") {
+            if b.as_str() != Some("none") {
+                return Err(bad(format!(
+                    "bias {b}: adapters that train biases are not supported"
+                )));
+            }
+        }
+        if v.get("modules_to_save")
+            .and_then(Value::as_array)
+            .is_some_and(|m| !m.is_empty())
+        {
+            return Err(bad(
+                "modules_to_save: adapters carrying whole modules are not supported".into(),
+            ));
+        }
+        let rank = rank_of(v.get("r"), "r").map_err(bad)?;
+        let alpha = v
+            .get("lora_alpha")
+            .and_then(Value::as_f64)
+            .ok_or_else(|| bad("lora_alpha missing or not a number".into()))?;
+        let scale = if truthy("use_rslora") {
+            alpha / (rank as f64).sqrt()
+        } else {
+            alpha / rank as f64
+        } as f32;
+        if !scale.is_finite() {
+            return Err(bad(format!("lora_alpha {alpha} gives scale {scale}")));
+        }
+        let targets = match v.get("target_modules") {
+            // A string is a regular expression over module paths (or
+            // "all-linear"); the tensors present decide then.
+            None | Some(Value::Null) | Some(Value::String(_)) => None,
+            Some(Value::Array(names)) => {
+                let mut out = Vec::new();
+                for n in names {
+                    let s = n
+                        .as_str()
+                        .ok_or_else(|| bad("target_modules: not a string".into()))?;
+                    // PEFT matches a module whose path is the name or ends in ".name".
+                    out.extend(
+                        Target::ALL
+                            .into_iter()
+                            .filter(|t| t.module() == s || t.module().ends_with(&format!(".{s}"))),
+                    );
+                }
+                Some(out)
+            }
+            Some(_) => return Err(bad("target_modules is not a list or string".into())),
+        };
+        let layers = match v.get("layers_to_transform") {
+            None | Some(Value::Null) => None,
+            Some(x) => {
+                let list: Vec<i64> = match x {
+                    Value::Array(a) => a.iter().filter_map(Value::as_i64).collect(),
+                    other => other.as_i64().into_iter().collect(),
+                };
+                if list.is_empty() || list.iter().any(|&i| i < 0) {
+                    return Err(bad(format!("layers_to_transform {x} is not a layer list")));
+                }
+                // Layers past any model's are never adapted (and bound the list).
+                let top = list.iter().copied().max().unwrap_or(0).min(1 << 16) as usize;
+                let mut on = vec![false; top + 1];
+                for i in list {
+                    if let Some(x) = on.get_mut(i as usize) {
+                        *x = true;
+                    }
+                }
+                Some(on)
+            }
+        };
+        Ok(Self {
+            common: Common {
+                rank,
+                scale,
+                layers,
+                targets,
+            },
+        })
+    }
+}
+
+fn rank_of(v: Option<&Value>, what: &str) -> std::result::Result<usize, String> {
+    let r = v
+        .and_then(Value::as_u64)
+        .ok_or_else(|| format!("{what} missing or not a positive integer"))?;
+    if r == 0 || r as usize > MAX_RANK {
+        return Err(format!("{what} {r}: ranks 1..={MAX_RANK} are served"));
+    }
+    Ok(r as usize)
+}
+
+/// Every tensor of one safetensors file.
+fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Array>> {
+    let file = std::fs::File::open(path).map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    // SAFETY: the map is read-only and dropped before returning; arrays copy
+    // their bytes out of it.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    let st = safetensors::SafeTensors::deserialize(&map)
+        .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
+    let mut out = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        let array = Array::try_from(view).map_err(|e| ModelError::Tensor {
+            name: name.clone(),
+            message: e.to_string(),
+        })?;
+        out.insert(name, array);
+    }
+    Ok(out)
+}
+
+/// Which half of a pair a tensor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Half {
+    A,
+    B,
+}
+
+/// `(layer, module path, half)` of a tensor name in `format`, or None.
+fn parse_name(format: AdapterFormat, name: &str) -> Option<(usize, &str, Half)> {
+    let (prefix, a, b) = match format {
+        AdapterFormat::MlxLm => ("model.layers.", ".lora_a", ".lora_b"),
+        AdapterFormat::Peft => (
+            "base_model.model.model.layers.",
+            ".lora_A.weight",
+            ".lora_B.weight",
+        ),
+    };
+    let rest = name.strip_prefix(prefix)?;
+    let (layer, rest) = rest.split_once('.')?;
+    if layer.is_empty() || !layer.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let layer: usize = layer.parse().ok()?;
+    if let Some(m) = rest.strip_suffix(a) {
+        Some((layer, m, Half::A))
+    } else {
+        rest.strip_suffix(b).map(|m| (layer, m, Half::B))
+    }
+}
+
+/// A tensor and its name in the file.
+type Named = (String, Array);
+
+fn build(
+    dir: &Path,
+    format: AdapterFormat,
+    spec: &Common,
+    tensors: BTreeMap<String, Array>,
+    base: &ModelConfig,
+) -> Result<Adapter> {
+    let n = base.num_layers.max(0) as usize;
+    let r = spec.rank as i32;
+    let bad = |name: &str, message: String| ModelError::Tensor {
+        name: name.to_string(),
+        message,
+    };
+    // (layer, target) -> (a, b) with their tensor names.
+    let mut halves: BTreeMap<(usize, Target), [Option<Named>; 2]> = BTreeMap::new();
+    for (name, t) in tensors {
+        let Some((layer, module, half)) = parse_name(format, &name) else {
+            return Err(bad(
+                &name,
+                "is not a LoRA tensor of a decoder layer's projection (q/k/v/o/gate/up/down_proj)"
+                    .into(),
+            ));
+        };
+        let Some(target) = Target::from_module(module) else {
+            return Err(bad(
+                &name,
+                format!(
+                    "adapts module {module:?}, which the base model has no LoRA support for \
+                     (one of {:?})",
+                    Target::ALL.map(Target::module)
+                ),
+            ));
+        };
+        if layer >= n {
+            return Err(bad(
+                &name,
+                format!("adapts layer {layer}, but the base model has {n} layers"),
+            ));
+        }
+        if let Some(on) = &spec.layers {
+            if !on.get(layer).copied().unwrap_or(false) {
+                return Err(bad(
+                    &name,
+                    format!("adapts layer {layer}, outside the layers adapter_config.json names"),
+                ));
+            }
+        }
+        if let Some(ts) = &spec.targets {
+            if !ts.contains(&target) {
+                return Err(bad(
+                    &name,
+                    format!(
+                        "adapts {}, which adapter_config.json does not list",
+                        target.module()
+                    ),
+                ));
+            }
+        }
+        let (i, o) = target.dims(base);
+        let want: [i32; 2] = match (format, half) {
+            (AdapterFormat::MlxLm, Half::A) => [i, r],
+            (AdapterFormat::MlxLm, Half::B) => [r, o],
+            (AdapterFormat::Peft, Half::A) => [r, i],
+            (AdapterFormat::Peft, Half::B) => [o, r],
+        };
+        if t.shape() != want {
+            return Err(bad(
+                &name,
+                format!(
+                    "shape {:?}, expected {want:?} (rank {r}, {} is [{i} -> {o}] in the base model)",
+                    t.shape(),
+                    target.module()
+                ),
+            ));
+        }
+        if !matches!(
+            t.dtype(),
+            mlx_rs::Dtype::Float32 | mlx_rs::Dtype::Float16 | mlx_rs::Dtype::Bfloat16
+        ) {
+            return Err(bad(
+                &name,
+                format!("dtype {:?}, expected a float", t.dtype()),
+            ));
+        }
+        let t = match format {
+            AdapterFormat::MlxLm => t,
+            // PEFT stores both as torch Linear weights `[out, in]`.
+            AdapterFormat::Peft => t.t().contiguous()?,
+        };
+        let slot = &mut halves.entry((layer, target)).or_default()[half as usize];
+        *slot = Some((name, t));
+    }
+    let mut layers: Vec<BTreeMap<Target, LoraPair>> = vec![BTreeMap::new(); n];
+    for ((layer, target), [a, b]) in halves {
+        let (suffix_a, suffix_b) = match format {
+            AdapterFormat::MlxLm => ("lora_a", "lora_b"),
+            AdapterFormat::Peft => ("lora_A.weight", "lora_B.weight"),
+        };
+        match (a, b) {
+            (Some((_, a)), Some((_, b))) => {
+                layers[layer].insert(target, LoraPair { a, b });
+            }
+            (Some((name, _)), None) => {
+                return Err(bad(
+                    &name,
+                    format!("has no {suffix_b} partner: both halves of a pair are needed"),
+                ))
+            }
+            (None, Some((name, _))) => {
+                return Err(bad(
+                    &name,
+                    format!("has no {suffix_a} partner: both halves of a pair are needed"),
+                ))
+            }
+            (None, None) => {}
+        }
+    }
+    if layers.iter().all(|l| l.is_empty()) {
+        return Err(ModelError::Weights(format!(
+            "{}: the adapter holds no LoRA tensors",
+            dir.display()
+        )));
+    }
+    Ok(Adapter {
+        path: dir.to_path_buf(),
+        format,
+        rank: spec.rank,
+        scale: spec.scale,
+        layers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_in_both_formats() {
+        assert_eq!(
+            parse_name(
+                AdapterFormat::MlxLm,
+                "model.layers.12.self_attn.q_proj.lora_a"
+            ),
+            Some((12, "self_attn.q_proj", Half::A))
+        );
+        assert_eq!(
+            parse_name(
+                AdapterFormat::Peft,
+                "base_model.model.model.layers.3.mlp.down_proj.lora_B.weight"
+            ),
+            Some((3, "mlp.down_proj", Half::B))
+        );
+        assert_eq!(
+            parse_name(
+                AdapterFormat::MlxLm,
+                "model.layers.x.self_attn.q_proj.lora_a"
+            ),
+            None
+        );
+        assert_eq!(
+            parse_name(
+                AdapterFormat::MlxLm,
+                "model.layers.+1.self_attn.q_proj.lora_a"
+            ),
+            None
+        );
+        assert_eq!(
+            parse_name(
+                AdapterFormat::Peft,
+                "model.layers.1.self_attn.q_proj.lora_a"
+            ),
+            None
+        );
+    }
+}

@@ -1,0 +1,545 @@
+//! The adapters resident on the device and their batched low-rank apply.
+//!
+//! An [`AdapterPool`] holds every resident adapter stacked per layer and
+//! projection group (the groups are Weft's fused projections: q/k/v, o,
+//! gate/up, down): `a` `[slots, in, parts * rank]` with each adapted part's
+//! `A` in its own zero-padded rank block, and per part `b` `[slots, rank,
+//! out]` with the adapter's scale folded in. Slot 0 is no adapter and stays
+//! zero, as does every free slot, so a row without an adapter adds an exact
+//! zero. A forward gets a [`LoraStep`]: the per-row slot index as a `[B]`
+//! uint32 array and the stacks; each group's delta is two gathered matmuls
+//! (`gather_mm`: row `i` multiplies by slot `slots[i]`'s matrices without
+//! copying them per row), `((x @ A[slot]) split per part) @ B_part[slot]`,
+//! added to the base projection's output (dense, quantized or packed alike).
+//! The pool's shapes are fixed when it is made (slots, rank, targets), so
+//! loading or unloading an adapter changes values only: a compiled decode
+//! step takes the stacks and the slot indices as inputs and never retraces
+//! for it.
+
+use std::collections::BTreeSet;
+
+use mlx_rs::{ops, Array, Dtype};
+
+use crate::adapter::{Adapter, Target};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+
+/// Names an adapter resident in a pool (the caller's id, e.g. a tenant's
+/// adapter registry key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AdapterId(pub u64);
+
+/// A projection group of a layer: the projections one (fused) matmul computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Group {
+    Qkv = 0,
+    O = 1,
+    GateUp = 2,
+    Down = 3,
+}
+
+const GROUPS: [(Group, &[Target]); 4] = [
+    (Group::Qkv, &[Target::Q, Target::K, Target::V]),
+    (Group::O, &[Target::O]),
+    (Group::GateUp, &[Target::Gate, Target::Up]),
+    (Group::Down, &[Target::Down]),
+];
+
+/// How big a pool is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterPoolConfig {
+    /// Adapters resident at once (slot 0, no adapter, comes on top).
+    pub slots: usize,
+    /// Largest rank a resident adapter may have (at most
+    /// [`crate::adapter::MAX_RANK`]); smaller ranks are zero-padded.
+    pub max_rank: usize,
+    /// Projections adapters may adapt.
+    pub targets: BTreeSet<Target>,
+}
+
+impl AdapterPoolConfig {
+    /// `slots` adapters of rank up to `max_rank` over every projection.
+    pub fn new(slots: usize, max_rank: usize) -> Self {
+        Self {
+            slots,
+            max_rank,
+            targets: Target::ALL.into_iter().collect(),
+        }
+    }
+}
+
+/// One projection group's stacks in one layer.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupStack {
+    /// `[slots, in, parts.len() * rank]`.
+    a: Array,
+    /// `[slots, rank, out]` of each adapted part, in `parts` order.
+    b: Vec<Array>,
+    /// Indices (into the group's targets) of the parts the pool adapts.
+    parts: Vec<usize>,
+}
+
+/// The arrays of a pool, per layer and group (None: the group is not adapted).
+pub(crate) type Stacks = Vec<[Option<GroupStack>; 4]>;
+
+/// The adapters resident on the device.
+pub struct AdapterPool {
+    config: AdapterPoolConfig,
+    dtype: Dtype,
+    /// `(in, out)` per target in the base model.
+    dims: Vec<(Target, (i32, i32))>,
+    stacks: Stacks,
+    /// Who holds each slot (index 0 is never held).
+    resident: Vec<Option<AdapterId>>,
+}
+
+impl AdapterPool {
+    /// An empty pool for `model`'s layers, arrays in `dtype`.
+    pub fn new(model: &ModelConfig, dtype: Dtype, config: AdapterPoolConfig) -> Result<Self> {
+        if config.slots == 0 {
+            return Err(ModelError::Invalid("an adapter pool needs a slot".into()));
+        }
+        if config.max_rank == 0 || config.max_rank > crate::adapter::MAX_RANK {
+            return Err(ModelError::Invalid(format!(
+                "adapter pool rank {}: 1..={} are served",
+                config.max_rank,
+                crate::adapter::MAX_RANK
+            )));
+        }
+        if config.targets.is_empty() {
+            return Err(ModelError::Invalid(
+                "an adapter pool needs a target projection".into(),
+            ));
+        }
+        let dims: Vec<(Target, (i32, i32))> =
+            Target::ALL.iter().map(|&t| (t, t.dims(model))).collect();
+        let dim = |t: Target| t.dims(model);
+        let s = (config.slots + 1) as i32;
+        let r = config.max_rank as i32;
+        let mut stacks: Stacks = Vec::with_capacity(model.num_layers.max(0) as usize);
+        for _ in 0..model.num_layers.max(0) {
+            let mut layer: [Option<GroupStack>; 4] = Default::default();
+            for (g, targets) in GROUPS {
+                let parts: Vec<usize> = (0..targets.len())
+                    .filter(|&j| config.targets.contains(&targets[j]))
+                    .collect();
+                if parts.is_empty() {
+                    continue;
+                }
+                let input = dim(targets[0]).0;
+                let a =
+                    Array::zeros::<f32>(&[s, input, parts.len() as i32 * r])?.as_dtype(dtype)?;
+                let b = parts
+                    .iter()
+                    .map(|&j| Ok(Array::zeros::<f32>(&[s, r, dim(targets[j]).1])?.as_dtype(dtype)?))
+                    .collect::<Result<Vec<_>>>()?;
+                layer[g as usize] = Some(GroupStack { a, b, parts });
+            }
+            stacks.push(layer);
+        }
+        let pool = Self {
+            resident: vec![None; config.slots + 1],
+            config,
+            dtype,
+            dims,
+            stacks,
+        };
+        pool.eval()?;
+        Ok(pool)
+    }
+
+    fn eval(&self) -> Result<()> {
+        let all: Vec<&Array> = self
+            .stacks
+            .iter()
+            .flat_map(|l| l.iter().flatten())
+            .flat_map(|g| std::iter::once(&g.a).chain(g.b.iter()))
+            .collect();
+        mlx_rs::transforms::eval(all)?;
+        Ok(())
+    }
+
+    pub fn config(&self) -> &AdapterPoolConfig {
+        &self.config
+    }
+
+    /// The slot `id` is resident in.
+    pub fn slot_of(&self, id: AdapterId) -> Option<u32> {
+        self.resident
+            .iter()
+            .position(|r| *r == Some(id))
+            .map(|s| s as u32)
+    }
+
+    /// The adapters resident, by slot.
+    pub fn resident(&self) -> impl Iterator<Item = (u32, AdapterId)> + '_ {
+        self.resident
+            .iter()
+            .enumerate()
+            .filter_map(|(s, r)| r.map(|id| (s as u32, id)))
+    }
+
+    /// Makes `adapter` resident as `id`; returns its slot. Refused (nothing
+    /// changed) when `id` is resident already, the pool is full, or the
+    /// adapter does not fit the pool (rank, targets, layers).
+    pub fn insert(&mut self, id: AdapterId, adapter: &Adapter) -> Result<u32> {
+        if self.slot_of(id).is_some() {
+            return Err(ModelError::Invalid(format!(
+                "adapter {} is resident already",
+                id.0
+            )));
+        }
+        if adapter.rank > self.config.max_rank {
+            return Err(ModelError::Invalid(format!(
+                "adapter {} ({}) has rank {}, the pool at most {}",
+                id.0,
+                adapter.path.display(),
+                adapter.rank,
+                self.config.max_rank
+            )));
+        }
+        if let Some(t) = adapter
+            .targets()
+            .into_iter()
+            .find(|t| !self.config.targets.contains(t))
+        {
+            return Err(ModelError::Invalid(format!(
+                "adapter {} ({}) adapts {}, which the pool does not",
+                id.0,
+                adapter.path.display(),
+                t.module()
+            )));
+        }
+        if adapter.layers.len() != self.stacks.len() {
+            return Err(ModelError::Invalid(format!(
+                "adapter {} is for {} layers, the model has {}",
+                id.0,
+                adapter.layers.len(),
+                self.stacks.len()
+            )));
+        }
+        let slot = (1..self.resident.len())
+            .find(|&s| self.resident[s].is_none())
+            .ok_or_else(|| {
+                ModelError::Invalid(format!(
+                    "adapter pool full ({} resident)",
+                    self.config.slots
+                ))
+            })?;
+        let r = self.config.max_rank as i32;
+        let dt = self.dtype;
+        let mut next = self.stacks.clone();
+        for (layer, groups) in next.iter_mut().enumerate() {
+            let pairs = &adapter.layers[layer];
+            for (g, targets) in GROUPS {
+                let Some(st) = groups[g as usize].as_mut() else {
+                    continue;
+                };
+                if !st.parts.iter().any(|&j| pairs.contains_key(&targets[j])) {
+                    // A free slot is zero already.
+                    continue;
+                }
+                let mut a_blocks = Vec::with_capacity(st.parts.len());
+                for (k, &j) in st.parts.iter().enumerate() {
+                    let t = targets[j];
+                    let (input, out) = self.dim(t);
+                    let (a, b) = match pairs.get(&t) {
+                        Some(p) => {
+                            let a = pad(&p.a.as_dtype(Dtype::Float32)?, 1, r)?;
+                            let scale = Array::from_f32(adapter.scale);
+                            let b = ops::multiply(&p.b.as_dtype(Dtype::Float32)?, &scale)?;
+                            (a.as_dtype(dt)?, pad(&b, 0, r)?.as_dtype(dt)?)
+                        }
+                        None => (
+                            Array::zeros::<f32>(&[input, r])?.as_dtype(dt)?,
+                            Array::zeros::<f32>(&[r, out])?.as_dtype(dt)?,
+                        ),
+                    };
+                    a_blocks.push(a);
+                    st.b[k] = put_slot(&st.b[k], slot, &b)?;
+                }
+                let a = ops::concatenate(&a_blocks, 1)?;
+                st.a = put_slot(&st.a, slot, &a)?;
+            }
+        }
+        let old = std::mem::replace(&mut self.stacks, next);
+        if let Err(e) = self.eval() {
+            self.stacks = old;
+            return Err(e);
+        }
+        self.resident[slot] = Some(id);
+        Ok(slot as u32)
+    }
+
+    /// Makes `id`'s slot free (zero) again. Returns whether it was resident.
+    pub fn remove(&mut self, id: AdapterId) -> Result<bool> {
+        let Some(slot) = self.slot_of(id) else {
+            return Ok(false);
+        };
+        let slot = slot as usize;
+        let mut next = self.stacks.clone();
+        for st in next.iter_mut().flat_map(|l| l.iter_mut().flatten()) {
+            st.a = zero_slot(&st.a, slot)?;
+            for b in &mut st.b {
+                *b = zero_slot(b, slot)?;
+            }
+        }
+        let old = std::mem::replace(&mut self.stacks, next);
+        if let Err(e) = self.eval() {
+            self.stacks = old;
+            return Err(e);
+        }
+        self.resident[slot] = None;
+        Ok(true)
+    }
+
+    fn dim(&self, t: Target) -> (i32, i32) {
+        self.dims
+            .iter()
+            .find(|(x, _)| *x == t)
+            .map(|(_, d)| *d)
+            .unwrap_or((0, 0))
+    }
+
+    /// The step view for rows with these adapters (None: no adapter), or
+    /// None when no row has one (the forward skips the low-rank work).
+    /// Unknown ids are refused.
+    pub fn step(&self, rows: &[Option<AdapterId>]) -> Result<Option<LoraStep>> {
+        if rows.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let mut slots = Vec::with_capacity(rows.len());
+        for r in rows {
+            slots.push(match r {
+                None => 0,
+                Some(id) => self.slot_of(*id).ok_or_else(|| {
+                    ModelError::Invalid(format!("adapter {} is not resident", id.0))
+                })?,
+            });
+        }
+        Ok(Some(LoraStep::new(
+            Array::from_slice(&slots, &[slots.len() as i32]),
+            self.stacks.clone(),
+        )?))
+    }
+
+    /// The shape of the pool's arrays (how a compiled step's inputs map
+    /// back to a [`LoraStep`]).
+    pub fn layout(&self) -> Layout {
+        Layout(
+            self.stacks
+                .iter()
+                .map(|l| {
+                    let mut out: [Option<Vec<usize>>; 4] = Default::default();
+                    for (i, g) in l.iter().enumerate() {
+                        out[i] = g.as_ref().map(|g| g.parts.clone());
+                    }
+                    out
+                })
+                .collect(),
+        )
+    }
+}
+
+/// Which groups and parts a pool's stacks have, per layer: how a compiled
+/// step's flat inputs map back to a [`LoraStep`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout(Vec<[Option<Vec<usize>>; 4]>);
+
+impl Layout {
+    /// Inputs per step after the slot indices.
+    pub(crate) fn len(&self) -> usize {
+        self.0
+            .iter()
+            .flat_map(|l| l.iter().flatten())
+            .map(|p| 1 + p.len())
+            .sum()
+    }
+
+    /// The step view over `slots` and the stacks `arrays` (in
+    /// [`LoraStep::arrays`] order).
+    pub(crate) fn step(&self, slots: Array, arrays: &[Array]) -> Result<LoraStep> {
+        if arrays.len() != self.len() {
+            return Err(ModelError::Invalid(format!(
+                "{} adapter arrays for a layout of {}",
+                arrays.len(),
+                self.len()
+            )));
+        }
+        let mut it = arrays.iter().cloned();
+        let mut next = || {
+            it.next()
+                .ok_or_else(|| ModelError::Invalid("adapter arrays".into()))
+        };
+        let mut stacks: Stacks = Vec::with_capacity(self.0.len());
+        for l in &self.0 {
+            let mut layer: [Option<GroupStack>; 4] = Default::default();
+            for (i, parts) in l.iter().enumerate() {
+                if let Some(parts) = parts {
+                    let a = next()?;
+                    let b = parts.iter().map(|_| next()).collect::<Result<Vec<_>>>()?;
+                    layer[i] = Some(GroupStack {
+                        a,
+                        b,
+                        parts: parts.clone(),
+                    });
+                }
+            }
+            stacks.push(layer);
+        }
+        LoraStep::new(slots, stacks)
+    }
+}
+
+/// What one forward needs to add its rows' adapters: the slot of every row
+/// and the pool's stacks.
+#[derive(Debug, Clone)]
+pub struct LoraStep {
+    /// `[B]` uint32: each row's slot (0: no adapter).
+    slots: Array,
+    /// `[B]` uint32 `0..B`: each row's own input (gather_mm's lhs indices).
+    rows: Array,
+    stacks: Stacks,
+}
+
+impl LoraStep {
+    fn new(slots: Array, stacks: Stacks) -> Result<Self> {
+        let b = slots.dim(0);
+        let slots = if slots.dtype() == Dtype::Uint32 {
+            slots
+        } else {
+            slots.as_dtype(Dtype::Uint32)?
+        };
+        let rows = ops::arange::<_, u32>(0, b as u32, 1)?;
+        Ok(Self {
+            slots,
+            rows,
+            stacks,
+        })
+    }
+
+    /// Rows this step covers.
+    pub fn rows(&self) -> usize {
+        self.slots.dim(0) as usize
+    }
+
+    /// `[B]` slot indices.
+    pub fn slots(&self) -> &Array {
+        &self.slots
+    }
+
+    /// The stacks, flat: per layer, per group present, `a` then each part's `b`.
+    pub(crate) fn arrays(&self) -> Vec<Array> {
+        let mut out = Vec::new();
+        for g in self.stacks.iter().flat_map(|l| l.iter().flatten()) {
+            out.push(g.a.clone());
+            out.extend(g.b.iter().cloned());
+        }
+        out
+    }
+
+    /// The low-rank deltas of layer `layer`'s group `g` for its input `x`
+    /// `[B * T, in]` (rows of T tokens, in slot order): one `[B * T, out]`
+    /// per part of the group (None where the pool does not adapt it), or
+    /// None when the group is not adapted at all.
+    pub(crate) fn deltas(
+        &self,
+        layer: usize,
+        g: Group,
+        x: &Array,
+    ) -> Result<Option<Vec<Option<Array>>>> {
+        let Some(st) = self.stacks.get(layer).and_then(|l| l[g as usize].as_ref()) else {
+            return Ok(None);
+        };
+        let b = self.slots.dim(0);
+        let n = x.dim(0);
+        if x.ndim() != 2 || b == 0 || n % b != 0 {
+            return Err(ModelError::Invalid(format!(
+                "adapter delta: input {:?} for {b} rows",
+                x.shape()
+            )));
+        }
+        let t = n / b;
+        let x3 = x.reshape(&[b, t, x.dim(1)])?;
+        let cast = |w: &Array| -> Result<Array> {
+            Ok(if w.dtype() == x.dtype() {
+                w.clone()
+            } else {
+                w.as_dtype(x.dtype())?
+            })
+        };
+        let z = ops::gather_mm(&x3, &cast(&st.a)?, &self.rows, &self.slots, false)?;
+        let r = z.dim(-1) / st.parts.len().max(1) as i32;
+        let zs = if st.parts.len() > 1 {
+            let at: Vec<i32> = (1..st.parts.len() as i32).map(|k| k * r).collect();
+            z.split_at_indices(&at, -1)?
+        } else {
+            vec![z]
+        };
+        let group_parts = GROUPS[g as usize].1.len();
+        let mut out: Vec<Option<Array>> = vec![None; group_parts];
+        for ((z, bm), &j) in zs.iter().zip(&st.b).zip(&st.parts) {
+            let d = ops::gather_mm(z, &cast(bm)?, &self.rows, &self.slots, false)?;
+            out[j] = Some(d.reshape(&[n, -1])?);
+        }
+        Ok(Some(out))
+    }
+
+    /// As [`deltas`](Self::deltas), concatenated over the group's parts
+    /// (zeros where a part is not adapted): what a fused projection's
+    /// output `[B * T, sum(out)]` takes whole.
+    pub(crate) fn fused_delta(
+        &self,
+        layer: usize,
+        g: Group,
+        x: &Array,
+        outs: &[i32],
+    ) -> Result<Option<Array>> {
+        let Some(parts) = self.deltas(layer, g, x)? else {
+            return Ok(None);
+        };
+        let n = x.dim(0);
+        let mut cat = Vec::with_capacity(parts.len());
+        for (p, &o) in parts.into_iter().zip(outs) {
+            cat.push(match p {
+                Some(d) => d,
+                None => Array::zeros::<f32>(&[n, o])?.as_dtype(x.dtype())?,
+            });
+        }
+        Ok(Some(if cat.len() == 1 {
+            cat.remove(0)
+        } else {
+            ops::concatenate(&cat, 1)?
+        }))
+    }
+}
+
+/// `x` zero-padded along `axis` (0 or 1 of a matrix) to `to`.
+fn pad(x: &Array, axis: i32, to: i32) -> Result<Array> {
+    let have = x.dim(axis);
+    if have == to {
+        return Ok(x.clone());
+    }
+    let mut shape = x.shape().to_vec();
+    shape[axis as usize] = to - have;
+    let z = Array::zeros::<f32>(&shape)?.as_dtype(x.dtype())?;
+    Ok(ops::concatenate(&[x.clone(), z], axis)?)
+}
+
+/// `stack` with slot `slot` (axis 0) replaced by `value`.
+fn put_slot(stack: &Array, slot: usize, value: &Array) -> Result<Array> {
+    let parts = stack.split_at_indices(&[slot as i32, slot as i32 + 1], 0)?;
+    let mut shape = vec![1];
+    shape.extend_from_slice(value.shape());
+    let v = value.reshape(&shape)?;
+    Ok(ops::concatenate(
+        &[parts[0].clone(), v, parts[2].clone()],
+        0,
+    )?)
+}
+
+fn zero_slot(stack: &Array, slot: usize) -> Result<Array> {
+    let shape = &stack.shape()[1..];
+    let z = Array::zeros::<f32>(shape)?.as_dtype(stack.dtype())?;
+    put_slot(stack, slot, &z)
+}
