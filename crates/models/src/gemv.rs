@@ -9,9 +9,9 @@
 //! [`crate::decode_kernels`]), so fusing the norms and the element-wise
 //! epilogues removes four kernels per layer.
 //!
-//! The kernels are `kernels/gemv_head.cu` + `gemv_dense.cu` or `gemv_q4.cu`
-//! + `gemv_tail.cu`; `benches/gemv_probe.py` measures them against MLX's
-//! own matmul / quantized matmul chains at the model's shapes
+//! The kernels are `kernels/gemv_head.cu`, then `gemv_dense.cu` or
+//! `gemv_q4.cu`, then `gemv_tail.cu`; `benches/gemv_probe.py` measures them
+//! against MLX's own matmul / quantized matmul chains at the model's shapes
 //! (benches/RESULTS.md).
 //!
 //! CUDA only (MLX's NVRTC path), used by the compiled GPU decode step for
