@@ -513,12 +513,20 @@ pub fn start_engine_with(
         eos_token_ids: eos.clone(),
     };
     let dir_owned = dir.to_path_buf();
+    // What the scheduler will hold at most: a sliding-window group (Gemma 3's
+    // local layers) gets only the blocks that many rows' windows and a step's
+    // tokens can use, the rest of the budget goes to the full-attention group.
+    let usage = weft_models::KvUse {
+        max_rows: config.max_batch_rows,
+        max_step_tokens: config.max_step_tokens,
+    };
     let engine = Engine::start(
         config,
         move || -> anyhow::Result<MlxModel> {
             let loaded = weft_models::load(&dir_owned, opts)?;
             let context = loaded.model.config.max_position_embeddings as u64;
-            let mut runner = BatchRunner::with_memory(loaded.model, kv.block_size, kv.memory)?;
+            let mut runner =
+                BatchRunner::with_memory_use(loaded.model, kv.block_size, kv.memory, Some(usage))?;
             runner.set_lanes(opts.lanes());
             log_kv(&runner, kv.max_batch_rows, context);
             warm_up(&mut runner)?;
@@ -542,25 +550,37 @@ pub fn start_engine_with(
 }
 
 /// The startup line operators size a deployment by: blocks, bytes, block
-/// size and what that holds in rows x context.
+/// size and what that holds in rows x context. Context is what the
+/// full-attention group holds (every row keeps its whole context there); a
+/// sliding-window group, when the model has one, is reported beside it: its
+/// blocks and bytes, sized to the rows' windows.
 fn log_kv(runner: &BatchRunner, max_rows: usize, context: u64) {
     let g = runner.kv_groups();
-    let blocks = g
-        .groups
-        .iter()
-        .map(|s| u64::from(s.num_blocks))
-        .min()
-        .unwrap_or(0);
+    let blocks = g.groups.first().map_or(0, |s| u64::from(s.num_blocks));
+    let sliding = g.groups.get(1).map_or(0, |s| u64::from(s.num_blocks));
+    let shape = runner.kv().shape();
+    let (full_layers, sliding_layers) = shape.layer_counts();
+    let per_layer_block = shape.bytes_per_layer_token() * u64::from(g.block_size);
     let tokens = blocks * u64::from(g.block_size);
     let rows = max_rows.max(1) as u64;
+    let split = if g.groups.len() == 2 {
+        format!(
+            "; full-attention layers {full_layers} x {blocks} blocks ({} bytes), sliding-window layers {sliding_layers} x {sliding} blocks ({} bytes, windows only)",
+            (blocks + 1) * full_layers as u64 * per_layer_block,
+            (sliding + 1) * sliding_layers as u64 * per_layer_block,
+        )
+    } else {
+        String::new()
+    };
     tracing::info!(
         kv_blocks = blocks,
+        kv_sliding_blocks = sliding,
         kv_block_size = g.block_size,
         kv_bytes = runner.kv().bytes(),
-        kv_bytes_per_token = runner.kv().shape().bytes_per_token(),
+        kv_bytes_per_token = shape.bytes_per_token(),
         kv_tokens = tokens,
         paged_decode_kernel = runner.kv().uses_kernel(),
-        "KV pool: {tokens} tokens = {rows} rows x {} tokens each, or {} rows at the model's full context of {context}",
+        "KV pool: {tokens} tokens = {rows} rows x {} tokens each, or {} rows at the model's full context of {context}{split}",
         tokens / rows,
         tokens / context.max(1),
     );

@@ -82,6 +82,21 @@ pub enum AttentionKind {
     },
 }
 
+impl AttentionKind {
+    /// First logical block a sequence of `len` tokens still needs: blocks lying
+    /// entirely before `len - window` are never attended again (0 for full
+    /// attention). The pool drops the blocks before this one, taking the length
+    /// at the start of a step, when the sequence next appends.
+    pub fn first_needed(self, len: usize, block_size: usize) -> usize {
+        match self {
+            AttentionKind::Full => 0,
+            AttentionKind::SlidingWindow { window } => {
+                len.saturating_sub(window as usize) / block_size.max(1)
+            }
+        }
+    }
+}
+
 /// One group of layers that share a block id space and therefore one block table
 /// per sequence.
 ///

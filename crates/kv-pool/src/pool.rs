@@ -441,10 +441,7 @@ pub struct KvPool {
 /// First logical block a sequence of `len` tokens still needs in a group:
 /// blocks lying entirely before `len - window` are never attended again.
 fn first_needed(kind: AttentionKind, len: usize, block_size: usize) -> usize {
-    match kind {
-        AttentionKind::Full => 0,
-        AttentionKind::SlidingWindow { window } => len.saturating_sub(window as usize) / block_size,
-    }
+    kind.first_needed(len, block_size)
 }
 
 impl KvPool {
@@ -781,6 +778,25 @@ impl KvPool {
             blocks: &t.blocks,
             block_size: self.block_size,
         })
+    }
+
+    /// Blocks of `seq`'s table in `group` that its next step's first append
+    /// returns to the pool before allocating: those behind the window of its
+    /// length now (the append's base) that only this sequence references. A
+    /// block shared with another sequence stays in use and is not counted, so
+    /// this is what the append frees at least (0 for full-attention groups).
+    pub fn releasable_on_append(&self, seq: SeqId, group: GroupId) -> Result<usize, KvError> {
+        let s = self.seq(seq)?;
+        let t = s.tables.get(group).ok_or(KvError::UnknownGroup(group))?;
+        let kind = self.cfg.groups[group].kind;
+        let drop = first_needed(kind, s.hdr.len, self.block_size)
+            .saturating_sub(t.offset)
+            .min(t.blocks.len());
+        let pool = &self.groups[group];
+        Ok(t.blocks[..drop]
+            .iter()
+            .filter(|&&b| pool.refcount(b) == Ok(1))
+            .count())
     }
 
     /// Token ids of a prefix-cached sequence (empty for unsalted ones).

@@ -248,6 +248,15 @@ impl Harness {
                 .iter()
                 .filter(|&&b| pool.refcount(b).unwrap() == 1)
                 .count();
+            // What the scheduler plans with: a step's first append releases
+            // exactly `releasable_on_append` (the step's base is the length now).
+            if self.txn.is_some() && t.base.is_none() {
+                assert_eq!(
+                    self.pool.releasable_on_append(t.id, g).unwrap(),
+                    freed,
+                    "releasable_on_append of group {g}"
+                );
+            }
             let cow = len % bs != 0
                 && table
                     .blocks

@@ -51,6 +51,115 @@ pub enum KvMemory {
     Blocks(u32),
 }
 
+/// How the server will use the KV pool, so that a sliding-window group gets only
+/// what it can hold at once (see [`KvSplit::plan`]): the most rows a step
+/// holds and the most tokens a step feeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvUse {
+    pub max_rows: usize,
+    pub max_step_tokens: usize,
+}
+
+impl KvUse {
+    /// Sliding-window blocks the pool can ever hold at once for `window`-token
+    /// windows in `block_size`-token blocks: every row its window (whose first
+    /// block is partly behind it and last partly filled: `ceil(window / bs) + 1`)
+    /// plus the block a step's tokens may start (one more per row), and a
+    /// step's tokens beyond that (`ceil(max_step_tokens / bs)`). Rows keep no
+    /// block behind their window once they append (the pool drops them), so
+    /// blocks past this number would never be used.
+    pub fn sliding_blocks(&self, window: u32, block_size: u32) -> u64 {
+        let bs = u64::from(block_size.max(1));
+        let rows = self.max_rows.max(1) as u64;
+        rows.saturating_mul(u64::from(window).div_ceil(bs) + 2)
+            .saturating_add((self.max_step_tokens as u64).div_ceil(bs))
+    }
+}
+
+/// Blocks per KV group: how a memory budget is split between full-attention
+/// layers and sliding-window ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvSplit {
+    /// Blocks of the full-attention group (every group when no layer slides).
+    pub full: u64,
+    /// Blocks of the sliding-window group (0 when no layer slides).
+    pub sliding: u64,
+}
+
+impl KvSplit {
+    /// Splits a budget for `shape` (full and sliding layers both present):
+    /// `bytes` of storage (null blocks included), or exactly `blocks` blocks
+    /// for the full group. Without `usage` both groups get the same count (the
+    /// budget splits by layers). With it the sliding group gets at most
+    /// [`KvUse::sliding_blocks`] and, from a byte budget, the bytes it leaves go
+    /// to the full group, which holds every row's whole context; with a block
+    /// count the full group keeps exactly that many and the sliding group's
+    /// unusable blocks are simply not allocated.
+    pub fn plan(shape: &KvShape, block_size: u32, budget: KvBudget, usage: Option<KvUse>) -> Self {
+        let (full_layers, sliding_layers) = shape.layer_counts();
+        let per_layer_block = shape.bytes_per_layer_token() * u64::from(block_size);
+        let layers = (full_layers + sliding_layers) as u64;
+        let equal = match budget {
+            KvBudget::Blocks(n) => n,
+            KvBudget::Bytes(b) => b / (per_layer_block * layers).max(1),
+        };
+        let (Some(s), Some(u), true) =
+            (shape.sliding, usage, full_layers > 0 && sliding_layers > 0)
+        else {
+            return Self {
+                full: equal,
+                sliding: if sliding_layers > 0 && full_layers > 0 {
+                    equal
+                } else {
+                    0
+                },
+            };
+        };
+        let sliding = u.sliding_blocks(s.window, block_size);
+        if sliding >= equal {
+            return Self {
+                full: equal,
+                sliding: equal,
+            };
+        }
+        let full = match budget {
+            KvBudget::Blocks(n) => n,
+            KvBudget::Bytes(b) => {
+                // Each group's storage also holds its null block.
+                let sliding_bytes = (sliding + 1) * sliding_layers as u64 * per_layer_block;
+                let full_bytes = b.saturating_sub(sliding_bytes);
+                (full_bytes / (full_layers as u64 * per_layer_block).max(1)).saturating_sub(1)
+            }
+        };
+        Self { full, sliding }
+    }
+
+    /// Bytes of storage this split allocates for `shape` (null blocks included).
+    pub fn bytes(&self, shape: &KvShape, block_size: u32) -> u64 {
+        let (full_layers, sliding_layers) = shape.layer_counts();
+        let per_layer_block = shape.bytes_per_layer_token() * u64::from(block_size);
+        let group = |blocks: u64, layers: usize| {
+            if layers == 0 {
+                0
+            } else {
+                (blocks + 1) * layers as u64 * per_layer_block
+            }
+        };
+        if sliding_layers > 0 && full_layers > 0 {
+            group(self.full, full_layers) + group(self.sliding, sliding_layers)
+        } else {
+            group(self.full, full_layers + sliding_layers)
+        }
+    }
+}
+
+/// A KV budget once the device has been asked: bytes, or a block count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvBudget {
+    Bytes(u64),
+    Blocks(u64),
+}
+
 /// The storage's shape: what `PagedKv::new` needs of a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvShape {
@@ -99,8 +208,21 @@ impl SlidingLayers {
 impl KvShape {
     /// Bytes of K plus V of one token over all layers.
     pub fn bytes_per_token(&self) -> u64 {
+        self.layers as u64 * self.bytes_per_layer_token()
+    }
+
+    /// Bytes of K plus V of one token in one layer.
+    pub fn bytes_per_layer_token(&self) -> u64 {
         let el = if self.dtype == Dtype::Float32 { 4 } else { 2 };
-        2 * self.layers as u64 * u64::from(self.kv_heads) * u64::from(self.head_dim) * el
+        2 * u64::from(self.kv_heads) * u64::from(self.head_dim) * el
+    }
+
+    /// (full-attention layers, sliding-window layers).
+    pub fn layer_counts(&self) -> (usize, usize) {
+        let sliding = (0..self.layers)
+            .filter(|&i| self.sliding.is_some_and(|s| s.slides(i)))
+            .count();
+        (self.layers - sliding, sliding)
     }
 }
 
@@ -149,7 +271,8 @@ pub struct PagedKv {
 impl PagedKv {
     /// Allocates (and materializes, so the memory is really taken) storage of
     /// `memory` for a model of `shape` in `block_size`-token blocks; with
-    /// `gpu_kernel`, decode attention runs Weft's CUDA kernel.
+    /// `gpu_kernel`, decode attention runs Weft's CUDA kernel. Every group
+    /// gets the same block count (see [`Self::with_use`]).
     pub fn new(
         shape: KvShape,
         block_size: u32,
@@ -157,22 +280,38 @@ impl PagedKv {
         kernels: Kernels,
         gpu_kernel: bool,
     ) -> Result<Self> {
+        Self::with_use(shape, block_size, memory, None, kernels, gpu_kernel)
+    }
+
+    /// [`Self::new`], with the sliding-window group (if the model has one)
+    /// sized by `usage` ([`KvSplit::plan`]): it holds only what that many rows
+    /// can use, and the rest of the budget goes to the full-attention group.
+    pub fn with_use(
+        shape: KvShape,
+        block_size: u32,
+        memory: KvMemory,
+        usage: Option<KvUse>,
+        kernels: Kernels,
+        gpu_kernel: bool,
+    ) -> Result<Self> {
         let per_block = shape.bytes_per_token() * u64::from(block_size);
-        let blocks = match memory {
-            KvMemory::Blocks(n) => u64::from(n),
-            KvMemory::Bytes(b) => b / per_block.max(1),
+        let budget = match memory {
+            KvMemory::Blocks(n) => KvBudget::Blocks(u64::from(n)),
+            KvMemory::Bytes(b) => KvBudget::Bytes(b),
             KvMemory::FreeFraction(f) => {
                 if !(f > 0.0 && f < 1.0) {
                     return Err(ModelError::Invalid(format!(
                         "KV memory fraction {f} must be in (0, 1)"
                     )));
                 }
-                (free_device_memory()? as f64 * f) as u64 / per_block.max(1)
+                KvBudget::Bytes((free_device_memory()? as f64 * f) as u64)
             }
         };
+        let split = KvSplit::plan(&shape, block_size, budget, usage);
         // The flat slot count, null block included, must fit MLX's i32 shapes.
         let max_blocks = (i32::MAX as u64) / u64::from(block_size.max(1)) - 1;
-        let blocks = blocks.min(max_blocks) as u32;
+        let blocks = split.full.min(max_blocks) as u32;
+        let sliding_blocks = split.sliding.min(max_blocks) as u32;
         if blocks < 2 {
             return Err(ModelError::Invalid(format!(
                 "KV memory {memory:?} holds {blocks} blocks of {block_size} tokens ({per_block} bytes each); \
@@ -180,9 +319,9 @@ impl PagedKv {
             )));
         }
         // Full-attention layers are group 0 (when there are any), sliding ones
-        // the next. Each group gets the same block count, so the budget
-        // splits by layers and a sliding group (which needs fewer blocks per
-        // row) never runs out first.
+        // the next. Without a usage hint each group gets the same block count
+        // (the budget splits by layers); with one the sliding group gets what
+        // its windows can use and the full group the rest (`KvSplit`).
         let slides = |i: usize| shape.sliding.is_some_and(|s| s.slides(i));
         let mut kinds: Vec<AttentionKind> = Vec::new();
         if (0..shape.layers).any(|i| !slides(i)) {
@@ -192,8 +331,9 @@ impl PagedKv {
             kinds.push(AttentionKind::SlidingWindow { window: s.window });
         }
         let mut groups = KvGroups::new(block_size);
-        for k in &kinds {
-            groups = groups.group(GroupSpec::new(*k, blocks));
+        for (g, k) in kinds.iter().enumerate() {
+            let n = if g == 1 { sliding_blocks } else { blocks };
+            groups = groups.group(GroupSpec::new(*k, n));
         }
         let group_of = |i: usize| usize::from(slides(i) && kinds.len() == 2);
         let layer_group: Vec<usize> = (0..shape.layers).map(group_of).collect();
@@ -212,7 +352,7 @@ impl PagedKv {
             let cfg = KvStorageConfig::dense(
                 g,
                 layers,
-                blocks + 1,
+                groups.groups[g].num_blocks + 1,
                 block_size,
                 shape.kv_heads,
                 shape.head_dim,
@@ -257,10 +397,15 @@ impl PagedKv {
             .sum()
     }
 
-    /// The reserved block padding rows point at: the storage's last, which
-    /// the pool (sized by [`groups`](Self::groups)) never hands out.
+    /// The reserved block padding rows point at in group 0: the storage's
+    /// last, which the pool (sized by [`groups`](Self::groups)) never hands out.
     pub fn null_block(&self) -> u32 {
-        self.groups.groups.first().map_or(0, |g| g.num_blocks)
+        self.null_block_of(0)
+    }
+
+    /// The null block of group `g` (groups may hold different block counts).
+    pub fn null_block_of(&self, g: usize) -> u32 {
+        self.groups.groups.get(g).map_or(0, |g| g.num_blocks)
     }
 
     /// Whether a compiled decode step can serve this KV: one full-attention
@@ -754,4 +899,74 @@ pub fn last_positions(h: &Array, last: Option<&Array>) -> Result<Array> {
 
 fn storage_err(e: weft_kv_pool::storage::StorageError) -> ModelError {
     ModelError::Invalid(format!("KV storage: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Gemma 3 270M: 18 layers, 5 local (512-token window) to 1 global.
+    fn gemma3(dtype: Dtype) -> KvShape {
+        let flags: Vec<bool> = (0..18).map(|i| i % 6 != 5).collect();
+        KvShape {
+            layers: 18,
+            kv_heads: 1,
+            head_dim: 256,
+            dtype,
+            sliding: SlidingLayers::from_flags(512, &flags).expect("flags"),
+        }
+    }
+
+    #[test]
+    fn sliding_layers_get_only_what_their_windows_use() {
+        let shape = gemma3(Dtype::Bfloat16);
+        assert_eq!(shape.layer_counts(), (3, 15));
+        let budget = 4u64 << 30;
+        let equal = KvSplit::plan(&shape, 16, KvBudget::Bytes(budget), None);
+        assert_eq!(equal.full, equal.sliding);
+        assert_eq!(equal.full, budget / shape.bytes_per_token() / 16);
+
+        let usage = KvUse {
+            max_rows: 64,
+            max_step_tokens: 2048 + 64,
+        };
+        let split = KvSplit::plan(&shape, 16, KvBudget::Bytes(budget), Some(usage));
+        // 64 rows x (32 window blocks + 2) + ceil(2112 / 16) for a step's tokens.
+        assert_eq!(split.sliding, 64 * 34 + 132);
+        assert!(
+            split.full > 5 * equal.full,
+            "full group {} blocks against {} equal",
+            split.full,
+            equal.full
+        );
+        // Within the budget (null blocks included), and all of it used: one
+        // more full-attention block would not fit.
+        assert!(split.bytes(&shape, 16) <= budget);
+        let more = KvSplit {
+            full: split.full + 1,
+            ..split
+        };
+        assert!(more.bytes(&shape, 16) > budget);
+
+        // A budget the windows would fill anyway: equal counts.
+        let small = KvSplit::plan(&shape, 16, KvBudget::Bytes(256 << 20), Some(usage));
+        assert_eq!(small.full, small.sliding);
+        // A block count is the full group's; the sliding group takes no more
+        // than it can use.
+        let blocks = KvSplit::plan(&shape, 16, KvBudget::Blocks(50_000), Some(usage));
+        assert_eq!((blocks.full, blocks.sliding), (50_000, 64 * 34 + 132));
+        let few = KvSplit::plan(&shape, 16, KvBudget::Blocks(100), Some(usage));
+        assert_eq!((few.full, few.sliding), (100, 100));
+
+        // No sliding layers: one group, sized as before.
+        let dense = KvShape {
+            sliding: None,
+            ..shape
+        };
+        let d = KvSplit::plan(&dense, 16, KvBudget::Bytes(budget), Some(usage));
+        assert_eq!(
+            (d.full, d.sliding),
+            (budget / dense.bytes_per_token() / 16, 0)
+        );
+    }
 }

@@ -29,7 +29,7 @@ pub use adapter::{Adapter, AdapterFormat, Target};
 pub use config::{Arch, ModelConfig};
 pub use cpu_kernels::Kernels;
 pub use error::ModelError;
-pub use kv::{KvMemory, KvShape, KvStep, PagedKv, SlidingLayers};
+pub use kv::{KvBudget, KvMemory, KvShape, KvSplit, KvStep, KvUse, PagedKv, SlidingLayers};
 pub use lanes::Lanes;
 pub use linear::WeightPolicy;
 pub use llama::{compile_traces, LlamaModel};

@@ -261,10 +261,22 @@ impl BatchRunner {
     /// A runner whose KV storage takes `memory` in `block_size`-token blocks,
     /// with Weft's paged decode kernel when MLX runs on a CUDA GPU.
     pub fn with_memory(model: LlamaModel, block_size: u32, memory: KvMemory) -> Result<Self> {
-        let kv = PagedKv::new(
+        Self::with_memory_use(model, block_size, memory, None)
+    }
+
+    /// [`Self::with_memory`], with a sliding-window group sized by how the
+    /// server uses the pool ([`PagedKv::with_use`]).
+    pub fn with_memory_use(
+        model: LlamaModel,
+        block_size: u32,
+        memory: KvMemory,
+        usage: Option<crate::kv::KvUse>,
+    ) -> Result<Self> {
+        let kv = PagedKv::with_use(
             model.kv_shape(),
             block_size,
             memory,
+            usage,
             model.policy.kernels,
             crate::loader::cuda_available(),
         )?;
@@ -694,10 +706,13 @@ impl BatchRunner {
         // grows by a row then reuses the shapes (and the matmul plans MLX's
         // CUDA backend builds per shape) of the steps before it.
         let padding: Vec<RowStep> = if self.kv.uses_kernel() && !decode.is_empty() {
-            let null = RowBlocks {
-                offset: 0,
-                blocks: vec![self.kv.null_block()],
-            };
+            // Each group's own null block (groups may hold different counts).
+            let nulls: Vec<RowBlocks> = (0..groups_needed)
+                .map(|g| RowBlocks {
+                    offset: 0,
+                    blocks: vec![self.kv.null_block_of(g)],
+                })
+                .collect();
             (decode.len()..self.padded_rows(decode.len()))
                 .map(|_| RowStep {
                     row: RowId::MAX,
@@ -705,7 +720,7 @@ impl BatchRunner {
                     start_pos: 0,
                     want_logits: false,
                     draft: 0,
-                    blocks: vec![null.clone(); groups_needed],
+                    blocks: nulls.clone(),
                     adapter: None,
                 })
                 .collect()

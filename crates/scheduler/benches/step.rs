@@ -73,6 +73,7 @@ fn setup(
         kv_block_size: 16,
         kv_blocks: 1 << 17,
         sliding_window: None,
+        sliding_blocks: None,
         verify_kv: false,
         step_cost: None,
     };

@@ -56,10 +56,13 @@ pub struct FakeConfig {
     pub kv_block_size: u32,
     /// KV blocks of the fake's storage (one full-attention group).
     pub kv_blocks: u32,
-    /// A second KV group of `kv_blocks` blocks whose tables slide over this many
-    /// tokens (Gemma 3's local layers): every fed token is written through both
-    /// tables, and each row's window is re-read through the sliding one.
+    /// A second KV group whose tables slide over this many tokens (Gemma 3's local
+    /// layers): every fed token is written through both tables, and each row's
+    /// window is re-read through the sliding one.
     pub sliding_window: Option<u32>,
+    /// Blocks of that sliding-window group (None: `kv_blocks`, as many as the full
+    /// group). Fewer is what a real model sizes it to: only the windows are held.
+    pub sliding_blocks: Option<u32>,
     /// Re-walk every row's context through its table in every forward (O(context) per
     /// row; benchmarks turn it off).
     pub verify_kv: bool,
@@ -116,6 +119,7 @@ impl Default for FakeConfig {
             kv_block_size: 16,
             kv_blocks: 4096,
             sliding_window: None,
+            sliding_blocks: None,
             verify_kv: true,
             step_cost: None,
         }
@@ -365,14 +369,22 @@ impl FakeModel {
         1 + usize::from(self.cfg.sliding_window.is_some())
     }
 
+    /// Blocks of the storage of `group`.
+    fn blocks_in(&self, group: usize) -> u32 {
+        match group {
+            0 => self.cfg.kv_blocks,
+            _ => self.cfg.sliding_blocks.unwrap_or(self.cfg.kv_blocks),
+        }
+    }
+
     fn apply_ops(&mut self, ops: &[StorageOp]) -> Result<(), ModelError> {
         let bs = self.bs();
         for op in ops {
             match *op {
                 StorageOp::CopyBlock { group, src, dst } => {
                     if group >= self.groups()
-                        || src >= self.cfg.kv_blocks
-                        || dst >= self.cfg.kv_blocks
+                        || src >= self.blocks_in(group)
+                        || dst >= self.blocks_in(group)
                     {
                         return Err(self.violation(format!("storage op out of range: {op:?}")));
                     }
@@ -447,7 +459,7 @@ impl FakeModel {
             )));
         }
         for (g, t) in r.blocks.iter().enumerate() {
-            if let Some(&b) = t.blocks.iter().find(|&&b| b >= self.cfg.kv_blocks) {
+            if let Some(&b) = t.blocks.iter().find(|&&b| b >= self.blocks_in(g)) {
                 return Err(self.violation(format!(
                     "row {}: block {b} of group {g} outside storage",
                     r.row
@@ -703,7 +715,7 @@ impl Model for FakeModel {
                 None => KvGroups::new(self.cfg.kv_block_size).full(self.cfg.kv_blocks),
                 Some(w) => KvGroups::new(self.cfg.kv_block_size)
                     .full(self.cfg.kv_blocks)
-                    .sliding(w, self.cfg.kv_blocks),
+                    .sliding(w, self.blocks_in(1)),
             },
         }
     }

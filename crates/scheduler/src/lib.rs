@@ -109,7 +109,9 @@ pub use request::{
     Event, EventStream, FinishReason, Finished, Request, RequestKey, SamplingParams, StopMatch,
     SubmitError, TokenDelta, TokenLogprob, Usage,
 };
-pub use scheduler::{Scheduler, SchedulerError, Stats, StepReport, TenantStats};
+pub use scheduler::{
+    min_sliding_blocks, Scheduler, SchedulerError, Stats, StepReport, TenantStats,
+};
 /// The KV pool crate, for the pool types [`Scheduler::kv_pool`] exposes.
 pub use weft_kv_pool as kv_pool;
 pub use weft_kv_pool::{KvError, KvPool};

@@ -36,7 +36,9 @@ use crate::request::{
 use crate::sampling::PenaltyState;
 use crate::step_cost::{StepCost, StepShape};
 use crate::util::{mix64, IdMap};
-use weft_kv_pool::{AttentionKind, KvError, KvPool, OwnerId, PrefixStats, Salt, SeqId, SeqSpec};
+use weft_kv_pool::{
+    AttentionKind, GroupSpec, KvError, KvPool, OwnerId, PrefixStats, Salt, SeqId, SeqSpec,
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SchedulerError {
@@ -498,6 +500,54 @@ fn need_of(start: usize, n: usize, shift: u32) -> usize {
     blocks_of(start + n, shift) - blocks_of(start, shift)
 }
 
+/// KV blocks per group, as the planner counts them: group 0 (full attention, which
+/// every row holds whole) and, for models with one, group 1 (sliding window, whose
+/// rows hold only the window's blocks; always 0 without that group). Free counts,
+/// a row's growth and what a preemption gives back are all of this type, so the
+/// sliding group may hold fewer blocks than the full one and bind first.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Blocks {
+    full: usize,
+    sliding: usize,
+}
+
+impl Blocks {
+    /// Whether `self` fits in `free` in every group.
+    #[inline]
+    fn fits(self, free: Blocks) -> bool {
+        self.full <= free.full && self.sliding <= free.sliding
+    }
+
+    #[inline]
+    fn plus(self, o: Blocks) -> Blocks {
+        Blocks {
+            full: self.full + o.full,
+            sliding: self.sliding + o.sliding,
+        }
+    }
+
+    /// `self - o` per group, at 0 at least.
+    #[inline]
+    fn minus(self, o: Blocks) -> Blocks {
+        Blocks {
+            full: self.full.saturating_sub(o.full),
+            sliding: self.sliding.saturating_sub(o.sliding),
+        }
+    }
+}
+
+/// Sliding-window blocks one row may need at once, the most a layout must give that
+/// group (unless it has as many as the full group): the window's blocks (its first
+/// block partly behind the window, its last partly filled) plus a whole prefill
+/// chunk appended at once (a chunk is at most `prefill_chunk` and the step's token
+/// budget; a decode step with a draft is no longer than that or its draft is cut).
+/// Counted before the append's drops, so it holds whether or not they are credited.
+pub fn min_sliding_blocks(cfg: &SchedulerConfig, window: u32, block_size: u32) -> usize {
+    let bs = block_size.max(1) as usize;
+    let chunk = cfg.prefill_chunk.min(cfg.max_step_tokens).max(1);
+    (window as usize).div_ceil(bs) + chunk.div_ceil(bs) + 2
+}
+
 /// The detokenizer a request's stream runs itself: requests without stop strings are
 /// detokenized on the receiving side.
 pub(crate) fn stream_detok(
@@ -515,6 +565,8 @@ pub struct Scheduler<M: Model> {
     /// Tokens per KV block, and its log2 (block sizes are powers of two).
     bs: usize,
     bs_shift: u32,
+    /// The pool has a sliding-window group (group 1) beside the full one.
+    sliding: bool,
     /// Pool prefix counters already published as metrics.
     prefix_seen: PrefixStats,
     detok: Arc<dyn Detokenizer>,
@@ -575,22 +627,40 @@ impl<M: Model> Scheduler<M> {
             ));
         }
         let mut kv = info.kv.clone();
-        // Group 0 is full attention and budgets every row; a sliding-window group
-        // beside it (as many blocks, fewer held per row) never binds first.
+        // Group 0 is full attention and budgets every row's length; a sliding-window
+        // group beside it is budgeted too (`Blocks`): it may hold fewer blocks, as long
+        // as one row alone can always advance through it (`min_sliding_blocks`).
         match (&kv.groups[..], kv.state_slots) {
             ([g], 0) if g.kind == AttentionKind::Full => {}
-            ([g, w], 0)
-                if g.kind == AttentionKind::Full
-                    && matches!(w.kind, AttentionKind::SlidingWindow { .. })
-                    && w.num_blocks >= g.num_blocks => {}
+            (
+                [g, GroupSpec {
+                    kind: AttentionKind::SlidingWindow { window },
+                    num_blocks,
+                }],
+                0,
+            ) if g.kind == AttentionKind::Full => {
+                let min = min_sliding_blocks(&cfg, *window, kv.block_size);
+                if (*num_blocks as usize) < min && *num_blocks < g.num_blocks {
+                    return Err(SchedulerError::UnsupportedKv(format!(
+                        "the sliding-window group (window {window}) has {} blocks of {} tokens: \
+                         a row needs up to {min} of them (its window plus a prefill chunk of \
+                         {} tokens) to advance, or give it as many blocks as the full group ({})",
+                        num_blocks,
+                        kv.block_size,
+                        cfg.prefill_chunk.min(cfg.max_step_tokens),
+                        g.num_blocks
+                    )));
+                }
+            }
             (groups, slots) => {
                 return Err(SchedulerError::UnsupportedKv(format!(
                     "the scheduler plans one full-attention group, optionally with a \
-                     sliding-window group of at least as many blocks, without state slots; \
+                     sliding-window group beside it, without state slots; \
                      the model reports groups {groups:?} and {slots} state slots"
                 )))
             }
         }
+        let sliding = kv.groups.len() == 2;
         if let Some(key) = cfg.kv_hash_key {
             kv.hash_key = Some(key);
         }
@@ -616,6 +686,7 @@ impl<M: Model> Scheduler<M> {
             model,
             bs,
             bs_shift: bs.trailing_zeros(),
+            sliding,
             prefix_seen: pool.prefix_stats(),
             pool,
             detok,
@@ -945,26 +1016,64 @@ impl<M: Model> Scheduler<M> {
         }
     }
 
-    /// Blocks a row of `tokens` tokens holds: `ceil(tokens / bs)` (one full-attention
-    /// group; its table always has exactly that many blocks).
+    /// Blocks a row of `tokens` tokens holds in the full-attention group:
+    /// `ceil(tokens / bs)` (its table always has exactly that many blocks).
     #[inline]
     fn blocks(&self, tokens: usize) -> usize {
         blocks_of(tokens, self.bs_shift)
     }
 
-    /// New blocks a row holding `start` tokens needs to grow by `n`.
+    /// Blocks a new sequence (a joiner, holding `start` tokens of a prefix hit) takes
+    /// to grow by `n`, per group: the same new blocks in both (a hit's sliding table
+    /// already starts at the window, so its first append releases nothing).
     #[inline]
-    fn need(&self, start: usize, n: usize) -> usize {
-        need_of(start, n, self.bs_shift)
+    fn need(&self, start: usize, n: usize) -> Blocks {
+        let new = need_of(start, n, self.bs_shift);
+        Blocks {
+            full: new,
+            sliding: if self.sliding { new } else { 0 },
+        }
     }
 
-    /// Blocks an allocation can take now: free plus evictable cached ones (in the
-    /// tightest group).
-    fn available(&self) -> usize {
-        (0..self.pool.num_groups())
-            .map(|g| self.pool.group(g).map_or(0, |g| g.available()))
-            .min()
-            .unwrap_or(0)
+    /// Sliding-window blocks running sequence `seq` gives back when it next appends
+    /// in a step of its own (those behind the window of its length now that no other
+    /// sequence shares; the pool releases them before it allocates). 0 without a
+    /// sliding group.
+    #[inline]
+    fn released(&self, seq: SeqId) -> usize {
+        if self.sliding {
+            self.pool.releasable_on_append(seq, 1).unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// Blocks running sequence `seq`, holding `start` tokens (its length in the pool
+    /// now), takes per group to grow by `n` in a step: its new blocks, less in the
+    /// sliding group what the append releases first. Exact when the released blocks
+    /// are only this sequence's; a block shared with another row that both release
+    /// in one step is not counted (the plan is then short of what is really free,
+    /// never over). Free counts are re-read from the pool every step.
+    #[inline]
+    fn grow(&self, seq: SeqId, start: usize, n: usize) -> Blocks {
+        let new = need_of(start, n, self.bs_shift);
+        Blocks {
+            full: new,
+            sliding: if self.sliding {
+                new.saturating_sub(self.released(seq))
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Blocks an allocation can take now, per group: free plus evictable cached ones.
+    fn available(&self) -> Blocks {
+        let of = |g: usize| self.pool.group(g).map_or(0, |g| g.available());
+        Blocks {
+            full: of(0),
+            sliding: if self.sliding { of(1) } else { 0 },
+        }
     }
 
     /// (resident, committed length, tokens left to feed) of a running request.
@@ -1009,13 +1118,13 @@ impl<M: Model> Scheduler<M> {
             // One pass over the batch: decoding rows are planned right away; whether
             // memory suffices for all of them decides between the fast path and the
             // preempting one.
-            let mut decode_need = 0;
+            let mut decode_need = Blocks::default();
             for &x in &order {
                 let Some((res, start, rem)) = self.progress(x.slot) else {
                     continue;
                 };
                 if rem == 1 {
-                    decode_need += self.need(start, 1);
+                    decode_need = decode_need.plus(self.grow(res.seq, start, 1));
                     rows.push(Planned {
                         key: x.key,
                         slot: x.slot,
@@ -1031,23 +1140,21 @@ impl<M: Model> Scheduler<M> {
                 }
             }
             let decodes = rows.len();
-            if decode_need <= free {
+            if decode_need.fits(free) {
                 // No decoding row can be short of memory, so their order is irrelevant;
                 // only prefill rows compete (for the token budget), in keep order. This
                 // skips sorting the whole batch in the common case.
-                free -= decode_need;
+                free = free.minus(decode_need);
                 let drafted = self.add_drafts(&mut rows, &mut free);
                 prefills.sort_by_cached_key(|x| self.keep_key(x.slot));
                 let mut budget = self.prefill_budget(decodes + drafted);
-                let mut fit = self.time_fit(&rows);
                 let joiners = group.is_none();
-                self.plan_prefills(
+                let mut fit = self.prefill_running(
                     now,
                     &prefills,
                     &mut rows,
                     &mut budget,
                     &mut free,
-                    &mut fit,
                     joiners,
                 );
                 if rows.is_empty() && !prefills.is_empty() {
@@ -1082,9 +1189,9 @@ impl<M: Model> Scheduler<M> {
                     i += 1;
                     continue;
                 }
-                let need = self.need(start, 1);
+                let need = self.grow(res.seq, start, 1);
                 let mut preempted_self = false;
-                while need > free {
+                while !need.fits(free) {
                     end -= 1;
                     let v = order[end];
                     if v == x {
@@ -1097,12 +1204,12 @@ impl<M: Model> Scheduler<M> {
                     }
                     // What the victim really gives back: blocks only it referenced
                     // (prefix blocks it shares with other rows stay in use).
-                    free += self.preempt(v.key);
+                    free = free.plus(self.preempt(v.key));
                 }
                 if preempted_self {
                     break;
                 }
-                free -= need;
+                free = free.minus(need);
                 rows.push(Planned {
                     key: x.key,
                     slot: x.slot,
@@ -1124,17 +1231,9 @@ impl<M: Model> Scheduler<M> {
                     .copied()
                     .filter(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem > 1)),
             );
-            let mut fit = self.time_fit(&rows);
             let joiners = group.is_none();
-            self.plan_prefills(
-                now,
-                &prefills,
-                &mut rows,
-                &mut budget,
-                &mut free,
-                &mut fit,
-                joiners,
-            );
+            let mut fit =
+                self.prefill_running(now, &prefills, &mut rows, &mut budget, &mut free, joiners);
 
             if rows.is_empty() && end > 0 {
                 self.preempt(order[end - 1].key);
@@ -1154,13 +1253,14 @@ impl<M: Model> Scheduler<M> {
 
     /// Gives the decoding rows in `rows` whose requests speculate a prompt-lookup draft,
     /// as far as `free` blocks allow; returns the draft tokens added.
-    fn add_drafts(&mut self, rows: &mut [Planned], free: &mut usize) -> usize {
+    fn add_drafts(&mut self, rows: &mut [Planned], free: &mut Blocks) -> usize {
         let k = self.cfg.speculate;
         let mut budget = self.cfg.speculate_step_tokens.saturating_sub(rows.len());
         if k == 0 || budget == 0 || !self.model.supports_drafts() {
             return 0;
         }
         let shift = self.bs_shift;
+        let sliding = self.sliding;
         let mut added = 0;
         for p in rows.iter_mut() {
             if budget == 0 {
@@ -1186,12 +1286,18 @@ impl<M: Model> Scheduler<M> {
                 continue;
             }
             let n = 1 + r.draft.len();
-            let extra = need_of(p.start, n, shift) - need_of(p.start, 1, shift);
-            if extra > *free {
+            // The draft's blocks beyond the decoded token's, in every group (what the
+            // append releases is the same either way and already counted).
+            let more = need_of(p.start, n, shift) - need_of(p.start, 1, shift);
+            let extra = Blocks {
+                full: more,
+                sliding: if sliding { more } else { 0 },
+            };
+            if !extra.fits(*free) {
                 r.draft.clear();
                 continue;
             }
-            *free -= extra;
+            *free = free.minus(extra);
             p.draft = n - 1;
             p.n = n;
             added += n - 1;
@@ -1290,6 +1396,24 @@ impl<M: Model> Scheduler<M> {
         }
     }
 
+    /// The prefill of a step whose decoding rows are already in `rows`: the step's
+    /// time budget from those rows ([`Self::time_fit`]), then the running rows `xs`'
+    /// chunks ([`Self::plan_prefills`]). Returns what is left of the time budget, for
+    /// the joiners admitted after.
+    fn prefill_running(
+        &mut self,
+        now: Instant,
+        xs: &[RunSlot],
+        rows: &mut Vec<Planned>,
+        budget: &mut usize,
+        free: &mut Blocks,
+        joiners: bool,
+    ) -> TimeFit {
+        let mut fit = self.time_fit(rows);
+        self.plan_prefills(now, xs, rows, budget, free, &mut fit, joiners);
+        fit
+    }
+
     /// Prefill chunks for running rows (in keep order), each shrunk to the token budget,
     /// the step's time and the memory left; rows that get nothing wait for a later
     /// step. With `joiners`, waiting requests ahead of a row in fair order
@@ -1302,7 +1426,7 @@ impl<M: Model> Scheduler<M> {
         xs: &[RunSlot],
         rows: &mut Vec<Planned>,
         budget: &mut usize,
-        free: &mut usize,
+        free: &mut Blocks,
         fit: &mut TimeFit,
         joiners: bool,
     ) {
@@ -1319,7 +1443,14 @@ impl<M: Model> Scheduler<M> {
             let Some((res, start, rem)) = self.progress(x.slot) else {
                 continue;
             };
-            let cap = (self.blocks(start) + *free) * self.bs;
+            // The longest this row can grow to with the blocks left: in the full group
+            // its table's blocks plus the free ones; in the sliding group also what its
+            // append releases first.
+            let held = self.blocks(start);
+            let mut cap = (held + free.full) * self.bs;
+            if self.sliding {
+                cap = cap.min((held + free.sliding + self.released(res.seq)) * self.bs);
+            }
             let n = self
                 .cfg
                 .prefill_chunk
@@ -1335,7 +1466,7 @@ impl<M: Model> Scheduler<M> {
                 break;
             }
             fit.take(start, n, wanted);
-            *free -= self.need(start, n);
+            *free = free.minus(self.grow(res.seq, start, n));
             *budget -= n;
             rows.push(Planned {
                 key: x.key,
@@ -1387,7 +1518,7 @@ impl<M: Model> Scheduler<M> {
         now: Instant,
         rows: &mut Vec<Planned>,
         budget: &mut usize,
-        free: &mut usize,
+        free: &mut Blocks,
         fit: &mut TimeFit,
         ahead_of: Option<(usize, FairKey)>,
     ) {
@@ -1399,9 +1530,14 @@ impl<M: Model> Scheduler<M> {
             } else {
                 self.cfg.kv_watermark_blocks
             };
-            // A joiner always needs a block of its own: a prefix hit covers whole blocks
-            // and leaves at least its last token to compute.
-            if 1 + watermark > *free {
+            // A joiner always needs a block of its own (in every group): a prefix hit
+            // covers whole blocks and leaves at least its last token to compute. The
+            // watermark is kept back in every group for the running rows' growth.
+            let watermark = Blocks {
+                full: watermark,
+                sliding: if self.sliding { watermark } else { 0 },
+            };
+            if !self.need(0, 1).plus(watermark).fits(*free) {
                 break;
             }
             let Some(t) = self.pick_tenant() else { break };
@@ -1428,20 +1564,34 @@ impl<M: Model> Scheduler<M> {
             // What a hit would cover (all but the last token are offered, so the forward
             // computes at least one), and how many of its blocks sit evictable in the
             // cache: taking those leaves fewer blocks for everyone else.
-            let (cached, revived) = match self.salt_of(t, adapter) {
+            //
+            // Sliding-window blocks of the hit that one running row holds alone are
+            // pinned: that row's need may already count them as released by its
+            // append (`grow`), which the joiner's reference now prevents, so they are
+            // taken from what is left as if they were new.
+            let (cached, revived, pinned) = match self.salt_of(t, adapter) {
                 Some(salt) => {
                     let hit = self.pool.lookup(salt, &toks[..total - 1]);
-                    let revived = match (self.pool.group(0), hit.groups.first()) {
-                        (Ok(g), Some(gh)) => gh
-                            .blocks
-                            .iter()
-                            .filter(|&&b| g.refcount(b).is_ok_and(|c| c == 0))
-                            .count(),
-                        _ => 0,
+                    let held_by =
+                        |g: usize, refs: u32| match (self.pool.group(g), hit.groups.get(g)) {
+                            (Ok(pool), Some(gh)) => gh
+                                .blocks
+                                .iter()
+                                .filter(|&&b| pool.refcount(b).is_ok_and(|c| c == refs))
+                                .count(),
+                            _ => 0,
+                        };
+                    let revived = Blocks {
+                        full: held_by(0, 0),
+                        sliding: if self.sliding { held_by(1, 0) } else { 0 },
                     };
-                    (hit.tokens, revived)
+                    let pinned = Blocks {
+                        full: 0,
+                        sliding: if self.sliding { held_by(1, 1) } else { 0 },
+                    };
+                    (hit.tokens, revived, pinned)
                 }
-                None => (0, 0),
+                None => (0, Blocks::default(), Blocks::default()),
             };
             let rest = total - cached;
             let wanted = self.cfg.prefill_chunk.min(rest).min(*budget);
@@ -1456,7 +1606,8 @@ impl<M: Model> Scheduler<M> {
                 // Head-of-line, like a memory stall, to keep the fair order.
                 break;
             }
-            if self.need(cached, n) + revived + watermark > *free {
+            let need = self.need(cached, n).plus(pinned);
+            if !need.plus(revived).plus(watermark).fits(*free) {
                 // Head-of-line: admitting someone further back would break fair order.
                 break;
             }
@@ -1466,7 +1617,7 @@ impl<M: Model> Scheduler<M> {
             };
             // Cached blocks the hit took out of the evictable list, plus the chunk's
             // new blocks.
-            let revived = before.saturating_sub(self.available());
+            let revived = before.minus(self.available());
             let n = self
                 .cfg
                 .prefill_chunk
@@ -1474,7 +1625,7 @@ impl<M: Model> Scheduler<M> {
                 .min(*budget)
                 .min(n);
             fit.take(cached, n, wanted);
-            *free = free.saturating_sub(revived + self.need(cached, n));
+            *free = free.minus(revived.plus(self.need(cached, n)).plus(pinned));
             *budget -= n;
             prefilling |= n > 1;
             rows.push(Planned {
@@ -1561,7 +1712,7 @@ impl<M: Model> Scheduler<M> {
 
     /// Gives a resident's row and sequence back (model first, then pool). Returns the
     /// blocks that became available: those only this sequence referenced.
-    fn release_resident(&mut self, res: Resident) -> usize {
+    fn release_resident(&mut self, res: Resident) -> Blocks {
         self.model.release_row(res.row);
         let before = self.available();
         if let Err(e) = self.pool.release(res.seq) {
@@ -1571,18 +1722,20 @@ impl<M: Model> Scheduler<M> {
         if open > 0 {
             self.released_open.push((open, res));
         }
-        self.available().saturating_sub(before)
+        self.available().minus(before)
     }
 
     /// Recompute-style preemption: drop the row's state; the request waits again with
     /// its generated tokens and resumes by prefilling prompt ++ generated (normally
     /// from its own blocks, which stay in the prefix cache until evicted). Returns the
     /// blocks it freed.
-    fn preempt(&mut self, k: RequestKey) -> usize {
+    fn preempt(&mut self, k: RequestKey) -> Blocks {
         let Some(r) = self.reqs.get_mut(&k) else {
-            return 0;
+            return Blocks::default();
         };
-        let Some(res) = r.row.take() else { return 0 };
+        let Some(res) = r.row.take() else {
+            return Blocks::default();
+        };
         r.computed = 0;
         r.preemptions += 1;
         let t = r.tenant;
@@ -1803,7 +1956,7 @@ impl<M: Model> Scheduler<M> {
         {
             return next;
         }
-        let mut need = 0;
+        let mut need = Blocks::default();
         let mut live = 0;
         for p in rows {
             if !p.want_logits || p.draft > 0 {
@@ -1820,13 +1973,15 @@ impl<M: Model> Scheduler<M> {
             if r.generated.len() + 1 >= r.r.max_tokens || r.row.is_none_or(|x| x.row != p.row) {
                 continue;
             }
+            // The pool holds `start` tokens of this row now (the in-flight step
+            // appended them), which is also the base of the next step's append.
             let start = p.start + p.n;
-            need += self.need(start, 1);
+            need = need.plus(self.grow(p.seq, start, 1));
             next.push(Planned { start, n: 1, ..*p });
         }
         // A running request this step left out (a prompt waiting for budget or
         // memory) would be planned by the next plain step: so plan that one.
-        if need > self.available() || live != self.running.len() {
+        if !need.fits(self.available()) || live != self.running.len() {
             next.clear();
         }
         next

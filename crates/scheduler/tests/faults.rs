@@ -322,6 +322,45 @@ fn ten_thousand_step_faults_lose_nothing() {
     assert_same_streams(&clean, &faulty);
 }
 
+/// Random faults at every point with a sliding-window group much smaller than the
+/// full one (it holds windows only, and is often the group that runs out): every
+/// rollback restores both groups, no request fails, and every stream equals the
+/// fault-free run with full attention only; the pool is audited every few steps.
+#[test]
+fn random_faults_with_a_small_sliding_group_leave_streams_unchanged() {
+    let specs = workload(29, 300);
+    let clean = run_plain(sched_config(), &specs);
+    assert_clean(&clean);
+
+    let mut cfg = sched_config();
+    cfg.faults = FaultPlan::random(13, 0.05);
+    cfg.max_step_retries = 60;
+    let faults = FakeFaults {
+        random: Some((17, 0.03)),
+        fail_after_layer: 1,
+        ..Default::default()
+    };
+    let mut fake = fake_config();
+    fake.sliding_window = Some(20);
+    fake.sliding_blocks = Some(40);
+    let mut tight = 0;
+    let faulty = run(cfg, fake, faults, &specs, |step, s, _| {
+        let pool = s.kv_pool();
+        tight += usize::from(pool.group(1).expect("sliding").available() < 4);
+        if step % 4 == 0 {
+            audit_pool(s);
+        }
+    });
+    assert_clean(&faulty);
+    let st = faulty.sched.stats();
+    assert!(st.rollbacks > 20, "rollbacks {}", st.rollbacks);
+    assert_eq!(st.failed_steps, 0);
+    assert_eq!(st.failed_requests, 0);
+    assert!(st.pipelined_steps > 0);
+    assert!(tight > 0, "the sliding group never ran short");
+    assert_same_streams(&clean, &faulty);
+}
+
 /// Random faults at every point with a sliding-window KV group beside the full one:
 /// rollbacks restore both groups' tables (the sliding group's dropped blocks come
 /// back), so every stream equals the fault-free full-attention run.

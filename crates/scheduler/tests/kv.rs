@@ -238,8 +238,8 @@ fn unsupported_kv_layouts_are_typed_errors() {
     use std::sync::Arc;
     use weft_scheduler::fake::FakeDetokenizer;
     use weft_scheduler::{
-        KvGroups, Model, ModelError, ModelInfo, RowId, RowInput, SchedulerError, StepOutput,
-        StorageOp,
+        min_sliding_blocks, KvGroups, Model, ModelError, ModelInfo, RowId, RowInput,
+        SchedulerError, StepOutput, StorageOp,
     };
     struct Layout(KvGroups);
     impl Model for Layout {
@@ -262,13 +262,22 @@ fn unsupported_kv_layouts_are_typed_errors() {
     }
     let mk =
         |kv: KvGroups| Scheduler::new(sched_config(), Layout(kv), Arc::new(FakeDetokenizer)).err();
-    // Full plus a sliding-window group of as many blocks is planned (Gemma 3);
-    // a smaller sliding group could bind before the full one, which budgets.
+    // Full plus a sliding-window group (Gemma 3): as many blocks, or fewer as long
+    // as one row can advance (window 4 -> 1 block, a 64-token chunk 4, and 2:
+    // weft_scheduler::min_sliding_blocks); a group smaller than both cannot plan.
     assert!(mk(KvGroups::new(16).full(8).sliding(4, 8)).is_none());
+    assert_eq!(min_sliding_blocks(&sched_config(), 4, 16), 7);
+    assert!(mk(KvGroups::new(16).full(80).sliding(4, 7)).is_none());
     assert!(matches!(
-        mk(KvGroups::new(16).full(8).sliding(4, 7)),
+        mk(KvGroups::new(16).full(80).sliding(4, 6)),
         Some(SchedulerError::UnsupportedKv(_))
     ));
+    assert!(mk(KvGroups::new(16).full(4).sliding(4, 4)).is_none());
+    assert!(matches!(
+        mk(KvGroups::new(16).full(4).sliding(4, 3)),
+        Some(SchedulerError::UnsupportedKv(_))
+    ));
+    assert_eq!(min_sliding_blocks(&sched_config(), 512, 16), 32 + 4 + 2);
     assert!(matches!(
         mk(KvGroups::new(16).sliding(4, 8)),
         Some(SchedulerError::UnsupportedKv(_))

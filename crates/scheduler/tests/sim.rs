@@ -904,3 +904,126 @@ fn sliding_window_group_under_kv_pressure_matches_full_attention_run() {
     }
     assert!(compared > 400, "compared {compared}");
 }
+
+/// Requests of very different lengths: a third with long prompts (200-900 tokens,
+/// many windows long) and long generations, the rest short prompts (1-24 tokens);
+/// sampling, stops and logprobs as `varied_request` draws them, nothing cancelled.
+fn ragged_workload(seed: u64, n: usize) -> Vec<Spec> {
+    let mut g = rng(seed);
+    (0..n)
+        .map(|i| {
+            let t = ["a", "b", "c"][i % 3];
+            let mut req = varied_request(&mut g, t, 1.0, i);
+            if chance(&mut g, 0.33) {
+                let len = 200 + below(&mut g, 700) as usize;
+                req.prompt = prompt(&mut g, len);
+                req.max_tokens = 50 + below(&mut g, 250) as usize;
+            } else {
+                let len = 1 + below(&mut g, 24) as usize;
+                req.prompt = prompt(&mut g, len);
+            }
+            Spec {
+                arrival_step: below(&mut g, 150),
+                req,
+                cancel_after: None,
+                drop_after: None,
+                deadline_after: None,
+            }
+        })
+        .collect()
+}
+
+/// Gemma 3's layout as a real model sizes it: the sliding-window group holds only
+/// windows, so it has far fewer blocks than the full group (here 50 against 1000).
+/// Rows of very different lengths decode in one batch; with many short rows the
+/// sliding group is the one that runs out, and the scheduler waits and preempts for
+/// it as it does for the full group: no append ever fails (no rollback, no failed
+/// request), the pool's invariants hold every step, every sliding table holds just
+/// the window, and every stream equals the run with ample memory.
+#[test]
+fn smaller_sliding_group_binds_and_matches_the_ample_run() {
+    let specs = ragged_workload(41, 400);
+    let mut big = sched_config();
+    big.max_batch_rows = 128;
+    big.max_step_tokens = 1024;
+    let reference = run_blocks(big, 100_000, &specs);
+    assert_clean(&reference);
+
+    let mut fake = fake_blocks(1000);
+    fake.sliding_window = Some(24);
+    fake.sliding_blocks = Some(50);
+    let (mut sliding_bound, mut full_bound, mut most_rows, mut longest) = (0, 0, 0, 0);
+    let pressured = run(
+        sched_config(),
+        fake,
+        FakeFaults::default(),
+        &specs,
+        |step, s, _| {
+            let pool = s.kv_pool();
+            let avail = |g| pool.group(g).expect("group").available();
+            assert_eq!(pool.group(1).expect("sliding").total(), 50);
+            if avail(1) < 4 && avail(0) > 200 {
+                sliding_bound += 1;
+            }
+            if avail(0) < 8 && avail(1) > 20 {
+                full_bound += 1;
+            }
+            let (mut rows, mut lens) = (0, Vec::new());
+            for seq in pool.live_sequences() {
+                let t = pool.table(seq, 1).expect("sliding table");
+                let full = pool.table(seq, 0).expect("full table");
+                assert_eq!(t.offset + t.blocks.len(), full.blocks.len());
+                // Between steps a row holds its window (first block partly behind
+                // it) and the tokens its last step appended past it.
+                let len = pool.sequence(seq).expect("live").len;
+                assert!(
+                    t.blocks.len() <= 24usize.div_ceil(16) + 64usize.div_ceil(16) + 2,
+                    "row of {len} tokens holds {} sliding blocks",
+                    t.blocks.len()
+                );
+                rows += 1;
+                lens.push(len);
+            }
+            if rows > 1 {
+                lens.sort_unstable();
+                longest = longest.max(lens[lens.len() - 1] / lens[0].max(1));
+            }
+            most_rows = most_rows.max(rows);
+            if step % 3 == 0 {
+                pool.check_invariants().expect("pool invariants");
+            }
+        },
+    );
+    assert_clean(&pressured);
+    let st = pressured.sched.stats();
+    eprintln!(
+        "steps {} preemptions {} sliding-bound steps {sliding_bound} full-bound {full_bound} \
+         rows {most_rows} length ratio {longest}",
+        pressured.steps, st.preemptions
+    );
+    assert_eq!(st.rollbacks, 0, "an append failed: the plan overcommitted");
+    assert_eq!(st.failed_requests, 0);
+    assert!(st.preemptions > 0, "workload should preempt");
+    assert!(
+        sliding_bound > 10,
+        "the sliding group never was the tight one"
+    );
+    assert!(
+        longest >= 20,
+        "rows of very different lengths never shared a step"
+    );
+    assert_eq!(pressured.sched.model().violations().len(), 0);
+    for (i, (p, r)) in pressured
+        .outcomes
+        .iter()
+        .zip(&reference.outcomes)
+        .enumerate()
+    {
+        assert_eq!(p.tokens, r.tokens, "request {i} tokens");
+        assert_eq!(
+            p.finished.as_ref().map(|f| f.reason),
+            r.finished.as_ref().map(|f| f.reason),
+            "request {i} finish"
+        );
+    }
+}

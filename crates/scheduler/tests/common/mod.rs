@@ -355,7 +355,9 @@ pub fn assert_clean(run: &Run) {
     assert_eq!(st.kv_blocks_free + st.kv_blocks_cached, st.kv_blocks_total);
     let pool = run.sched.kv_pool();
     let ps = pool.stats();
-    assert_eq!(ps.groups[0].used, 0, "pool blocks still referenced");
+    for (g, b) in ps.groups.iter().enumerate() {
+        assert_eq!(b.used, 0, "pool blocks of group {g} still referenced");
+    }
     assert_eq!(ps.sequences, 0, "pool sequences leaked");
     assert!(!pool.in_transaction());
     pool.check_invariants()
