@@ -69,6 +69,10 @@ pub struct FakeConfig {
     /// A simulated cost per forward, reported as [`Model::last_step_seconds`] (None:
     /// the scheduler times the fake's real, near-zero, forwards).
     pub step_cost: Option<FakeStepCost>,
+    /// Whether the fake takes a step's sampling after its forward
+    /// ([`Model::defers_sampling`]); without it a pipelined scheduler runs rows with
+    /// penalties or a constraint one step at a time.
+    pub defer_sampling: bool,
 }
 
 /// Seconds a fake forward "takes": `base + per_decode_row * rows feeding one token +
@@ -122,6 +126,7 @@ impl Default for FakeConfig {
             sliding_blocks: None,
             verify_kv: true,
             step_cost: None,
+            defer_sampling: true,
         }
     }
 }
@@ -151,6 +156,9 @@ pub struct FakeFaults {
     /// Device memory for this many fed tokens: a forward feeding more runs out of
     /// memory (a batch too large for what is left; its halves fit).
     pub memory_tokens: Option<usize>,
+    /// 1-based `submit_sampling` calls that fail (the step stays open, unsampled,
+    /// until rolled back).
+    pub sampling_fail_calls: Vec<u64>,
 }
 
 /// What the fake knows of a row between steps: the lengths its committed KV may have.
@@ -175,6 +183,9 @@ struct Staged {
     written: Vec<u64>,
     /// Its forward or collect failed: only a rollback may drop it.
     failed: bool,
+    /// The logits of a step queued by `submit_unsampled`, until `submit_sampling`
+    /// samples them.
+    unsampled: Option<Vec<f32>>,
     /// (decoding rows, other tokens, simulated seconds) under `FakeConfig::step_cost`.
     cost: Option<(usize, usize, f64)>,
 }
@@ -195,6 +206,11 @@ pub struct FakeStats {
     pub submits: u64,
     pub collects: u64,
     pub failed_collects: u64,
+    /// Steps queued without their sampling (`submit_unsampled`), their
+    /// `submit_sampling` calls, and those that failed.
+    pub deferred: u64,
+    pub sampling_calls: u64,
+    pub failed_samplings: u64,
     /// Most steps staged at once (2: a step was queued behind an outstanding one).
     pub max_staged: usize,
     pub commits: u64,
@@ -537,7 +553,14 @@ impl FakeModel {
     }
 
     /// One step's work, forwarded or submitted: staged as the newest step.
-    fn run(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
+    /// Without `sample`, the step's logits stay staged for `submit_sampling` and the
+    /// output is empty.
+    fn run(
+        &mut self,
+        ops: &[StorageOp],
+        batch: &[RowInput],
+        sample: bool,
+    ) -> Result<StepOutput, ModelError> {
         self.stats.forwards += 1;
         let call = self.stats.forwards;
         self.apply_ops(ops)?;
@@ -661,21 +684,15 @@ impl FakeModel {
         for (i, &(h, last)) in self.states.iter().enumerate() {
             self.fill(h, last, &mut data[i * vocab..(i + 1) * vocab]);
         }
-        // Sampling through the contract's host implementation, as any model whose
-        // logits live in host memory does.
-        let out = self.sampler.sample(&data, vocab, batch)?;
-        self.last_logits = data;
         self.stats.tokens += batch.iter().map(|r| r.tokens.len() as u64).sum::<u64>();
         self.stats.adapters.extend(batch.iter().map(|r| r.adapter));
         self.stats.max_batch_rows = self.stats.max_batch_rows.max(batch.len());
-        let mut picks = HashMap::with_capacity(out.rows.len());
-        let mut at = 0;
-        for r in batch.iter().filter(|r| r.want_logits) {
-            at += r.positions();
-            if let Some(&t) = out.tokens.get(at - 1) {
-                picks.insert(r.row, t);
-            }
-        }
+        let (out, picks, unsampled) = if sample {
+            let (out, picks) = self.sample(data, batch)?;
+            (out, picks, None)
+        } else {
+            (StepOutput::default(), HashMap::new(), Some(data))
+        };
         let cost = self.cfg.step_cost.map(|c| {
             let decode = batch.iter().filter(|r| r.tokens.len() == 1).count();
             let other = batch
@@ -694,9 +711,62 @@ impl FakeModel {
             picks,
             written: step_written,
             failed: false,
+            unsampled,
             cost,
         });
         Ok(out)
+    }
+
+    /// Samples a step's logits through the contract's host implementation, as any
+    /// model whose logits live in host memory does: its output, and each row's last
+    /// pick (what a following step's row feeds).
+    fn sample(
+        &mut self,
+        data: Vec<f32>,
+        batch: &[RowInput],
+    ) -> Result<(StepOutput, HashMap<RowId, u32>), ModelError> {
+        let out = self.sampler.sample(&data, self.cfg.vocab_size, batch)?;
+        self.last_logits = data;
+        let mut picks = HashMap::with_capacity(out.rows.len());
+        let mut at = 0;
+        for r in batch.iter().filter(|r| r.want_logits) {
+            at += r.positions();
+            if let Some(&t) = out.tokens.get(at - 1) {
+                picks.insert(r.row, t);
+            }
+        }
+        Ok((out, picks))
+    }
+
+    /// Queues a step (`submit`, `submit_unsampled`) behind at most one outstanding.
+    fn queue(
+        &mut self,
+        ops: &[StorageOp],
+        batch: &[RowInput],
+        sample: bool,
+    ) -> Result<(), ModelError> {
+        self.stats.submits += 1;
+        if self.staged.len() >= 2 {
+            self.stats.forwards += 1;
+            return Err(self.violation("a third step submitted".into()));
+        }
+        if self
+            .staged
+            .back()
+            .is_some_and(|st| st.out.is_none() || st.unsampled.is_some())
+        {
+            self.stats.forwards += 1;
+            return Err(self.violation(
+                "submit after a forward or collect left uncommitted, or before the last step's sampling"
+                    .into(),
+            ));
+        }
+        let out = self.run(ops, batch, sample)?;
+        if let Some(st) = self.staged.back_mut().filter(|_| sample) {
+            st.out = Some(out);
+        }
+        self.stats.max_staged = self.stats.max_staged.max(self.staged.len());
+        Ok(())
     }
 }
 
@@ -725,7 +795,7 @@ impl Model for FakeModel {
             self.stats.forwards += 1;
             return Err(self.violation("forward called while a step is staged".into()));
         }
-        let out = self.run(ops, batch)?;
+        let out = self.run(ops, batch, true)?;
         if let Some(c) = self.staged.back().and_then(|st| st.cost) {
             self.step_costs.push(c);
         }
@@ -741,7 +811,7 @@ impl Model for FakeModel {
         let call = self.stats.commits + self.stats.failed_commits + 1;
         match self.staged.front() {
             None => return Err(self.violation("commit without a staged step".into())),
-            Some(st) if st.out.is_some() => {
+            Some(st) if st.out.is_some() || st.unsampled.is_some() => {
                 return Err(self.violation("commit of a step not collected yet".into()))
             }
             Some(st) if st.failed => return Err(self.violation("commit of a failed step".into())),
@@ -776,21 +846,54 @@ impl Model for FakeModel {
     }
 
     fn submit(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<(), ModelError> {
-        self.stats.submits += 1;
-        if self.staged.len() >= 2 {
+        self.queue(ops, batch, true)
+    }
+
+    fn defers_sampling(&self) -> bool {
+        self.cfg.defer_sampling
+    }
+
+    fn submit_unsampled(
+        &mut self,
+        ops: &[StorageOp],
+        batch: &[RowInput],
+    ) -> Result<(), ModelError> {
+        if !self.cfg.defer_sampling {
             self.stats.forwards += 1;
-            return Err(self.violation("a third step submitted".into()));
+            return Err(self.violation("submit_unsampled to a fake that does not defer".into()));
         }
-        if self.staged.back().is_some_and(|st| st.out.is_none()) {
-            self.stats.forwards += 1;
-            return Err(self.violation("submit after a forward or collect left uncommitted".into()));
+        self.stats.deferred += 1;
+        self.queue(ops, batch, false)
+    }
+
+    fn submit_sampling(&mut self, batch: &[RowInput]) -> Result<(), ModelError> {
+        self.stats.sampling_calls += 1;
+        let call = self.stats.sampling_calls;
+        let Some(data) = self.staged.back_mut().and_then(|st| st.unsampled.take()) else {
+            return Err(self.violation("submit_sampling without an unsampled step".into()));
+        };
+        let fail = self.faults.sampling_fail_calls.contains(&call);
+        let sampled = if fail {
+            Err(ModelError::Failed("injected fault while sampling".into()))
+        } else {
+            self.sample(data, batch)
+        };
+        match sampled {
+            Ok((out, picks)) => {
+                if let Some(st) = self.staged.back_mut() {
+                    st.out = Some(out);
+                    st.picks = picks;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.stats.failed_samplings += 1;
+                if let Some(st) = self.staged.back_mut() {
+                    st.failed = true;
+                }
+                Err(e)
+            }
         }
-        let out = self.run(ops, batch)?;
-        if let Some(st) = self.staged.back_mut() {
-            st.out = Some(out);
-        }
-        self.stats.max_staged = self.stats.max_staged.max(self.staged.len());
-        Ok(())
     }
 
     fn collect(&mut self) -> Result<StepOutput, ModelError> {

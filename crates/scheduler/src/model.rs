@@ -213,6 +213,35 @@ pub trait Model {
             "this model does not pipeline steps".into(),
         ))
     }
+    /// Whether a step may be queued in two halves: its forward first
+    /// ([`submit_unsampled`](Self::submit_unsampled)), its sampling later
+    /// ([`submit_sampling`](Self::submit_sampling)), so that a step's sampling
+    /// parameters (penalty counts, a constraint's mask) can wait for the picks of the
+    /// step before it while the device already computes the forward.
+    fn defers_sampling(&self) -> bool {
+        false
+    }
+    /// Queues the forward of a step like [`submit`](Self::submit) does, up to its
+    /// logits, without sampling them: the step's [`RowInput::sampling`] is ignored and
+    /// [`submit_sampling`](Self::submit_sampling) must follow before anything else is
+    /// submitted or collected. A failed call leaves nothing of its step.
+    fn submit_unsampled(
+        &mut self,
+        _ops: &[StorageOp],
+        _batch: &[RowInput],
+    ) -> Result<(), ModelError> {
+        Err(ModelError::Contract(
+            "this model does not defer sampling".into(),
+        ))
+    }
+    /// Queues the sampling of the step [`submit_unsampled`](Self::submit_unsampled)
+    /// queued: `batch` is that step's rows again, and only their `sampling` is read.
+    /// A failed call leaves the step open and unsampled (roll it back).
+    fn submit_sampling(&mut self, _batch: &[RowInput]) -> Result<(), ModelError> {
+        Err(ModelError::Contract(
+            "this model does not defer sampling".into(),
+        ))
+    }
     /// Waits for the oldest submitted step not collected yet and returns what it
     /// picked (as `forward` would have); it stays staged until `commit` or
     /// `rollback`.

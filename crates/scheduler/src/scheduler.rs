@@ -1945,22 +1945,26 @@ impl<M: Model> Scheduler<M> {
     /// The step that follows the in-flight `rows` with every row decoding the token it
     /// picks there — exactly what a plain plan would make of the next step — or empty
     /// when that plan could differ (a request could join, a running request is not in
-    /// `rows`, a row is penalized, memory is short), or nobody continues.
-    fn follow_plan(&self, rows: &[Planned]) -> Vec<Planned> {
+    /// `rows`, memory is short), or nobody continues. With it, whether its sampling must
+    /// wait for the in-flight step's picks (a row with penalties or an output
+    /// constraint: their counts and mask follow from that pick); such a step is empty
+    /// unless the model defers sampling.
+    fn follow_plan(&self, rows: &[Planned]) -> (Vec<Planned>, bool) {
         let mut next = Vec::new();
+        let mut deferred = false;
         if !self.pipelining()
             || !self.probation.is_empty()
             || self.would_draft(rows)
             || (self.running.len() < self.cfg.max_batch_rows && self.pick_tenant().is_some())
             || self.room_victim().is_some()
         {
-            return next;
+            return (next, false);
         }
         let mut need = Blocks::default();
         let mut live = 0;
         for p in rows {
             if !p.want_logits || p.draft > 0 {
-                return Vec::new();
+                return (Vec::new(), false);
             }
             let Some(r) = self.reqs.at(p.slot).filter(|r| r.key == p.key) else {
                 continue;
@@ -1968,7 +1972,10 @@ impl<M: Model> Scheduler<M> {
             live += 1;
             // Penalty counts and a constraint's mask both need this step's pick.
             if r.penalties.is_some() || r.r.constraint.is_some() {
-                return Vec::new();
+                if !self.model.defers_sampling() {
+                    return (Vec::new(), false);
+                }
+                deferred = true;
             }
             if r.generated.len() + 1 >= r.r.max_tokens || r.row.is_none_or(|x| x.row != p.row) {
                 continue;
@@ -1984,22 +1991,26 @@ impl<M: Model> Scheduler<M> {
         if !need.fits(self.available()) || live != self.running.len() {
             next.clear();
         }
-        next
+        (next, deferred)
     }
 
     /// Collects the in-flight step `rows` — after queueing the step that follows it, so
     /// the device computes that one while the host streams this one's tokens — and
     /// commits it. A failure rolls back both and runs `rows` again as a plain step
-    /// (retries, bisection).
+    /// (retries, bisection). A following step whose sampling is deferred gets it once
+    /// `rows` is applied ([`sample_deferred`](Self::sample_deferred)).
     fn resolve(&mut self, rows: Vec<Planned>, now: Instant) -> StepReport {
-        let next = self.follow_plan(&rows);
+        let (next, deferred) = self.follow_plan(&rows);
         let mut chained = false;
         if !next.is_empty() {
             match self.open_step(&next, true) {
-                Ok(()) => match self
-                    .model
-                    .submit(self.pool.step_ops(), &self.bufs.inputs[..next.len()])
-                {
+                Ok(()) => match if deferred {
+                    self.model
+                        .submit_unsampled(self.pool.step_ops(), &self.bufs.inputs[..next.len()])
+                } else {
+                    self.model
+                        .submit(self.pool.step_ops(), &self.bufs.inputs[..next.len()])
+                } {
                     Ok(()) => chained = true,
                     Err(e) => {
                         self.undo_newest();
@@ -2099,7 +2110,67 @@ impl<M: Model> Scheduler<M> {
         self.bufs.commits = commits;
         self.bufs.rows = rows;
         rep.attempts = 1;
+        if deferred && self.inflight.is_some() {
+            self.sample_deferred(now);
+        }
         rep
+    }
+
+    /// Queues the sampling of the in-flight step, whose forward went out before the
+    /// step it follows was applied: each row's parameters from its committed state now
+    /// (penalty counts and the constraint's mask after that step's pick). A request
+    /// whose constraint fails to give a mask ends with an error; one that ended is
+    /// sampled plainly (its pick is ignored). If the model refuses, the in-flight step
+    /// is rolled back, and its rows run as the next plain step.
+    fn sample_deferred(&mut self, now: Instant) {
+        let Some(next) = self.inflight.take() else {
+            return;
+        };
+        let mut mask_time = MaskTime::default();
+        let mut broken = Vec::new();
+        for (p, input) in next.iter().zip(self.bufs.inputs.iter_mut()) {
+            input.sampling = RowSampling::default();
+            let Some(r) = self.reqs.at_mut(p.slot).filter(|r| r.key == p.key) else {
+                continue;
+            };
+            r.fill_sampling(&mut input.sampling);
+            if let Some(c) = &mut r.r.constraint {
+                let t = Instant::now();
+                match c.mask() {
+                    Ok((mask, computed)) => {
+                        mask_time.add(t, computed);
+                        input.sampling.allowed = Some(mask);
+                    }
+                    Err(e) => broken.push((p.key, format!("request {}: {e}", p.key.0))),
+                }
+            }
+        }
+        self.record_masks(mask_time);
+        for (k, e) in broken {
+            error!(request = k.0, error = %e, "output constraint failed");
+            self.finish(k, FinishReason::Error, None, Some(e), now);
+        }
+        match self.model.submit_sampling(&self.bufs.inputs[..next.len()]) {
+            Ok(()) => self.inflight = Some(next),
+            Err(e) => {
+                self.undo_newest();
+                self.count_rollback(&e.to_string(), "following step not sampled");
+                self.last_collect = None;
+                if matches!(e, ModelError::OutOfMemory(_)) {
+                    self.split_after_oom(&next);
+                }
+            }
+        }
+    }
+
+    /// Counts output-constraint masks computed for a step.
+    fn record_masks(&mut self, t: MaskTime) {
+        if t.computed > 0 {
+            self.stats.constraint_masks += t.computed;
+            self.stats.constraint_mask_seconds += t.seconds;
+            self.metrics.constraint_masks.increment(t.computed);
+            self.metrics.constraint_mask.record(t.seconds);
+        }
     }
 
     /// Opens the pool step for `rows` (every row's tokens appended) and fills the
@@ -2124,12 +2195,7 @@ impl<M: Model> Scheduler<M> {
         let shift = self.bs_shift;
         let mut mask_time = MaskTime::default();
         let r = self.fill_rows(rows, follows, shift, &mut mask_time);
-        if mask_time.computed > 0 {
-            self.stats.constraint_masks += mask_time.computed;
-            self.stats.constraint_mask_seconds += mask_time.seconds;
-            self.metrics.constraint_masks.increment(mask_time.computed);
-            self.metrics.constraint_mask.record(mask_time.seconds);
-        }
+        self.record_masks(mask_time);
         r?;
         if self.faults.hit(FaultPoint::AfterPlan) {
             return Err("injected fault after planning".into());
@@ -2190,12 +2256,13 @@ impl<M: Model> Scheduler<M> {
                 if p.want_logits {
                     r.fill_sampling(&mut input.sampling);
                     input.sampling.index += u64::from(follows);
-                    if let Some(c) = &mut r.r.constraint {
-                        // The mask of the committed state: a constrained row never
-                        // follows a pick it does not know, nor carries a draft.
-                        if follows || p.draft > 0 {
+                    if let Some(c) = r.r.constraint.as_mut().filter(|_| !follows) {
+                        // The mask of the committed state (a row that follows a pick
+                        // not read yet gets its mask once it is: its step's sampling
+                        // is deferred). A constrained row never carries a draft.
+                        if p.draft > 0 {
                             return Err(format!(
-                                "request {}: a constrained row was planned after an unread pick or with a draft",
+                                "request {}: a constrained row was planned with a draft",
                                 p.key.0
                             ));
                         }
@@ -2250,9 +2317,15 @@ impl<M: Model> Scheduler<M> {
             .filter(|p| p.want_logits)
             .map(|p| 1 + p.draft)
             .sum();
-        let wants_logprobs = rows
-            .iter()
-            .any(|p| p.want_logits && self.reqs.at(p.slot).is_some_and(|r| r.r.logprobs.is_some()));
+        // (A row whose request ended after the step was sampled was sampled plainly;
+        // its slot may hold a new request by now.)
+        let wants_logprobs = rows.iter().any(|p| {
+            p.want_logits
+                && self
+                    .reqs
+                    .at(p.slot)
+                    .is_some_and(|r| r.key == p.key && r.r.logprobs.is_some())
+        });
         if out.rows != *wanted
             || out.tokens.len() != positions
             || !(out.logprobs.len() == positions || (out.logprobs.is_empty() && !wants_logprobs))

@@ -379,6 +379,22 @@ fn every_completion_matches_alone_and_in_a_mixed_batch_of_32() {
             .sum();
         assert_eq!(st.constraint_masks as usize, constrained_tokens);
         assert!(st.constraint_mask_seconds > 0.0);
+        // Steps with constrained rows pipeline (the mask of step n+1 computed while
+        // its forward is queued), streaming exactly what one step at a time does.
+        let mut one = sched_config();
+        one.pipeline = false;
+        let stepwise = run_specs(&specs, one);
+        assert_same_streams(&stepwise, &mixed);
+        assert_eq!(stepwise.sched.stats().pipelined_steps, 0);
+        assert!(
+            st.pipelined_steps * 2 > st.steps,
+            "{} of {} steps pipelined",
+            st.pipelined_steps,
+            st.steps
+        );
+        assert_eq!(stepwise.sched.stats().constraint_masks, st.constraint_masks);
+        let f = mixed.sched.model().stats();
+        assert!(f.deferred > 0 && f.sampling_calls == f.deferred, "{f:?}");
         // The unconstrained rows stream exactly what they do without the others.
         let plain: Vec<(Option<usize>, Spec)> =
             specs.iter().filter(|(c, _)| c.is_none()).cloned().collect();
@@ -393,7 +409,6 @@ fn every_completion_matches_alone_and_in_a_mixed_batch_of_32() {
             assert_eq!(a.tokens, b.tokens);
             assert!(a.tokens.len() > 100, "unconstrained rows run long");
         }
-        // Unconstrained rows pipeline; steps with constrained rows do not.
         assert_eq!(alone.sched.stats().constraint_masks, 0);
         assert!(alone.sched.stats().pipelined_steps > 0);
     }
@@ -459,6 +474,7 @@ fn faults_and_rollbacks_with_constrained_rows_lose_nothing() {
             random: Some((9, 0.05)),
             fail_after_layer: 2,
             collect_fail_calls: vec![3, 4, 9],
+            sampling_fail_calls: vec![2, 5, 6, 12],
             ..Default::default()
         };
         let s: Vec<Spec> = specs.iter().map(|(_, s)| s.clone()).collect();
@@ -469,6 +485,7 @@ fn faults_and_rollbacks_with_constrained_rows_lose_nothing() {
         assert_eq!(st.failed_steps, 0);
         assert_same_streams(&clean, &faulty);
         assert_eq!(check_constrained(&faulty, &specs, &cases), 16);
+        assert_eq!(faulty.sched.model().stats().failed_samplings, 4);
         // Retried steps reused their masks: one per constrained pick, as without faults.
         assert_eq!(
             st.constraint_masks,

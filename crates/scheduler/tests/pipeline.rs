@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use weft_scheduler::fake::FakeFaults;
+use weft_scheduler::fake::{FakeConfig, FakeFaults};
 use weft_scheduler::{FaultPlan, FaultPoint, SamplingParams};
 
 /// Requests in waves, so long stretches decode steadily (the steps that pipeline):
@@ -188,22 +188,76 @@ fn random_faults_in_pipelined_runs_leave_streams_unchanged() {
     assert!(f.failed_collects >= 5 && f.failed_forwards >= 3, "{f:?}");
 }
 
-/// Penalties need the step's pick in the next step's counts: a batch with a penalized
-/// row does not pipeline, and its streams are still those of the plain loop.
-#[test]
-fn penalized_rows_keep_their_batch_one_step_at_a_time() {
-    let mut specs = calm(9);
+fn penalized(seed: u64) -> Vec<Spec> {
+    let mut specs = calm(seed);
     for s in specs.iter_mut() {
         s.req.sampling = SamplingParams {
             temperature: 0.9,
             repetition_penalty: 1.2,
+            frequency_penalty: 0.3,
             ..Default::default()
         };
         s.req.seed = Some(5);
     }
+    specs
+}
+
+/// Penalties need the step's pick in the next step's counts: a model that defers
+/// sampling gets the next step's forward queued at once and its sampling (the counts
+/// after the pick) once the step is read; the streams are those of the plain loop.
+#[test]
+fn penalized_rows_pipeline_with_their_sampling_deferred() {
+    let specs = penalized(9);
     let plain = run_plain(one_at_a_time(), &specs);
     let piped = run_plain(sched_config(), &specs);
     assert_clean(&piped);
     assert_same_streams(&plain, &piped);
-    assert_eq!(piped.sched.model().stats().max_staged, 1);
+    let f = piped.sched.model().stats();
+    assert_eq!(f.max_staged, 2, "{f:?}");
+    assert!(f.deferred * 2 > f.forwards, "{f:?}");
+    assert_eq!(f.sampling_calls, f.deferred);
+    assert!(piped.sched.stats().pipelined_steps > 100);
+}
+
+/// A model that cannot defer sampling runs a batch with a penalized row one step at a
+/// time, with the same streams.
+#[test]
+fn penalized_rows_keep_their_batch_one_step_at_a_time_without_deferred_sampling() {
+    let specs = penalized(9);
+    let plain = run_plain(one_at_a_time(), &specs);
+    let fake = FakeConfig {
+        defer_sampling: false,
+        ..fake_config()
+    };
+    let piped = run(
+        sched_config(),
+        fake,
+        FakeFaults::default(),
+        &specs,
+        |_, _, _| {},
+    );
+    assert_clean(&piped);
+    assert_same_streams(&plain, &piped);
+    let f = piped.sched.model().stats();
+    assert_eq!((f.max_staged, f.deferred), (1, 0), "{f:?}");
+}
+
+/// A deferred sampling that fails rolls back the step it belonged to (only that one:
+/// the step before it committed), and its rows run again with the same picks.
+#[test]
+fn a_failed_deferred_sampling_rolls_back_its_step_and_loses_nothing() {
+    let specs = penalized(10);
+    let clean = run_plain(one_at_a_time(), &specs);
+    let faults = FakeFaults {
+        sampling_fail_calls: vec![2, 3, 17, 50, 51, 52, 120],
+        ..Default::default()
+    };
+    let r = run(sched_config(), fake_config(), faults, &specs, |_, _, _| {});
+    assert_clean(&r);
+    assert_same_streams(&clean, &r);
+    let f = r.sched.model().stats();
+    assert_eq!(f.failed_samplings, 7, "{f:?}");
+    let st = r.sched.stats();
+    assert_eq!(st.failed_steps, 0);
+    assert!(st.rollbacks >= 7, "{} rollbacks", st.rollbacks);
 }
