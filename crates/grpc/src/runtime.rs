@@ -288,6 +288,38 @@ impl Model for MlxModel {
             .map_err(failed)
     }
 
+    /// Whatever pipelines defers sampling: penalized and constrained rows
+    /// pipeline too.
+    fn defers_sampling(&self) -> bool {
+        self.pipelines()
+    }
+
+    fn submit_unsampled(
+        &mut self,
+        ops: &[StorageOp],
+        batch: &[RowInput],
+    ) -> Result<(), ModelError> {
+        if self.sample_on != SampleOn::Device {
+            return Err(ModelError::Contract(
+                "pipelined steps need device sampling".into(),
+            ));
+        }
+        self.injected()?;
+        self.fill_steps(batch);
+        self.follows.clear();
+        self.follows.extend(batch.iter().map(|r| r.follows));
+        self.runner
+            .submit_unsampled(ops, &self.steps[..batch.len()], &self.follows)
+            .map_err(failed)
+    }
+
+    fn submit_sampling(&mut self, batch: &[RowInput]) -> Result<(), ModelError> {
+        let n = self.fill_sampling(batch);
+        self.runner
+            .submit_sampling(&self.sampling[..n])
+            .map_err(failed)
+    }
+
     fn collect(&mut self) -> Result<StepOutput, ModelError> {
         let out = self.runner.collect().map_err(failed)?;
         // The step's build, and the wait for its picks: what its evaluation did

@@ -89,6 +89,10 @@ struct Queued {
     rows: Vec<RowId>,
     counts: Vec<usize>,
     picks: Option<sampler::PendingPicks>,
+    /// Submitted by [`BatchRunner::submit_unsampled`] and not sampled yet: its
+    /// logits (None: no row wants any) wait for
+    /// [`BatchRunner::submit_sampling`].
+    unsampled: Option<Option<Array>>,
     /// Index in `picks.tokens` of each row's last pick (what a following step feeds).
     last: HashMap<RowId, usize>,
     build: std::time::Duration,
@@ -492,11 +496,66 @@ impl BatchRunner {
         sampling: &[SampleRow],
         follows: &[bool],
     ) -> Result<()> {
+        self.submit_step(ops, steps, Some(sampling), follows)
+    }
+
+    /// Queues a step like [`submit_sampled`](Self::submit_sampled) up to its
+    /// logits, without sampling them: [`submit_sampling`](Self::submit_sampling)
+    /// must follow before another step is submitted or this one collected. The
+    /// device computes the forward meanwhile, while the host works out how to
+    /// sample it (penalty counts or constraint masks that depend on the step
+    /// before, which it reads in between).
+    pub fn submit_unsampled(
+        &mut self,
+        ops: &[StorageOp],
+        steps: &[RowStep],
+        follows: &[bool],
+    ) -> Result<()> {
+        self.submit_step(ops, steps, None, follows)
+    }
+
+    /// Queues the sampling of the step [`submit_unsampled`](Self::submit_unsampled)
+    /// queued, as [`submit_sampled`](Self::submit_sampled) would have sampled it.
+    /// On error the step stays open, unsampled: roll it back.
+    pub fn submit_sampling(&mut self, sampling: &[SampleRow]) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        let q = self
+            .open
+            .back_mut()
+            .and_then(|o| o.queued.as_mut())
+            .filter(|q| q.unsampled.is_some())
+            .ok_or_else(|| ModelError::Invalid("sampling without an unsampled step".into()))?;
+        check_sampling(sampling, &q.rows, &q.counts)?;
+        let picks = match q.unsampled.as_ref().and_then(Option::as_ref) {
+            Some(l) => Some(sampler::sample(l, sampling)?),
+            None => None,
+        };
+        let pending: Vec<Array> = picks.iter().flat_map(|p| p.arrays()).collect();
+        let t1 = std::time::Instant::now();
+        mlx_rs::transforms::async_eval(pending.iter())?;
+        q.encode += t1.elapsed();
+        q.build += t0.elapsed();
+        q.picks = picks;
+        q.unsampled = None;
+        Ok(())
+    }
+
+    fn submit_step(
+        &mut self,
+        ops: &[StorageOp],
+        steps: &[RowStep],
+        sampling: Option<&[SampleRow]>,
+        follows: &[bool],
+    ) -> Result<()> {
         let t0 = std::time::Instant::now();
         let refused = if self.open.len() >= 2 {
             Some("a third step submitted")
-        } else if self.open.back().is_some_and(|o| o.queued.is_none()) {
-            Some("submit after a step that is already read but not committed")
+        } else if self
+            .open
+            .back()
+            .is_some_and(|o| o.queued.as_ref().is_none_or(|q| q.unsampled.is_some()))
+        {
+            Some("submit after a step that is already read but not committed, or not sampled yet")
         } else {
             None
         };
@@ -529,12 +588,17 @@ impl BatchRunner {
             let f = follow
                 .as_ref()
                 .map(|(tokens, last, rows)| Follow { tokens, last, rows });
-            self.sampled_graph(ops, steps, sampling, f)
+            match sampling {
+                Some(sampling) => self.sampled_graph(ops, steps, sampling, f),
+                None => self.forward_wanted(ops, steps, f).map(|w| (w, None)),
+            }
         };
         self.open.push_back(OpenStep { queued: None });
-        let (w, picks) = built?;
+        let (mut w, picks) = built?;
+        let unsampled = sampling.is_none().then(|| w.logits.take());
         let mut pending = w.pending;
         pending.extend(picks.iter().flat_map(|p| p.arrays()));
+        pending.extend(unsampled.iter().flatten().cloned());
         self.record_census(&pending)?;
         let t1 = std::time::Instant::now();
         mlx_rs::transforms::async_eval(pending.iter())?;
@@ -550,6 +614,7 @@ impl BatchRunner {
                 rows: w.rows,
                 counts: w.counts,
                 picks,
+                unsampled,
                 last,
                 build: t0.elapsed(),
                 encode,
@@ -564,8 +629,10 @@ impl BatchRunner {
         let q = self
             .open
             .iter_mut()
-            .find_map(|o| o.queued.take())
-            .ok_or_else(|| ModelError::Invalid("collect without a submitted step".into()))?;
+            .find_map(|o| o.queued.take_if(|q| q.unsampled.is_none()))
+            .ok_or_else(|| {
+                ModelError::Invalid("collect without a submitted, sampled step".into())
+            })?;
         let t1 = std::time::Instant::now();
         let picked = match q.picks {
             Some(p) => {
@@ -595,18 +662,7 @@ impl BatchRunner {
         follow: Option<Follow<'_>>,
     ) -> Result<(Wanted, Option<sampler::PendingPicks>)> {
         let w = self.forward_wanted(ops, steps, follow)?;
-        if sampling.len() != w.rows.len()
-            || sampling
-                .iter()
-                .zip(&w.counts)
-                .any(|(s, &n)| s.uniforms.len() != n)
-        {
-            return Err(ModelError::Invalid(format!(
-                "sampling for {} rows, {} rows want logits",
-                sampling.len(),
-                w.rows.len()
-            )));
-        }
+        check_sampling(sampling, &w.rows, &w.counts)?;
         let picks = match &w.logits {
             Some(l) => Some(sampler::sample(l, sampling)?),
             None => None,
@@ -959,6 +1015,24 @@ impl BatchRunner {
     pub fn rollback(&mut self) {
         self.open.pop_back();
     }
+}
+
+/// Whether `sampling` covers a step whose `rows` want logits at `counts`
+/// positions each.
+fn check_sampling(sampling: &[SampleRow], rows: &[RowId], counts: &[usize]) -> Result<()> {
+    if sampling.len() != rows.len()
+        || sampling
+            .iter()
+            .zip(counts)
+            .any(|(s, &n)| s.uniforms.len() != n)
+    {
+        return Err(ModelError::Invalid(format!(
+            "sampling for {} rows, {} rows want logits",
+            sampling.len(),
+            rows.len()
+        )));
+    }
+    Ok(())
 }
 
 /// `WEFT_COMPILE` (`off` or `0` turns compiled decode steps off; anything

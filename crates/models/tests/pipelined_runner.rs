@@ -43,6 +43,38 @@ struct Driver {
     seqs: Vec<Option<SeqId>>,
     /// Generated tokens per row.
     out: Vec<Vec<u32>>,
+    /// Sample with penalties over each row's output so far and a mask that
+    /// bans its last pick (parameters that depend on the step before), and
+    /// submit pipelined steps unsampled, their sampling once that step is read.
+    deferred: bool,
+    /// The rows of the step submitted unsampled whose sampling is due.
+    unsampled: Option<Vec<RowStep>>,
+}
+
+/// A row's sampling parameters from its output so far: a temperature draw
+/// (a fixed function of row and position) under repetition and frequency
+/// penalties over what it generated, with its last pick banned.
+fn stateful(row: usize, out: &[u32], vocab: usize) -> SampleRow {
+    let mut seen: Vec<(u32, u32)> = Vec::new();
+    for &t in out {
+        match seen.iter_mut().find(|(id, _)| *id == t) {
+            Some((_, n)) => *n += 1,
+            None => seen.push((t, 1)),
+        }
+    }
+    let mut words = vec![u32::MAX; vocab.div_ceil(32)];
+    if let Some(&t) = out.last() {
+        words[t as usize / 32] &= !(1 << (t % 32));
+    }
+    SampleRow {
+        temperature: 0.8,
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.4,
+        seen,
+        uniforms: vec![((row * 7919 + out.len() * 104_729) % 1000) as f64 / 1000.0],
+        allowed: Some(words.into()),
+        ..SampleRow::default()
+    }
 }
 
 impl Driver {
@@ -54,6 +86,33 @@ impl Driver {
             pool,
             seqs: vec![None; n],
             out: vec![Vec::new(); n],
+            deferred: false,
+            unsampled: None,
+        }
+    }
+
+    fn deferred(mut self) -> Self {
+        self.deferred = true;
+        self
+    }
+
+    /// Sampling parameters of `steps` from the rows' output now.
+    fn sampling(&self, steps: &[RowStep]) -> Vec<SampleRow> {
+        if !self.deferred {
+            return vec![SampleRow::default(); steps.len()];
+        }
+        let vocab = self.runner.model().config.vocab_size as usize;
+        steps
+            .iter()
+            .map(|s| stateful(s.row as usize, &self.out[s.row as usize], vocab))
+            .collect()
+    }
+
+    /// Queues the sampling of the step submitted unsampled, if any.
+    fn sample_pending(&mut self) {
+        if let Some(steps) = self.unsampled.take() {
+            let sampling = self.sampling(&steps);
+            self.runner.submit_sampling(&sampling).unwrap();
         }
     }
 
@@ -107,13 +166,25 @@ impl Driver {
         (steps, follows, holes)
     }
 
+    /// Deferred, a step that follows another is sampled once that one is read
+    /// (`settle`); one that does not, at once.
     fn submit(&mut self, s: usize, follow: bool) -> Vec<(usize, usize)> {
         let (steps, follows, holes) = self.open(s, follow);
-        let greedy = vec![SampleRow::default(); steps.len()];
         let ops = self.pool.step_ops().to_vec();
-        self.runner
-            .submit_sampled(&ops, &steps, &greedy, &follows)
-            .unwrap();
+        if self.deferred {
+            self.runner
+                .submit_unsampled(&ops, &steps, &follows)
+                .unwrap();
+            self.unsampled = Some(steps);
+            if !follow {
+                self.sample_pending();
+            }
+        } else {
+            let greedy = self.sampling(&steps);
+            self.runner
+                .submit_sampled(&ops, &steps, &greedy, &follows)
+                .unwrap();
+        }
         holes
     }
 
@@ -131,9 +202,12 @@ impl Driver {
                 .set_tokens(self.seqs[i].unwrap(), pos, &[t])
                 .unwrap();
         }
+        self.sample_pending();
     }
 
     fn undo_newest(&mut self) {
+        // The newest step is the unsampled one, if one is.
+        self.unsampled = None;
         self.runner.rollback();
         self.pool.rollback_after_writes().unwrap();
         // A row the undone step created is gone again.
@@ -148,7 +222,7 @@ impl Driver {
     fn plain(&mut self) -> Vec<Vec<u32>> {
         for s in 0..STEPS {
             let (steps, _, _) = self.open(s, false);
-            let greedy = vec![SampleRow::default(); steps.len()];
+            let greedy = self.sampling(&steps);
             let ops = self.pool.step_ops().to_vec();
             let picks = self.runner.forward_sampled(&ops, &steps, &greedy).unwrap();
             self.runner.commit().unwrap();
@@ -221,6 +295,35 @@ fn pipelined_steps_pick_exactly_what_one_step_at_a_time_picks() {
     }
 }
 
+/// Steps submitted unsampled and sampled once the step before is read (as the
+/// engine does for penalized and constrained rows, whose parameters depend on
+/// that step's picks) pick exactly what one step at a time picks with the same
+/// parameters, also through rollbacks of the queued step and of both; compiled
+/// too.
+#[test]
+fn deferred_sampling_picks_exactly_what_one_step_at_a_time_picks() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let want = Driver::new(runner(load_f32(&md, false), 128))
+        .deferred()
+        .plain();
+    // Not what greedy picks: the parameters matter.
+    let greedy = Driver::new(runner(load_f32(&md, false), 128)).plain();
+    assert_ne!(want, greedy);
+    for t in &want {
+        assert!(t.windows(2).all(|w| w[0] != w[1]), "a banned pick: {t:?}");
+    }
+    for compiled in [false, true] {
+        for fault in [Fault::None, Fault::DropQueued(6), Fault::DropBoth(9)] {
+            let mut r = runner(load_f32(&md, false), 128);
+            r.set_compiled_decode(compiled).unwrap();
+            let got = Driver::new(r).deferred().pipelined(fault);
+            assert_eq!(got, want, "compiled {compiled}, {fault:?}");
+        }
+    }
+}
+
 /// Compiled decode steps (the forward traced once per (rows, table width)
 /// bucket and replayed, every per-step value an array input) pick exactly
 /// what op-by-op steps pick: one step at a time, pipelined, and through
@@ -279,6 +382,21 @@ fn pipelined_contract_violations_are_refused() {
         .submit_sampled(&ops, &steps, &greedy, &all)
         .is_err());
     d.runner.rollback();
+    d.runner.collect().unwrap();
+    d.runner.commit().unwrap();
+    // An unsampled step: neither collected nor followed nor committed before
+    // its sampling; sampling it twice, or with rows missing, is refused.
+    d.runner.submit_unsampled(&ops, &steps, &[]).unwrap();
+    assert!(d.runner.collect().is_err(), "collected an unsampled step");
+    assert!(d.runner.commit().is_err(), "committed an unsampled step");
+    assert!(d
+        .runner
+        .submit_sampled(&ops, &steps, &greedy, &all)
+        .is_err());
+    d.runner.rollback();
+    assert!(d.runner.submit_sampling(&greedy[1..]).is_err());
+    d.runner.submit_sampling(&greedy).unwrap();
+    assert!(d.runner.submit_sampling(&greedy).is_err(), "sampled twice");
     d.runner.collect().unwrap();
     d.runner.commit().unwrap();
     d.pool.commit().unwrap();
