@@ -141,8 +141,10 @@ pub struct SchedulerConfig {
     /// Pipeline steady decoding with models that can ([`crate::Model::pipelines`]):
     /// while the device computes a step, the next one is planned and queued with
     /// the first's picks as its inputs. Steps that admit, preempt, prefill part of a
-    /// prompt, carry penalized rows or could carry drafts (`speculate`, while the batch
-    /// is below `speculate_step_tokens` rows) run one at a time either way.
+    /// prompt or could carry drafts (`speculate`, while the batch is below
+    /// `speculate_step_tokens` rows) run one at a time either way; so do steps with
+    /// penalized or constrained rows unless the model defers sampling
+    /// ([`crate::Model::defers_sampling`]).
     pub pipeline: bool,
     /// Test-only: after every rolled-back attempt, compare a fingerprint of the whole
     /// scheduler state with the pre-step one and count mismatches in `Stats`.
