@@ -80,49 +80,96 @@ impl LlamaParams {
                 "general.architecture = {arch:?}; only \"llama\" and \"gemma3\" are supported"
             )));
         }
-        let k = |s: &str| format!("llama.{s}");
-        let hidden_size = positive(
-            &k("embedding_length"),
-            usize_key(g, &k("embedding_length"))?,
-        )?;
-        let num_hidden_layers = positive(&k("block_count"), usize_key(g, &k("block_count"))?)?;
-        let intermediate_size = positive(
-            &k("feed_forward_length"),
-            usize_key(g, &k("feed_forward_length"))?,
-        )?;
-        let heads_key = k("attention.head_count");
-        let num_attention_heads = positive(&heads_key, usize_key(g, &heads_key)?)?;
-        let kv_key = k("attention.head_count_kv");
-        let num_key_value_heads = match g.get(&kv_key) {
-            None => num_attention_heads,
-            Some(_) => positive(&kv_key, usize_key(g, &kv_key)?)?,
+        let c = ShapeParams::from_gguf(g, "llama")?;
+        let scaling_key = "llama.rope.scaling.type";
+        if let Some(t) = g.get_str_opt(scaling_key)? {
+            if t != "none" {
+                return Err(GgufError::Unsupported(format!(
+                    "{scaling_key} = {t:?} (RoPE scaling)"
+                )));
+            }
+        }
+        Ok(LlamaParams {
+            hidden_size: c.hidden_size,
+            num_hidden_layers: c.num_hidden_layers,
+            intermediate_size: c.intermediate_size,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta: c.rope_theta,
+            max_position_embeddings: c.max_position_embeddings,
+        })
+    }
+}
+
+/// The transformer shape every supported architecture stores the same way under
+/// its `{arch}.` metadata prefix, read and checked once for all of them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ShapeParams {
+    /// `embedding_length`
+    pub hidden_size: usize,
+    /// `block_count`
+    pub num_hidden_layers: usize,
+    /// `feed_forward_length`
+    pub intermediate_size: usize,
+    /// `attention.head_count`
+    pub num_attention_heads: usize,
+    /// `attention.head_count_kv` (defaults to the head count; divides it)
+    pub num_key_value_heads: usize,
+    /// `attention.key_length`, or hidden size / heads; even, and equal to
+    /// `attention.value_length` and `rope.dimension_count` where given
+    pub head_dim: usize,
+    /// `attention.layer_norm_rms_epsilon`
+    pub rms_norm_eps: f64,
+    /// `rope.freq_base` (defaults to 10000)
+    pub rope_theta: f64,
+    /// `context_length`
+    pub max_position_embeddings: usize,
+}
+
+impl ShapeParams {
+    pub(crate) fn from_gguf(g: &GgufFile, arch: &str) -> Result<Self> {
+        let k = |s: &str| format!("{arch}.{s}");
+        let req = |s: &str| -> Result<usize> { positive(&k(s), usize_key(g, &k(s))?) };
+        let opt = |s: &str| -> Result<Option<usize>> {
+            match g.get(&k(s)) {
+                None => Ok(None),
+                Some(_) => Ok(Some(positive(&k(s), usize_key(g, &k(s))?)?)),
+            }
         };
+        let hidden_size = req("embedding_length")?;
+        let num_hidden_layers = req("block_count")?;
+        let intermediate_size = req("feed_forward_length")?;
+        let num_attention_heads = req("attention.head_count")?;
+        let num_key_value_heads = opt("attention.head_count_kv")?.unwrap_or(num_attention_heads);
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(GgufError::WrongType {
-                key: kv_key,
+                key: k("attention.head_count_kv"),
                 expected: format!("a divisor of the head count {num_attention_heads}"),
                 found: num_key_value_heads.to_string(),
             });
         }
-        let key_len_key = k("attention.key_length");
-        let head_dim = match g.get(&key_len_key) {
-            Some(_) => positive(&key_len_key, usize_key(g, &key_len_key)?)?,
+        let head_dim = match opt("attention.key_length")? {
+            Some(v) => v,
+            None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
             None => {
-                if hidden_size % num_attention_heads != 0 {
-                    return Err(GgufError::WrongType {
-                        key: heads_key,
-                        expected: format!("a divisor of the embedding length {hidden_size}"),
-                        found: num_attention_heads.to_string(),
-                    });
-                }
-                hidden_size / num_attention_heads
+                return Err(GgufError::WrongType {
+                    key: k("attention.head_count"),
+                    expected: format!(
+                        "a divisor of the embedding length {hidden_size} (no {} is given)",
+                        k("attention.key_length")
+                    ),
+                    found: num_attention_heads.to_string(),
+                })
             }
         };
-        for other in [k("attention.value_length"), k("rope.dimension_count")] {
-            if g.get(&other).is_some() && usize_key(g, &other)? != head_dim {
+        for other in ["attention.value_length", "rope.dimension_count"] {
+            if g.get(&k(other)).is_some() && usize_key(g, &k(other))? != head_dim {
                 return Err(GgufError::Unsupported(format!(
-                    "{other} = {} differs from the head dimension {head_dim}",
-                    usize_key(g, &other)?
+                    "{} = {} differs from the head dimension {head_dim}",
+                    k(other),
+                    usize_key(g, &k(other))?
                 )));
             }
         }
@@ -131,23 +178,12 @@ impl LlamaParams {
                 "odd head dimension {head_dim}"
             )));
         }
-        let scaling_key = k("rope.scaling.type");
-        if let Some(t) = g.get_str_opt(&scaling_key)? {
-            if t != "none" {
-                return Err(GgufError::Unsupported(format!(
-                    "{scaling_key} = {t:?} (RoPE scaling)"
-                )));
-            }
-        }
-        let eps_key = k("attention.layer_norm_rms_epsilon");
-        let rms_norm_eps = clean_f32(g.get_f64(&eps_key)?);
-        let theta_key = k("rope.freq_base");
-        let rope_theta = match g.get(&theta_key) {
+        let rms_norm_eps = clean_f32(g.get_f64(&k("attention.layer_norm_rms_epsilon"))?);
+        let rope_theta = match g.get(&k("rope.freq_base")) {
             None => 10000.0,
-            Some(_) => clean_f32(g.get_f64(&theta_key)?),
+            Some(_) => clean_f32(g.get_f64(&k("rope.freq_base"))?),
         };
-        let max_position_embeddings = usize_key(g, &k("context_length"))?;
-        Ok(LlamaParams {
+        Ok(Self {
             hidden_size,
             num_hidden_layers,
             intermediate_size,
@@ -156,7 +192,7 @@ impl LlamaParams {
             head_dim,
             rms_norm_eps,
             rope_theta,
-            max_position_embeddings,
+            max_position_embeddings: usize_key(g, &k("context_length"))?,
         })
     }
 }

@@ -56,7 +56,7 @@ use half::bf16;
 use safetensors::Dtype;
 use serde_json::{json, Map, Value};
 
-use crate::convert::{clean_f32, positive, usize_key, OwnedTensor, WEIGHTS_FILE};
+use crate::convert::{clean_f32, usize_key, OwnedTensor, ShapeParams, WEIGHTS_FILE};
 use crate::error::GgufError;
 use crate::quant::{can_dequantize, dequantize_into, DEQUANTIZABLE};
 use crate::reader::{GgufFile, TensorInfo};
@@ -116,59 +116,19 @@ impl Gemma3Params {
             )));
         }
         let k = |s: &str| format!("gemma3.{s}");
-        let req = |s: &str| -> Result<usize> { positive(&k(s), usize_key(g, &k(s))?) };
         let opt = |s: &str| -> Result<Option<usize>> {
             match g.get(&k(s)) {
                 None => Ok(None),
                 Some(_) => Ok(Some(usize_key(g, &k(s))?)),
             }
         };
-        let hidden_size = req("embedding_length")?;
-        let num_hidden_layers = req("block_count")?;
-        let intermediate_size = req("feed_forward_length")?;
-        let num_attention_heads = req("attention.head_count")?;
-        let kv_key = k("attention.head_count_kv");
-        let num_key_value_heads = match opt("attention.head_count_kv")? {
-            None => num_attention_heads,
-            Some(v) => positive(&kv_key, v)?,
-        };
-        if num_attention_heads % num_key_value_heads != 0 {
-            return Err(GgufError::WrongType {
-                key: kv_key,
-                expected: format!("a divisor of the head count {num_attention_heads}"),
-                found: num_key_value_heads.to_string(),
-            });
-        }
-        let head_dim = match opt("attention.key_length")? {
-            Some(v) => positive(&k("attention.key_length"), v)?,
-            None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
-            None => {
-                return Err(GgufError::MissingKey {
-                    key: k("attention.key_length"),
-                })
-            }
-        };
-        if let Some(v) = opt("attention.value_length")? {
-            if v != head_dim {
-                return Err(GgufError::Unsupported(format!(
-                    "{} = {v} differs from the key length {head_dim}",
-                    k("attention.value_length")
-                )));
-            }
-        }
-        if head_dim % 2 != 0 {
-            return Err(GgufError::Unsupported(format!(
-                "odd head dimension {head_dim}"
-            )));
-        }
-        let rms_norm_eps = clean_f32(g.get_f64(&k("attention.layer_norm_rms_epsilon"))?);
+        let c = ShapeParams::from_gguf(g, "gemma3")?;
         let float_or = |s: &str, default: f64| -> Result<f64> {
             match g.get(&k(s)) {
                 None => Ok(default),
                 Some(_) => Ok(clean_f32(g.get_f64(&k(s))?)),
             }
         };
-        let rope_theta = float_or("rope.freq_base", 10000.0)?;
         let rope_local_base_freq = float_or("rope.freq_base_swa", LOCAL_ROPE_BASE)?;
         let rope_linear_factor = match g.get_str_opt(&k("rope.scaling.type"))? {
             None | Some("none") => None,
@@ -191,10 +151,10 @@ impl Gemma3Params {
             }
         };
         let sliding_window = opt("attention.sliding_window")?.filter(|&w| w > 0);
-        let query_pre_attn_scalar = if num_hidden_layers == 62 {
-            hidden_size / num_attention_heads
+        let query_pre_attn_scalar = if c.num_hidden_layers == 62 {
+            c.hidden_size / c.num_attention_heads
         } else {
-            head_dim
+            c.head_dim
         };
         let final_logit_softcapping = match g.get(&k("final_logit_softcapping")) {
             None => None,
@@ -202,22 +162,21 @@ impl Gemma3Params {
                 Some(clean_f32(g.get_f64(&k("final_logit_softcapping"))?)).filter(|&c| c > 0.0)
             }
         };
-        let max_position_embeddings = usize_key(g, &k("context_length"))?;
         Ok(Gemma3Params {
-            hidden_size,
-            num_hidden_layers,
-            intermediate_size,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            rms_norm_eps,
-            rope_theta,
+            hidden_size: c.hidden_size,
+            num_hidden_layers: c.num_hidden_layers,
+            intermediate_size: c.intermediate_size,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta: c.rope_theta,
             rope_local_base_freq,
             rope_linear_factor,
             sliding_window,
             query_pre_attn_scalar,
             final_logit_softcapping,
-            max_position_embeddings,
+            max_position_embeddings: c.max_position_embeddings,
         })
     }
 
