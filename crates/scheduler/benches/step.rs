@@ -76,6 +76,8 @@ fn setup(
         sliding_blocks: None,
         verify_kv: false,
         step_cost: None,
+        // `Timed` forwards one step at a time.
+        defer_sampling: false,
     };
     let cfg = SchedulerConfig {
         max_batch_rows: rows,
