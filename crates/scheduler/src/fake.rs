@@ -77,7 +77,7 @@ pub struct FakeConfig {
 
 /// Seconds a fake forward "takes": `base + per_decode_row * rows feeding one token +
 /// per_prefill_token * other tokens + per_attention * sum n * (start + n / 2)` over
-/// the rows feeding more than one.
+/// the rows feeding more than one, `+ per_mixed_step` if there is any such row.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FakeStepCost {
     pub base: f64,
@@ -90,6 +90,9 @@ pub struct FakeStepCost {
     /// Decoding rows and prefill run side by side (a CPU's two lanes): a step costs
     /// `base` plus the larger of its decode and its prefill parts, not their sum.
     pub overlap: bool,
+    /// Added to a step with any row feeding more than one token (a GPU runs plain
+    /// decode steps compiled, the others op by op).
+    pub per_mixed_step: f64,
 }
 
 impl FakeStepCost {
@@ -104,10 +107,15 @@ impl FakeStepCost {
                     + self.per_attention * n as f64 * (r.start_pos as f64 + n as f64 / 2.0);
             }
         }
-        if self.overlap {
-            self.base + f64::max(decode, prefill)
+        let mixed = if batch.iter().any(|r| r.tokens.len() > 1) {
+            self.per_mixed_step
         } else {
-            self.base + decode + prefill
+            0.0
+        };
+        if self.overlap {
+            self.base + mixed + f64::max(decode, prefill)
+        } else {
+            self.base + mixed + decode + prefill
         }
     }
 }

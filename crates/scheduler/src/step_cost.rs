@@ -5,9 +5,11 @@
 //!
 //! The shape's features are what a forward's time grows with: a constant (launch and
 //! host overhead), decoding rows, their summed context (decode attention reads it),
-//! prefill tokens, and the prefill's attention work `sum n * (start + n / 2)` over its
+//! prefill tokens, the prefill's attention work `sum n * (start + n / 2)` over its
 //! chunks (each of a chunk's `n` queries attends its `start` earlier tokens and half
-//! the chunk on average). The scheduler uses it to size the prefill of a step that
+//! the chunk on average), and whether the step prefills at all: the fixed cost of a
+//! step that is not a plain decode step (on a GPU plain decode steps run compiled and
+//! the others op by op, ~13 ms more per step at the 1.2B shape on an H200). The scheduler uses it to size the prefill of a step that
 //! also decodes rows so the step stays within an inter-token latency target
 //! (`SchedulerConfig::itl_target`): a long prompt then advances in chunks that keep
 //! the decoding streams' token gaps near the target instead of stalling them for the
@@ -46,11 +48,12 @@ impl StepShape {
             self.decode_context as f64 / 65536.0,
             self.prefill_tokens as f64 / 512.0,
             self.prefill_attention / (512.0 * 2048.0),
+            if self.prefill_tokens > 0 { 1.0 } else { 0.0 },
         ]
     }
 }
 
-const K: usize = 5;
+const K: usize = 6;
 /// Recent steps weigh more: an observation's weight halves after ~70 steps.
 const FORGET: f64 = 0.99;
 /// Steps observed before predictions are used.
@@ -144,10 +147,22 @@ impl StepCost {
         )
     }
 
+    /// The fixed seconds a step pays for prefilling at all, on top of the same rows
+    /// decoding alone (None until predicted).
+    pub fn prefill_overhead(&self) -> Option<f64> {
+        self.predict(&StepShape::default())?;
+        Some(self.theta[K - 1].max(0.0))
+    }
+
     /// The most prefill tokens (up to `max`) a chunk starting after `start` committed
     /// tokens may add to `base` (the step's other rows) with the step predicted within
     /// `target` seconds; at least `min` (prompts always advance), and `max` when
-    /// nothing is predicted yet.
+    /// nothing is predicted yet. Never fewer than the chunk whose tokens cost as much
+    /// as the step's [`prefill_overhead`](Self::prefill_overhead) (all of the step's
+    /// chunks together, beside its decoding rows): a smaller one would
+    /// spend most of its step on that overhead (a target tighter than the overhead
+    /// allows then yields; otherwise each prompt would advance by `min` tokens per
+    /// overhead-dominated step, the slowest way through it).
     pub fn prefill_within(
         &self,
         base: &StepShape,
@@ -156,28 +171,44 @@ impl StepCost {
         max: usize,
         target: f64,
     ) -> usize {
-        let fits = |n: usize| {
+        let cost = |n: usize| {
             let mut s = *base;
             if n > 0 {
                 s.prefill_tokens += n;
                 s.prefill_attention += n as f64 * (start as f64 + n as f64 / 2.0);
             }
-            self.predict(&s).is_none_or(|t| t <= target)
+            self.predict(&s)
         };
-        if fits(max) {
-            return max;
-        }
-        // The prediction grows with n: the largest n that fits, by bisection.
-        let (mut lo, mut hi) = (0usize, max);
-        while lo + 1 < hi {
-            let mid = lo + (hi - lo) / 2;
-            if fits(mid) {
-                lo = mid;
-            } else {
-                hi = mid;
+        // The prediction grows with n: the largest n within `limit`, by bisection.
+        let largest_within = |limit: f64| {
+            let fits = |n: usize| cost(n).is_none_or(|t| t <= limit);
+            if fits(max) {
+                return max;
             }
-        }
-        lo.max(min.min(max))
+            let (mut lo, mut hi) = (0usize, max);
+            while lo + 1 < hi {
+                let mid = lo + (hi - lo) / 2;
+                if fits(mid) {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            lo
+        };
+        let fit = largest_within(target);
+        // Against the step's decoding rows alone: the step's chunks together (a
+        // second prompt's chunk sees the first's in `base`) get one overhead's worth.
+        let decoding = StepShape {
+            decode_rows: base.decode_rows,
+            decode_context: base.decode_context,
+            ..StepShape::default()
+        };
+        let amortized = match (self.predict(&decoding), self.prefill_overhead()) {
+            (Some(alone), Some(f)) if f > 0.0 => largest_within(alone + 2.0 * f),
+            _ => 0,
+        };
+        fit.max(amortized).max(min.min(max))
     }
 }
 

@@ -22,6 +22,7 @@ const COST: FakeStepCost = FakeStepCost {
     per_attention: 2e-8,
     jitter: 0.0,
     overlap: false,
+    per_mixed_step: 0.0,
 };
 const TARGET: Duration = Duration::from_millis(60);
 
@@ -305,4 +306,74 @@ fn the_auto_target_follows_the_decode_step_cost() {
         );
         assert!(p99(&mixed_steps(&plain)) > 2.0 * want);
     }
+}
+
+/// A GPU's steps: a plain decode step runs compiled (4 ms beside 16 rows), a step with
+/// any prefill op by op (13 ms more), prefill tokens cheap (30 us each). Under the
+/// auto target (3x the decode step, ~13 ms) no chunk fits at all; a wave of short
+/// prompts must still go in chunks that amortize the fixed cost — several prompts per
+/// step — not one block per overhead-dominated step, and every mixed step stays
+/// within the decoding step plus three overheads' worth.
+#[test]
+fn chunks_amortize_the_fixed_cost_of_a_mixed_step() {
+    let cost = FakeStepCost {
+        base: 4e-3,
+        per_decode_row: 2e-5,
+        per_prefill_token: 3e-5,
+        per_attention: 1e-10,
+        jitter: 0.0,
+        overlap: false,
+        per_mixed_step: 13e-3,
+    };
+    let mut g = rng(23);
+    let mut specs: Vec<Spec> = (0..16)
+        .map(|i| Spec::at(0, Request::new("decode", prompt(&mut g, 24 + i), 400)))
+        .collect();
+    for i in 0..48 {
+        specs.push(Spec::at(
+            30 + i / 8,
+            Request::new("wave", prompt(&mut g, 128), 8),
+        ));
+    }
+    let fake = FakeConfig {
+        step_cost: Some(cost),
+        ..fake()
+    };
+    let mut cfg = config(None);
+    cfg.max_batch_rows = 64;
+    cfg.itl_target = ItlTarget::Auto {
+        factor: 3.0,
+        min: Duration::from_millis(5),
+    };
+    let r = run(cfg, fake, FakeFaults::default(), &specs, |_, _, _| {});
+    assert_clean(&r);
+    assert!(r.outcomes.iter().all(|o| o.finished.is_some()));
+    let steps = r.sched.model().step_costs();
+    let mixed: Vec<&(usize, usize, f64)> = steps
+        .iter()
+        .filter(|&&(decode, other, _)| decode > 0 && other > 0)
+        .collect();
+    let tokens: usize = mixed.iter().map(|c| c.1).sum();
+    assert!(
+        tokens >= 16 * 128,
+        "{tokens} prefill tokens beside decoding rows"
+    );
+    // ~430 tokens (an overhead's worth) per step once the cost is learned, not 16.
+    let per_step = tokens / mixed.len();
+    let total: f64 = steps.iter().map(|c| c.2).sum();
+    eprintln!(
+        "{} mixed steps, {per_step} prefill tokens each, {total:.2} simulated s in all",
+        mixed.len()
+    );
+    assert!(
+        per_step >= 256,
+        "{per_step} prefill tokens per mixed step over {} steps",
+        mixed.len()
+    );
+    let alone = cost.base + 64.0 * cost.per_decode_row;
+    let worst = mixed.iter().skip(4).fold(0f64, |m, c| m.max(c.2));
+    assert!(
+        worst <= alone + 3.0 * cost.per_mixed_step,
+        "worst mixed step {worst:.4} s"
+    );
 }
