@@ -3,7 +3,7 @@ cold server): mx.fast.scaled_dot_product_attention against attention composed
 of matmul + softmax, for the ragged/chunked prefill shapes a server meets
 (rows B, query tokens T, keys L; 32 query heads over 4 KV heads, head 64, bf16).
 
-    bash .gpu/b/env.sh python3 benches/attention_first_call.py
+    bash .gpu/b/env.sh python3 benches/attention_first_call.py   (or STEPS=firstcall of benches/gpu_decode.sh)
 
 (Written 2026-12-03 after the cold-server run of benches/RESULTS.md; not run yet.)
 """

@@ -25,6 +25,7 @@
 #           gemv: benches/gemv_probe.py (MLX's few-row matmuls vs Weft's GEMV kernels) at GEMV_ROWS;
 #           GEMV_SWEEP="0 8": the engine again with WEFT_GEMV_MAX_ROWS at each value (0 = off);
 #           constrained: benches/constrained.sh on the 1.2B model (C_STREAMS, default 32);
+#           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated)
@@ -148,6 +149,10 @@ for r in ${QMM_SWEEP:-}; do
   WEFT_QMM_MAX_ROWS=$r python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
     --streams ${Q_STREAMS:-1,2,4,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 done
+if [[ $S == *firstcall* ]]; then
+  echo "== first call per prefill attention shape: SDPA vs matmul + softmax (benches/attention_first_call.py)" | tee -a $R
+  python3 benches/attention_first_call.py 2>&1 | tee -a $R
+fi
 if [[ $S == *constrained* ]]; then
   echo "== constrained output: 32 streams, half JSON-schema constrained vs none (benches/constrained.sh)" | tee -a $R
   WEFT=/root/weft MODEL=$M STREAMS=${C_STREAMS:-32} bash benches/constrained.sh 2>&1 | tee -a $R
