@@ -80,7 +80,7 @@ impl LlamaParams {
                 "general.architecture = {arch:?}; only \"llama\" and \"gemma3\" are supported"
             )));
         }
-        let c = ShapeParams::from_gguf(g, "llama")?;
+        let shape = read_shape(g, "llama")?;
         let scaling_key = "llama.rope.scaling.type";
         if let Some(t) = g.get_str_opt(scaling_key)? {
             if t != "none" {
@@ -89,112 +89,81 @@ impl LlamaParams {
                 )));
             }
         }
-        Ok(LlamaParams {
-            hidden_size: c.hidden_size,
-            num_hidden_layers: c.num_hidden_layers,
-            intermediate_size: c.intermediate_size,
-            num_attention_heads: c.num_attention_heads,
-            num_key_value_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-            rms_norm_eps: c.rms_norm_eps,
-            rope_theta: c.rope_theta,
-            max_position_embeddings: c.max_position_embeddings,
-        })
+        Ok(shape)
     }
 }
 
-/// The transformer shape every supported architecture stores the same way under
-/// its `{arch}.` metadata prefix, read and checked once for all of them.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct ShapeParams {
-    /// `embedding_length`
-    pub hidden_size: usize,
-    /// `block_count`
-    pub num_hidden_layers: usize,
-    /// `feed_forward_length`
-    pub intermediate_size: usize,
-    /// `attention.head_count`
-    pub num_attention_heads: usize,
-    /// `attention.head_count_kv` (defaults to the head count; divides it)
-    pub num_key_value_heads: usize,
-    /// `attention.key_length`, or hidden size / heads; even, and equal to
-    /// `attention.value_length` and `rope.dimension_count` where given
-    pub head_dim: usize,
-    /// `attention.layer_norm_rms_epsilon`
-    pub rms_norm_eps: f64,
-    /// `rope.freq_base` (defaults to 10000)
-    pub rope_theta: f64,
-    /// `context_length`
-    pub max_position_embeddings: usize,
-}
-
-impl ShapeParams {
-    pub(crate) fn from_gguf(g: &GgufFile, arch: &str) -> Result<Self> {
-        let k = |s: &str| format!("{arch}.{s}");
-        let req = |s: &str| -> Result<usize> { positive(&k(s), usize_key(g, &k(s))?) };
-        let opt = |s: &str| -> Result<Option<usize>> {
-            match g.get(&k(s)) {
-                None => Ok(None),
-                Some(_) => Ok(Some(positive(&k(s), usize_key(g, &k(s))?)?)),
-            }
-        };
-        let hidden_size = req("embedding_length")?;
-        let num_hidden_layers = req("block_count")?;
-        let intermediate_size = req("feed_forward_length")?;
-        let num_attention_heads = req("attention.head_count")?;
-        let num_key_value_heads = opt("attention.head_count_kv")?.unwrap_or(num_attention_heads);
-        if num_attention_heads % num_key_value_heads != 0 {
+/// The transformer shape every supported architecture stores the same way under its
+/// `{arch}.` metadata prefix (a llama's whole set of hyper-parameters; Gemma 3 adds
+/// its own), read and checked once for all of them: `attention.head_count_kv`
+/// divides the head count, the head dimension (`attention.key_length`, else hidden /
+/// heads) is even and equals `attention.value_length` and `rope.dimension_count`
+/// where given.
+pub(crate) fn read_shape(g: &GgufFile, arch: &str) -> Result<LlamaParams> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let req = |s: &str| -> Result<usize> { positive(&k(s), usize_key(g, &k(s))?) };
+    let opt = |s: &str| -> Result<Option<usize>> {
+        match g.get(&k(s)) {
+            None => Ok(None),
+            Some(_) => Ok(Some(positive(&k(s), usize_key(g, &k(s))?)?)),
+        }
+    };
+    let hidden_size = req("embedding_length")?;
+    let num_hidden_layers = req("block_count")?;
+    let intermediate_size = req("feed_forward_length")?;
+    let num_attention_heads = req("attention.head_count")?;
+    let num_key_value_heads = opt("attention.head_count_kv")?.unwrap_or(num_attention_heads);
+    if num_attention_heads % num_key_value_heads != 0 {
+        return Err(GgufError::WrongType {
+            key: k("attention.head_count_kv"),
+            expected: format!("a divisor of the head count {num_attention_heads}"),
+            found: num_key_value_heads.to_string(),
+        });
+    }
+    let head_dim = match opt("attention.key_length")? {
+        Some(v) => v,
+        None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
+        None => {
             return Err(GgufError::WrongType {
-                key: k("attention.head_count_kv"),
-                expected: format!("a divisor of the head count {num_attention_heads}"),
-                found: num_key_value_heads.to_string(),
-            });
+                key: k("attention.head_count"),
+                expected: format!(
+                    "a divisor of the embedding length {hidden_size} (no {} is given)",
+                    k("attention.key_length")
+                ),
+                found: num_attention_heads.to_string(),
+            })
         }
-        let head_dim = match opt("attention.key_length")? {
-            Some(v) => v,
-            None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
-            None => {
-                return Err(GgufError::WrongType {
-                    key: k("attention.head_count"),
-                    expected: format!(
-                        "a divisor of the embedding length {hidden_size} (no {} is given)",
-                        k("attention.key_length")
-                    ),
-                    found: num_attention_heads.to_string(),
-                })
-            }
-        };
-        for other in ["attention.value_length", "rope.dimension_count"] {
-            if g.get(&k(other)).is_some() && usize_key(g, &k(other))? != head_dim {
-                return Err(GgufError::Unsupported(format!(
-                    "{} = {} differs from the head dimension {head_dim}",
-                    k(other),
-                    usize_key(g, &k(other))?
-                )));
-            }
-        }
-        if head_dim % 2 != 0 {
+    };
+    for other in ["attention.value_length", "rope.dimension_count"] {
+        if g.get(&k(other)).is_some() && usize_key(g, &k(other))? != head_dim {
             return Err(GgufError::Unsupported(format!(
-                "odd head dimension {head_dim}"
+                "{} = {} differs from the head dimension {head_dim}",
+                k(other),
+                usize_key(g, &k(other))?
             )));
         }
-        let rms_norm_eps = clean_f32(g.get_f64(&k("attention.layer_norm_rms_epsilon"))?);
-        let rope_theta = match g.get(&k("rope.freq_base")) {
-            None => 10000.0,
-            Some(_) => clean_f32(g.get_f64(&k("rope.freq_base"))?),
-        };
-        Ok(Self {
-            hidden_size,
-            num_hidden_layers,
-            intermediate_size,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            rms_norm_eps,
-            rope_theta,
-            max_position_embeddings: usize_key(g, &k("context_length"))?,
-        })
     }
+    if head_dim % 2 != 0 {
+        return Err(GgufError::Unsupported(format!(
+            "odd head dimension {head_dim}"
+        )));
+    }
+    let rms_norm_eps = clean_f32(g.get_f64(&k("attention.layer_norm_rms_epsilon"))?);
+    let rope_theta = match g.get(&k("rope.freq_base")) {
+        None => 10000.0,
+        Some(_) => clean_f32(g.get_f64(&k("rope.freq_base"))?),
+    };
+    Ok(LlamaParams {
+        hidden_size,
+        num_hidden_layers,
+        intermediate_size,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        rms_norm_eps,
+        rope_theta,
+        max_position_embeddings: usize_key(g, &k("context_length"))?,
+    })
 }
 
 /// What a GGUF tensor becomes.

@@ -56,7 +56,7 @@ use half::bf16;
 use safetensors::Dtype;
 use serde_json::{json, Map, Value};
 
-use crate::convert::{clean_f32, usize_key, OwnedTensor, ShapeParams, WEIGHTS_FILE};
+use crate::convert::{clean_f32, read_shape, usize_key, OwnedTensor, WEIGHTS_FILE};
 use crate::error::GgufError;
 use crate::quant::{can_dequantize, dequantize_into, DEQUANTIZABLE};
 use crate::reader::{GgufFile, TensorInfo};
@@ -122,7 +122,7 @@ impl Gemma3Params {
                 Some(_) => Ok(Some(usize_key(g, &k(s))?)),
             }
         };
-        let c = ShapeParams::from_gguf(g, "gemma3")?;
+        let c = read_shape(g, "gemma3")?;
         let float_or = |s: &str, default: f64| -> Result<f64> {
             match g.get(&k(s)) {
                 None => Ok(default),
