@@ -10,7 +10,7 @@ use weft_models::{
 use weft_scheduler::sampling::{uniform, HostSampler};
 use weft_scheduler::{
     Detokenizer, Engine, Model, ModelError, ModelInfo, RowId, RowInput, SchedulerConfig,
-    StepOutput, TokenLogprob,
+    StepOutput, TokenLogprob, TokenMask,
 };
 
 /// Where a step's tokens are picked from its logits.
@@ -190,7 +190,8 @@ fn fill_sample_row(r: &RowInput, out: &mut SampleRow) {
             .extend((0..n).map(|j| uniform(s.seed, s.index + j)));
     }
     out.logprobs = s.logprobs;
-    out.allowed = s.allowed.as_ref().map(|m| m.shared());
+    out.allowed.clear();
+    out.allowed.extend(s.allowed.iter().map(TokenMask::shared));
 }
 
 /// How the KV pool is sized and what its startup log reports.

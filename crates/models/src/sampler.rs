@@ -41,11 +41,11 @@ pub struct SampleRow {
     pub uniforms: Vec<f64>,
     /// Logprob of the pick and the `n` most likely tokens, at every position.
     pub logprobs: Option<usize>,
-    /// Tokens an output constraint allows at every position of the row, as bitmask
-    /// words (token `t`: bit `t % 32` of word `t / 32`; missing words allow nothing);
-    /// None: any. The others get -inf logits after penalties, before the pick;
-    /// logprobs stay those of the raw logits.
-    pub allowed: Option<std::sync::Arc<[u32]>>,
+    /// Tokens an output constraint allows at each position of the row (one mask per
+    /// position; empty: any token anywhere), as bitmask words (token `t`: bit `t % 32`
+    /// of word `t / 32`; missing words allow nothing). The others get -inf logits
+    /// after penalties, before the pick; logprobs stay those of the raw logits.
+    pub allowed: Vec<std::sync::Arc<[u32]>>,
 }
 
 impl Default for SampleRow {
@@ -61,7 +61,7 @@ impl Default for SampleRow {
             seen: Vec::new(),
             uniforms: vec![0.0],
             logprobs: None,
-            allowed: None,
+            allowed: Vec::new(),
         }
     }
 }
@@ -161,6 +161,16 @@ pub fn sample(logits: &Array, rows: &[SampleRow]) -> Result<PendingPicks> {
     }
     if rows.iter().any(|r| r.uniforms.is_empty()) {
         return Err(ModelError::Invalid("a sampled row has no positions".into()));
+    }
+    if let Some(r) = rows
+        .iter()
+        .find(|r| !r.allowed.is_empty() && r.allowed.len() != r.positions())
+    {
+        return Err(ModelError::Invalid(format!(
+            "{} output-constraint masks for a row of {} positions",
+            r.allowed.len(),
+            r.positions()
+        )));
     }
     let vocab = logits.dim(1);
     // Only when some row is constrained: `[positions, vocab]` booleans.
@@ -344,14 +354,14 @@ pub fn sample(logits: &Array, rows: &[SampleRow]) -> Result<PendingPicks> {
 /// words cross to the device (`positions * vocab / 8` bytes); unconstrained rows of
 /// a batch that has constrained ones get all-ones words.
 fn allowed_mask(rows: &[SampleRow], positions: usize, vocab: i32) -> Result<Option<Array>> {
-    if rows.iter().all(|r| r.allowed.is_none()) {
+    if rows.iter().all(|r| r.allowed.is_empty()) {
         return Ok(None);
     }
     let w = (vocab as usize).div_ceil(32);
     let mut bits: Vec<u32> = Vec::with_capacity(positions * w);
     for r in rows {
-        for _ in 0..r.positions() {
-            match &r.allowed {
+        for j in 0..r.positions() {
+            match r.allowed.get(j) {
                 None => bits.extend(std::iter::repeat_n(u32::MAX, w)),
                 Some(m) => {
                     let n = m.len().min(w);

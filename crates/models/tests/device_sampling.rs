@@ -48,7 +48,7 @@ fn contract(
         index,
         logprobs: lp,
         seen: seen.to_vec(),
-        allowed: None,
+        allowed: Vec::new(),
     }
 }
 
@@ -67,7 +67,7 @@ fn row_of(s: &RowSampling, positions: u64) -> SampleRow {
             .map(|j| uniform(s.seed, s.index + j))
             .collect(),
         logprobs: s.logprobs,
-        allowed: s.allowed.as_ref().map(|m| m.shared()),
+        allowed: s.allowed.iter().map(|m| m.shared()).collect(),
     }
 }
 
@@ -349,7 +349,7 @@ fn constrained_rows_pick_inside_their_mask_as_the_host_does() {
             let mut s = contract(&p, 100 + i as u64, 3, &seen, (i % 5 == 0).then_some(3));
             // Every third row unconstrained; the others allow a sparse, varying set.
             if i % 3 != 0 {
-                s.allowed = Some(mask(vocab, i % 7, 3 + i % 11));
+                s.allowed = vec![mask(vocab, i % 7, 3 + i % 11)];
             }
             s
         })
@@ -362,7 +362,7 @@ fn constrained_rows_pick_inside_their_mask_as_the_host_does() {
         let x = &data[i * vocab..(i + 1) * vocab];
         let (want, lp) = host(x, s, 0);
         let t = got.tokens[i];
-        if let Some(m) = &s.allowed {
+        if let Some(m) = s.allowed.first() {
             assert!(m.allows(t), "row {i} picked {t} outside its mask");
         }
         if s.params.is_greedy() {
@@ -389,7 +389,7 @@ fn constrained_rows_pick_inside_their_mask_as_the_host_does() {
         .iter()
         .map(|s| {
             let mut r = row_of(s, 1);
-            r.allowed = None;
+            r.allowed.clear();
             r
         })
         .collect();
@@ -397,7 +397,7 @@ fn constrained_rows_pick_inside_their_mask_as_the_host_does() {
     for (i, s) in rows.iter().enumerate() {
         let x = &data[i * vocab..(i + 1) * vocab];
         let unmasked = RowSampling {
-            allowed: None,
+            allowed: Vec::new(),
             ..s.clone()
         };
         if s.params.is_greedy() {
@@ -407,18 +407,78 @@ fn constrained_rows_pick_inside_their_mask_as_the_host_does() {
     // A greedy-only batch takes the argmax path with the mask applied.
     let greedy: Vec<SampleRow> = (0..n)
         .map(|i| SampleRow {
-            allowed: Some(mask(vocab, i, 5).shared()),
+            allowed: vec![mask(vocab, i, 5).shared()],
             ..SampleRow::default()
         })
         .collect();
     let g = device(&data, vocab, &greedy);
     for i in 0..n {
         let s = RowSampling {
-            allowed: Some(mask(vocab, i, 5)),
+            allowed: vec![mask(vocab, i, 5)],
             ..RowSampling::default()
         };
         let x = &data[i * vocab..(i + 1) * vocab];
         assert_eq!(g.tokens[i], host(x, &s, 0).0, "greedy row {i}");
         assert_eq!(g.tokens[i] as usize % 5, i % 5);
     }
+}
+
+#[test]
+fn a_constrained_draft_row_picks_each_position_under_its_own_mask() {
+    // Rows of 1 + draft positions (a speculating constrained row: each position's
+    // mask is the constraint's state after the draft tokens before it), among
+    // unconstrained rows; greedy-only batches and mixed ones alike.
+    let vocab = 1000;
+    for drawn in [false, true] {
+        let mut rows = Vec::new();
+        let mut samplings = Vec::new();
+        for i in 0..12usize {
+            let positions = 1 + i % 4;
+            let p = if drawn && i % 2 == 1 {
+                params(0.9, 0, 1.0, 0.0)
+            } else {
+                params(0.0, 0, 1.0, 0.0)
+            };
+            let mut s = contract(&p, 40 + i as u64, 5, &[], None);
+            if i % 3 != 2 {
+                s.allowed = (0..positions)
+                    .map(|j| mask(vocab, (i + 3 * j) % 11, 7 + j))
+                    .collect();
+            }
+            rows.push(row_of(&s, positions as u64));
+            samplings.push((s, positions));
+        }
+        let total: usize = samplings.iter().map(|(_, n)| n).sum();
+        let data = logits(total, vocab, 23);
+        let got = device(&data, vocab, &rows);
+        let mut at = 0;
+        let mut masked = 0;
+        for (i, (s, positions)) in samplings.iter().enumerate() {
+            for j in 0..*positions {
+                let x = &data[at * vocab..(at + 1) * vocab];
+                let t = got.tokens[at];
+                if let Some(m) = s.allowed.get(j) {
+                    assert!(
+                        m.allows(t),
+                        "row {i} position {j} picked {t} outside its mask"
+                    );
+                    masked += 1;
+                }
+                if s.params.is_greedy() {
+                    assert_eq!(t, host(x, s, j as u64).0, "row {i} position {j}");
+                }
+                at += 1;
+            }
+        }
+        assert!(masked > 10);
+    }
+    // A row whose masks do not cover its positions is refused, not sampled.
+    let s = RowSampling {
+        allowed: vec![mask(vocab, 0, 3)],
+        ..RowSampling::default()
+    };
+    let bad = row_of(&s, 2);
+    let data = logits(2, vocab, 5);
+    let arr = Array::from_slice(&data, &[2, vocab as i32]);
+    assert!(sample(&arr, &[bad]).is_err());
 }

@@ -72,7 +72,7 @@ fn stateful(row: usize, out: &[u32], vocab: usize) -> SampleRow {
         frequency_penalty: 0.4,
         seen,
         uniforms: vec![((row * 7919 + out.len() * 104_729) % 1000) as f64 / 1000.0],
-        allowed: Some(words.into()),
+        allowed: vec![words.into()],
         ..SampleRow::default()
     }
 }

@@ -183,6 +183,7 @@ impl Grammars {
             words: self.vocab.div_ceil(32),
             consumed: 0,
             mask: None,
+            drafted: None,
         })
     }
 }
@@ -229,6 +230,22 @@ pub struct Constraint {
     consumed: usize,
     /// The mask at `consumed`, once computed (a retried step reuses it).
     mask: Option<(usize, TokenMask)>,
+    /// The last draft checked, with its masks (a retried step reuses them).
+    drafted: Option<Drafted>,
+}
+
+/// A speculation draft checked against the constraint at `at` consumed tokens.
+#[derive(Clone)]
+struct Drafted {
+    at: usize,
+    /// The draft as proposed, before it was cut where the constraint rejects it.
+    proposed: Vec<u32>,
+    /// Its first `kept` tokens are what the constraint accepts.
+    kept: usize,
+    /// The mask after the first `j + 1` kept tokens, for the draft's position `j + 1`.
+    masks: Vec<TokenMask>,
+    /// Whether the last kept token completes the grammar.
+    completes: bool,
 }
 
 impl Clone for Constraint {
@@ -240,6 +257,7 @@ impl Clone for Constraint {
             words: self.words,
             consumed: self.consumed,
             mask: self.mask.clone(),
+            drafted: self.drafted.clone(),
         }
     }
 }
@@ -277,18 +295,119 @@ impl Constraint {
                 return Ok((m.clone(), false));
             }
         }
-        let v = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| format!("output constraint: {}", first_line(&e.to_string())))?;
+        let mask = self.compute_mask()?;
+        self.mask = Some((self.consumed, mask.clone()));
+        Ok((mask, true))
+    }
+
+    /// The matcher's mask in its current state (EOS only once it is stopped).
+    fn compute_mask(&mut self) -> Result<TokenMask, String> {
+        let v = self.matcher.compute_mask_or_eos().map_err(matcher_error)?;
         let mut words = v.as_slice().to_vec();
         words.resize(self.words, 0);
         let mask = TokenMask::from_words(words);
         if mask.count() == 0 {
             return Err("output constraint allows no token".into());
         }
-        self.mask = Some((self.consumed, mask.clone()));
-        Ok((mask, true))
+        Ok(mask)
+    }
+
+    /// Checks a speculation draft (the tokens after the row's next pick) against the
+    /// constraint: `draft` is cut before the first token the constraint would not
+    /// allow there (the model's masked pick could never match it) and after one that
+    /// completes the grammar. Returns how many masks were computed: the committed
+    /// state's if it was not yet, and one per kept token for the position after it
+    /// ([`Self::draft_masks`]); the same draft again at the same state reuses them.
+    /// The constraint's state is left as it was (the draft is consumed tentatively,
+    /// and rolled back).
+    pub(crate) fn check_draft(&mut self, draft: &mut Vec<u32>) -> Result<u64, String> {
+        if let Some(d) = &self.drafted {
+            if d.at == self.consumed && d.proposed == *draft {
+                draft.truncate(d.kept);
+                return Ok(0);
+            }
+        }
+        let (mut prev, computed) = self.mask()?;
+        let mut computed = u64::from(computed);
+        let mut d = Drafted {
+            at: self.consumed,
+            proposed: draft.clone(),
+            kept: 0,
+            masks: Vec::new(),
+            completes: false,
+        };
+        // The masks are cheap to check against and prove each token valid, so the
+        // tentative consume never puts the matcher in its error state.
+        let mut r = Ok(());
+        for &t in draft.iter() {
+            if !prev.allows(t) {
+                break;
+            }
+            if let Err(e) = self.matcher.consume_tokens(&[t]) {
+                r = Err(matcher_error(e));
+                break;
+            }
+            d.kept += 1;
+            d.completes = self.matcher.is_stopped();
+            match self.compute_mask() {
+                Ok(m) => prev = m,
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+            computed += 1;
+            d.masks.push(prev.clone());
+            if d.completes {
+                break;
+            }
+        }
+        let undo = self.matcher.rollback(d.kept).map_err(matcher_error);
+        r?;
+        undo?;
+        draft.truncate(d.kept);
+        self.drafted = Some(d);
+        Ok(computed)
+    }
+
+    /// The masks of a checked draft's positions after the first (the first picks under
+    /// [`Self::mask`]): `n` of them, the draft being `n` tokens long.
+    pub(crate) fn draft_masks(&self, n: usize) -> Result<&[TokenMask], String> {
+        match &self.drafted {
+            _ if n == 0 => Ok(&[]),
+            Some(d) if d.at == self.consumed && d.kept >= n => Ok(&d.masks[..n]),
+            _ => Err(format!(
+                "a draft of {n} tokens was not checked against the output constraint"
+            )),
+        }
+    }
+
+    /// Whether position `j` of a step may pick `t`: the committed state's mask at 0, a
+    /// checked draft's masks after it (`draft`: the row's draft, checked already).
+    pub(crate) fn allows_at(&self, j: usize, t: u32) -> bool {
+        if j == 0 {
+            return self.allows(t);
+        }
+        self.draft_masks(j).is_ok_and(|m| m[j - 1].allows(t))
+    }
+
+    /// Whether picking `t` at position `j` of a step whose row carries `draft` (checked)
+    /// completes the grammar: after the draft's first `j` tokens, which the step
+    /// accepted. The state is left as it was.
+    pub(crate) fn completes_at(&mut self, j: usize, t: u32, draft: &[u32]) -> Result<bool, String> {
+        if j < draft.len() && draft[j] == t {
+            // A draft token: checked with the draft (only its last may complete).
+            let kept = self.draft_masks(draft.len())?.len();
+            let completes = self.drafted.as_ref().is_some_and(|d| d.completes);
+            return Ok(completes && j + 1 == kept);
+        }
+        let before = draft.get(..j).ok_or("a pick past the draft")?;
+        self.matcher.consume_tokens(before).map_err(matcher_error)?;
+        let r = self.completes_with(t);
+        let undo = self.matcher.rollback(before.len()).map_err(matcher_error);
+        let done = r?;
+        undo?;
+        Ok(done)
     }
 
     /// Whether the mask of the committed state allows `t` (the mask must have been
@@ -300,9 +419,7 @@ impl Constraint {
     /// Consumes committed tokens; returns whether the grammar is complete (nothing
     /// but the end may follow).
     pub(crate) fn advance(&mut self, tokens: &[u32]) -> Result<bool, String> {
-        self.matcher
-            .consume_tokens(tokens)
-            .map_err(|e| format!("output constraint: {}", first_line(&e.to_string())))?;
+        self.matcher.consume_tokens(tokens).map_err(matcher_error)?;
         self.consumed += tokens.len();
         Ok(self.matcher.is_stopped())
     }
@@ -310,12 +427,15 @@ impl Constraint {
     /// Whether consuming `t` would complete the grammar (nothing but the end could
     /// follow). The state is left as it was: `t` is consumed and rolled back again.
     pub(crate) fn completes_with(&mut self, t: u32) -> Result<bool, String> {
-        let err = |e: anyhow::Error| format!("output constraint: {}", first_line(&e.to_string()));
-        self.matcher.consume_tokens(&[t]).map_err(err)?;
+        self.matcher.consume_tokens(&[t]).map_err(matcher_error)?;
         let done = self.matcher.is_stopped();
-        self.matcher.rollback(1).map_err(err)?;
+        self.matcher.rollback(1).map_err(matcher_error)?;
         Ok(done)
     }
+}
+
+fn matcher_error(e: anyhow::Error) -> String {
+    format!("output constraint: {}", first_line(&e.to_string()))
 }
 
 /// Host time spent computing masks, for one step.
@@ -326,8 +446,9 @@ pub(crate) struct MaskTime {
 }
 
 impl MaskTime {
-    pub fn add(&mut self, since: Instant, computed: bool) {
+    /// Adds the time since `since`, in which `computed` masks were (a count or a bool).
+    pub fn add(&mut self, since: Instant, computed: impl Into<u64>) {
         self.seconds += since.elapsed().as_secs_f64();
-        self.computed += u64::from(computed);
+        self.computed += computed.into();
     }
 }

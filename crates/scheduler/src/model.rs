@@ -73,11 +73,11 @@ pub struct RowSampling {
     /// Distinct tokens the penalties apply to; empty unless `params` has penalties.
     /// Repetition applies to each, presence and frequency to those generated.
     pub seen: Vec<SeenToken>,
-    /// The tokens an output constraint allows at the row's position (None: any). The
-    /// others are removed before the pick (after penalties, before greedy or the draw:
-    /// their logits become -inf); logprobs stay those of the raw logits. A row with a
-    /// mask never carries a draft.
-    pub allowed: Option<TokenMask>,
+    /// The tokens an output constraint allows at each of the row's positions (`1 +
+    /// draft` masks; empty: any token anywhere). The others are removed before the
+    /// pick (after penalties, before greedy or the draw: their logits become -inf);
+    /// logprobs stay those of the raw logits.
+    pub allowed: Vec<TokenMask>,
 }
 
 /// A set of token ids as a bitmask: token `t` is in it when bit `t % 32` of word

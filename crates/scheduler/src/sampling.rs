@@ -143,13 +143,21 @@ pub fn sample_position(
     }
     let p = &s.params;
     let penalize = p.has_penalties() && !s.seen.is_empty();
-    let penalized: &[f32] = if penalize || s.allowed.is_some() {
+    let allowed = match s.allowed.len() {
+        0 => None,
+        _ => Some(
+            s.allowed
+                .get(offset as usize)
+                .ok_or("no output-constraint mask for this position")?,
+        ),
+    };
+    let penalized: &[f32] = if penalize || allowed.is_some() {
         scratch.work.clear();
         scratch.work.extend_from_slice(logits);
         if penalize {
             apply_penalties(&mut scratch.work, p, &s.seen);
         }
-        if let Some(mask) = &s.allowed {
+        if let Some(mask) = allowed {
             apply_mask(&mut scratch.work, mask);
         }
         &scratch.work
@@ -162,7 +170,7 @@ pub fn sample_position(
         let u = uniform(s.seed, s.index + offset);
         draw(penalized, p, u, &mut scratch.cand)?
     };
-    if let Some(mask) = &s.allowed {
+    if let Some(mask) = allowed {
         if !mask.allows(token) {
             // Every allowed logit is -inf or NaN (argmax then returns the first value
             // that is not NaN): the smallest allowed id, as any pick among equals.
@@ -532,7 +540,7 @@ mod tests {
         assert_eq!(mask.first(), Some(3));
         assert!(mask.allows(65) && !mask.allows(64) && !mask.allows(1000));
         let greedy = RowSampling {
-            allowed: Some(mask.clone()),
+            allowed: vec![mask.clone()],
             ..ctx(&SamplingParams::default(), 0)
         };
         // 16 is the best logit overall (id 16); among the allowed, 65 % 17 = 14 wins.
@@ -544,7 +552,7 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for index in 0..200 {
             let c = RowSampling {
-                allowed: Some(mask.clone()),
+                allowed: vec![mask.clone()],
                 ..ctx(&hot, index)
             };
             let (t, lp) = sample_position(&logits, &c, 0, &mut s).unwrap();
@@ -555,7 +563,7 @@ mod tests {
         assert_eq!(seen.len(), 3, "every allowed token is drawn at some point");
         // Logprobs stay those of the raw logits.
         let c = RowSampling {
-            allowed: Some(mask.clone()),
+            allowed: vec![mask.clone()],
             logprobs: Some(1),
             ..ctx(&SamplingParams::default(), 0)
         };
@@ -569,9 +577,19 @@ mod tests {
         assert_eq!(sample(&dead, &greedy, &mut s).unwrap(), 3);
         // A mask allowing nothing is an error, not a pick.
         let none = RowSampling {
-            allowed: Some(mask_of(70, &[])),
+            allowed: vec![mask_of(70, &[])],
             ..ctx(&SamplingParams::default(), 0)
         };
         assert!(sample(&dead, &none, &mut s).is_err());
+        // A row with a draft has a mask per position: position 1 picks under the
+        // second, and a position without one is an error.
+        let two = RowSampling {
+            allowed: vec![mask.clone(), mask_of(70, &[5, 30])],
+            ..ctx(&SamplingParams::default(), 0)
+        };
+        let at = |j| sample_position(&logits, &two, j, &mut Scratch::default());
+        assert_eq!(at(0).unwrap().0, 65);
+        assert_eq!(at(1).unwrap().0, 30);
+        assert!(at(2).is_err());
     }
 }

@@ -22,7 +22,7 @@ use tracing::{debug, error, warn};
 use crate::admission::Admission;
 use crate::chan;
 use crate::config::{ItlTarget, SchedulerConfig};
-use crate::constraint::MaskTime;
+use crate::constraint::{Constraint, MaskTime};
 use crate::detok::{TextState, TextUpdate};
 use crate::draft::{self, Seq};
 use crate::fault::{FaultPlan, FaultPoint};
@@ -219,16 +219,12 @@ impl Req {
     /// Whether drafts can speed this request up without changing its tokens: greedy
     /// picks are checked position by position, and none of penalties (which would need
     /// the draft in their counts) or stop strings (matched on staged text) is involved.
+    /// A constrained row's draft is checked against its constraint when planned: cut
+    /// where the constraint rejects it, each position picking under the mask of the
+    /// constraint's state after the draft tokens before it.
     fn speculates(&self) -> bool {
         let s = &self.r.sampling;
-        // Constrained rows do not draft: every draft position would need the mask of
-        // the constraint's state after the draft tokens before it (a tentative
-        // consume and a mask computation per position, each as costly as a step's
-        // own mask), while prompt-lookup drafts are rarely accepted inside a schema.
-        s.is_greedy()
-            && !s.has_penalties()
-            && self.r.stop_strings.is_empty()
-            && self.r.constraint.is_none()
+        s.is_greedy() && !s.has_penalties() && self.r.stop_strings.is_empty()
     }
 
     /// Fills `s` with how this request's next tokens are picked (its first position
@@ -242,7 +238,7 @@ impl Req {
             Some(p) => s.seen.clone_from(&p.seen),
             None => s.seen.clear(),
         }
-        s.allowed = None;
+        s.allowed.clear();
     }
 
     /// Whether generated token `t` ends the request by EOS, a stop token id or length
@@ -478,6 +474,37 @@ const DECODE_TIMES: usize = 33;
 const FOLLOW_PLACEHOLDER: u32 = 0;
 
 /// Position `i` of a step's output as a staged token.
+/// Checks a constrained row's pick at position `j` of its step (`draft`: the row's
+/// draft, checked against the constraint when planned) against the mask it was made
+/// under, and ends the request with STOP where the pick ends the grammar: an
+/// end-of-sequence token (allowed only where the grammar may end), or a token that
+/// completes it.
+fn constrain_pick(
+    c: &mut Constraint,
+    j: usize,
+    t: u32,
+    draft: &[u32],
+    eos: &[u32],
+    key: RequestKey,
+    finish: &mut Option<(FinishReason, Option<StopMatch>)>,
+) -> Result<(), String> {
+    if !c.allows_at(j, t) {
+        return Err(format!(
+            "model picked token {t} at position {j} for request {}, which its output constraint does not allow",
+            key.0
+        ));
+    }
+    if eos.contains(&t) {
+        *finish = Some((FinishReason::Stop, Some(StopMatch::Constraint(Some(t)))));
+    } else if !matches!(finish, Some((FinishReason::Stop, _)))
+        && c.completes_at(j, t, draft)
+            .map_err(|e| format!("request {}: {e}", key.0))?
+    {
+        *finish = Some((FinishReason::Stop, Some(StopMatch::Constraint(None))));
+    }
+    Ok(())
+}
+
 fn picked(out: &StepOutput, i: usize, key: RequestKey) -> Result<Sampled, String> {
     let token = *out
         .tokens
@@ -1262,6 +1289,7 @@ impl<M: Model> Scheduler<M> {
         let shift = self.bs_shift;
         let sliding = self.sliding;
         let mut added = 0;
+        let mut mask_time = MaskTime::default();
         for p in rows.iter_mut() {
             if budget == 0 {
                 break;
@@ -1282,6 +1310,15 @@ impl<M: Model> Scheduler<M> {
                 tail: &r.generated,
             };
             draft::propose(seq, max, &mut r.draft);
+            if let Some(c) = r.r.constraint.as_mut().filter(|_| !r.draft.is_empty()) {
+                let t = Instant::now();
+                match c.check_draft(&mut r.draft) {
+                    Ok(computed) => mask_time.add(t, computed),
+                    // The row decodes plainly; its constraint's error surfaces as
+                    // the step's inputs are filled.
+                    Err(_) => r.draft.clear(),
+                }
+            }
             if r.draft.is_empty() {
                 continue;
             }
@@ -1303,6 +1340,7 @@ impl<M: Model> Scheduler<M> {
             added += n - 1;
             budget -= n - 1;
         }
+        self.record_masks(mask_time);
         added
     }
 
@@ -2139,7 +2177,7 @@ impl<M: Model> Scheduler<M> {
                 match c.mask() {
                     Ok((mask, computed)) => {
                         mask_time.add(t, computed);
-                        input.sampling.allowed = Some(mask);
+                        input.sampling.allowed.push(mask);
                     }
                     Err(e) => broken.push((p.key, format!("request {}: {e}", p.key.0))),
                 }
@@ -2259,18 +2297,17 @@ impl<M: Model> Scheduler<M> {
                     if let Some(c) = r.r.constraint.as_mut().filter(|_| !follows) {
                         // The mask of the committed state (a row that follows a pick
                         // not read yet gets its mask once it is: its step's sampling
-                        // is deferred). A constrained row never carries a draft.
-                        if p.draft > 0 {
-                            return Err(format!(
-                                "request {}: a constrained row was planned with a draft",
-                                p.key.0
-                            ));
-                        }
+                        // is deferred), then those of its draft's positions (checked
+                        // against the constraint when it was planned).
                         let t = Instant::now();
                         let (mask, computed) =
                             c.mask().map_err(|e| format!("request {}: {e}", p.key.0))?;
                         mask_time.add(t, computed);
-                        input.sampling.allowed = Some(mask);
+                        input.sampling.allowed.push(mask);
+                        let more = c
+                            .draft_masks(p.draft)
+                            .map_err(|e| format!("request {}: {e}", p.key.0))?;
+                        input.sampling.allowed.extend_from_slice(more);
                     }
                 }
             }
@@ -2394,24 +2431,10 @@ impl<M: Model> Scheduler<M> {
             let last = r.generated.len() + 1 >= r.r.max_tokens;
             // EOS or a stop token ends a request even at max_tokens; Length only if
             // nothing else matched.
-            let mut finish = r.token_finish(t, last, &self.info.eos_token_ids);
+            let eos = &self.info.eos_token_ids;
+            let mut finish = r.token_finish(t, last, eos);
             if let Some(c) = &mut r.r.constraint {
-                // The pick was made under the mask of the committed state.
-                if !c.allows(t) || p.draft > 0 {
-                    return Err(format!(
-                        "model picked token {t} for request {}, which its output constraint does not allow",
-                        p.key.0
-                    ));
-                }
-                if self.info.eos_token_ids.contains(&t) {
-                    // Allowed only where the grammar may end.
-                    finish = Some((FinishReason::Stop, Some(StopMatch::Constraint(Some(t)))));
-                } else if !matches!(finish, Some((FinishReason::Stop, _)))
-                    && c.completes_with(t)
-                        .map_err(|e| format!("request {}: {e}", p.key.0))?
-                {
-                    finish = Some((FinishReason::Stop, Some(StopMatch::Constraint(None))));
-                }
+                constrain_pick(c, 0, t, &r.draft[..p.draft], eos, p.key, &mut finish)?;
             }
             let update = if !engine_text {
                 None
@@ -2435,7 +2458,10 @@ impl<M: Model> Scheduler<M> {
                 let s = picked(out, li + j, p.key)?;
                 let last = r.generated.len() + j + 1 >= r.r.max_tokens;
                 prev = s.token;
-                finish = r.token_finish(s.token, last, &self.info.eos_token_ids);
+                finish = r.token_finish(s.token, last, eos);
+                if let Some(c) = &mut r.r.constraint {
+                    constrain_pick(c, j, prev, &r.draft[..p.draft], eos, p.key, &mut finish)?;
+                }
                 more.push(s);
             }
             if p.draft > 0 {
@@ -2609,7 +2635,15 @@ impl<M: Model> Scheduler<M> {
                     // The step committed: its pick is the constraint's now (checked
                     // against its mask in `settle`, so this cannot fail but for an
                     // internal error of the matcher, which fails the request).
-                    if let Err(e) = con.advance(&[s.token]) {
+                    let done = if c.more.is_empty() {
+                        con.advance(&[s.token])
+                    } else {
+                        let all: Vec<u32> = std::iter::once(s.token)
+                            .chain(c.more.iter().map(|m| m.token))
+                            .collect();
+                        con.advance(&all)
+                    };
+                    if let Err(e) = done {
                         broken.push((p.key, e));
                     }
                 }

@@ -563,3 +563,78 @@ fn bad_constraints_are_refused_with_a_reason() {
     let e = r.outcomes[0].submit_error.as_ref().expect("refused");
     assert!(e.to_string().contains("compiled for"), "{e}");
 }
+
+/// Constrained greedy rows speculate: each prompt-lookup draft is cut where the
+/// constraint rejects it, and every draft position picks under the mask of the
+/// constraint's state after the draft tokens before it. Streams are exactly those of
+/// plain decoding (a position picked under the wrong mask would differ or fail its
+/// step), alone, mixed with unconstrained rows, and under injected faults.
+#[test]
+fn constrained_drafts_pick_under_each_positions_mask() {
+    let g = grammars();
+    let mut cases = cases();
+    // Output the looping fake repeats, so drafts are accepted inside the constraint.
+    cases.push(Case {
+        name: "looping regex",
+        spec: ConstraintSpec::Regex("[a-e]{4,60}".into()),
+        check: |s| full_match("[a-e]{4,60}", s),
+    });
+    let looping = || FakeConfig {
+        vocab_size: VOCAB,
+        eos_token_ids: vec![EOS],
+        ..looping_fake()
+    };
+    let run = |specs: &[(Option<usize>, Spec)], speculate: usize, faults: Option<u64>| {
+        let mut cfg = sched_config();
+        cfg.speculate = speculate;
+        cfg.speculate_step_tokens = usize::MAX;
+        let mut fake_faults = FakeFaults::default();
+        if let Some(seed) = faults {
+            cfg.faults = FaultPlan::random(seed, 0.08);
+            cfg.max_step_retries = 60;
+            fake_faults = FakeFaults {
+                random: Some((seed, 0.05)),
+                fail_after_layer: 2,
+                ..Default::default()
+            };
+        }
+        let s: Vec<Spec> = specs.iter().map(|(_, s)| s.clone()).collect();
+        run_detok(cfg, looping(), fake_faults, &s, detok(), |_, _, _| {})
+    };
+    // Every row constrained (so what is accepted is theirs), then mixed.
+    let only: Vec<(Option<usize>, Spec)> = (0..2 * cases.len())
+        .map(|i| {
+            let c = i % cases.len();
+            (
+                Some(c),
+                Spec::at(0, request(i, &g, Some(&cases[c].spec), 0.0)),
+            )
+        })
+        .collect();
+    let mixed = specs_for(&g, &cases, 0.0, 24);
+    for (specs, constrained) in [(&only, only.len()), (&mixed, 12)] {
+        let plain = run(specs, 0, None);
+        assert_clean(&plain);
+        assert_eq!(check_constrained(&plain, specs, &cases), constrained);
+        let spec = run(specs, 4, None);
+        assert_clean(&spec);
+        assert_same_streams(&plain, &spec);
+        assert_eq!(check_constrained(&spec, specs, &cases), constrained);
+        let st = spec.sched.stats();
+        assert!(
+            st.accepted_tokens > 0,
+            "drafted {} accepted {}",
+            st.draft_tokens,
+            st.accepted_tokens
+        );
+        assert!(st.steps < plain.sched.stats().steps);
+        // Each kept draft token costs a mask for the position after it: accepted ones
+        // the mask plain decoding computes a step later, rejected ones one more.
+        assert!(st.constraint_masks >= plain.sched.stats().constraint_masks);
+        let faulty = run(specs, 4, Some(17));
+        assert_clean(&faulty);
+        assert!(faulty.sched.stats().rollbacks > 5);
+        assert_eq!(faulty.sched.stats().failed_steps, 0);
+        assert_same_streams(&plain, &faulty);
+    }
+}
