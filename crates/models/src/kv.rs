@@ -35,6 +35,7 @@ use mlx_rs::{ops, Array, Dtype};
 use weft_kv_pool::storage::{KvStorage, KvStorageConfig, RowStep as RowWrite, StepLayout};
 use weft_kv_pool::{AttentionKind, GroupSpec, KvGroups, RowBlocks, StorageOp};
 
+use crate::composed_attention::{self, PrefillAttention, Visible};
 use crate::cpu_kernels::{self, Kernels};
 use crate::error::{ModelError, Result};
 use crate::paged_attention::PagedAttention;
@@ -265,6 +266,8 @@ pub struct PagedKv {
     layer_index: Vec<usize>,
     kernel: Option<std::rc::Rc<PagedAttention>>,
     kernels: Kernels,
+    /// How multi-token queries attend (composed on the GPU: no per-shape plan).
+    prefill: PrefillAttention,
     shape: KvShape,
 }
 
@@ -375,6 +378,7 @@ impl PagedKv {
                 None
             },
             kernels,
+            prefill: PrefillAttention::for_device(crate::loader::cuda_available()),
             shape,
         })
     }
@@ -774,7 +778,7 @@ impl KvStep<'_> {
                         .get_or_insert_with(|| fresh_mask(kernels, t))
                         .clone(),
                 };
-                attention(kernels, q, k, v, scale, &mask)
+                attention(kernels, self.kv.prefill, q, k, v, scale, &mask)
             }
             Mode::Gather => {
                 let (kr, vr) = storage.read(layer, layout).map_err(storage_err)?;
@@ -788,7 +792,7 @@ impl KvStep<'_> {
                         m
                     }
                 };
-                attention(kernels, q, &kr, &vr, scale, &mask)
+                attention(kernels, self.kv.prefill, q, &kr, &vr, scale, &mask)
             }
         }
     }
@@ -857,6 +861,7 @@ fn gather_mask(kernels: Kernels, m: &Array, dtype: Dtype, t: i32) -> Result<Mask
 
 fn attention(
     kernels: Kernels,
+    prefill: PrefillAttention,
     q: &Array,
     k: &Array,
     v: &Array,
@@ -864,6 +869,14 @@ fn attention(
     mask: &Mask,
 ) -> Result<Array> {
     let t = q.dim(2);
+    if kernels == Kernels::Stock && prefill.composes(q, k.dim(2)) {
+        let visible = match mask {
+            Mask::Causal => Visible::Causal,
+            Mask::Bool(m) => Visible::Bool(m),
+            Mask::Additive(m) => Visible::Additive(m),
+        };
+        return composed_attention::attention(q, k, v, scale, visible);
+    }
     Ok(match (kernels, mask) {
         (Kernels::CpuTuned, Mask::Additive(m)) => {
             // A single query of an unpadded fresh prefill needs no mask.

@@ -4,6 +4,7 @@
 
 pub mod adapter;
 pub mod compiled_decode;
+pub mod composed_attention;
 pub mod config;
 pub mod cpu_gemm;
 pub mod cpu_kernels;
