@@ -33,6 +33,22 @@ for l in sys.stdin:
     if m and float(m.group(1)) > 30:
         print(re.sub(r'\x1b\[[0-9;]*m', '', l).strip()[:220])
 " | head -40
+  # Where the run's time went: decode-only steps (tokens == rows) vs steps with
+  # prefill, and the engine's idle time between steps (wall minus steps).
+  tail -n +$n0 /tmp/s.log | grep "step rows=" | python3 -c "
+import sys, re, json
+wall = json.load(open('/tmp/w$run.json'))['duration_s']
+dec, mix = [], []
+for l in sys.stdin:
+    m = re.search(r'rows=([0-9]+) tokens=([0-9]+).*ms=([0-9.]+)', l)
+    if m:
+        (dec if m.group(1) == m.group(2) else mix).append(float(m.group(3)))
+med = lambda v: sorted(v)[len(v) // 2] if v else 0
+tot = (sum(dec) + sum(mix)) / 1e3
+print(f'   decode-only {len(dec)} steps, median {med(dec):.2f} ms, {sum(dec)/1e3:.2f} s;'
+      f' with prefill {len(mix)} steps, median {med(mix):.2f} ms, {sum(mix)/1e3:.2f} s;'
+      f' steps {tot:.2f} s of a {wall:.2f} s run')
+"
 done
 python3 -c "
 import urllib.request

@@ -87,7 +87,7 @@ pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, visible: Visible) 
     };
     let scores = match visible {
         Visible::Causal => {
-            let qi = ops::add(&Array::from_iter(0..t, &[t, 1]), Array::from_int(l - t))?;
+            let qi = ops::add(Array::from_iter(0..t, &[t, 1]), Array::from_int(l - t))?;
             let kj = Array::from_iter(0..l, &[1, l]);
             ops::select(&kj.le(&qi)?, &scores, &masked_out)?
         }
@@ -113,7 +113,7 @@ mod tests {
     }
 
     fn max_diff(a: &Array, b: &Array) -> f32 {
-        let d = ops::abs(&ops::subtract(a, b).unwrap()).unwrap();
+        let d = ops::abs(ops::subtract(a, b).unwrap()).unwrap();
         d.as_slice::<f32>().iter().fold(0.0, |m, &x| m.max(x))
     }
 
