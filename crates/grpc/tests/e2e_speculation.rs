@@ -52,3 +52,55 @@ async fn speculated_streams_equal_plain_decoding() {
         "repetitive prompts should accept drafts: {total}"
     );
 }
+
+/// Constrained greedy requests speculate too: their drafts are checked against the
+/// constraint (cut where it rejects them, each position picked under its own mask),
+/// and they stream exactly the tokens of the same request decoded a token per step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constrained_speculated_streams_equal_plain_decoding() {
+    use weft_grpc::pb::{self, output_constraint::Kind};
+    let s = Server::start(&["--speculate", "4"]).await;
+    let mut c = s.client().await;
+    let mut total = 0.0;
+    for (prompt, kind) in [
+        (
+            "one two three four, one two three four, one two three four,",
+            Kind::Regex("( ?(one|two|three|four),?){4,40}".into()),
+        ),
+        (
+            "[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3",
+            Kind::JsonSchema(
+                r#"{"type": "object", "properties": {"xs": {"type": "array",
+                "items": {"type": "integer"}, "maxItems": 30}}, "required": ["xs"]}"#
+                    .into(),
+            ),
+        ),
+    ] {
+        let mut req = text_req(prompt, 48);
+        req.constraint = Some(pb::OutputConstraint {
+            kind: Some(kind.clone()),
+        });
+        let mut plain = req.clone();
+        plain.stop = vec!["\u{1}never\u{1}".into()];
+        let before = accepted(&s).await;
+        let want = c.generate(plain).await.unwrap().into_inner();
+        assert_eq!(
+            accepted(&s).await,
+            before,
+            "a stop-string request speculated"
+        );
+        let got = c.generate(req).await.unwrap().into_inner();
+        let gained = accepted(&s).await - before;
+        assert_eq!(
+            got.ids, want.ids,
+            "{prompt:?}: speculation changed the tokens"
+        );
+        assert_eq!(got.text, want.text);
+        eprintln!("{prompt:?}: {gained} draft tokens accepted: {:?}", got.text);
+        total += gained;
+    }
+    assert!(
+        total > 4.0,
+        "repetitive constrained output should accept drafts: {total}"
+    );
+}
