@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use weft_grpc::pb::{self, output_constraint::Kind};
 
 async fn accepted(s: &Server) -> f64 {
     metric(&s.metrics().await, "weft_spec_accepted_tokens_total", &[]).unwrap_or(0.0)
@@ -13,7 +14,6 @@ async fn accepted(s: &Server) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculated_streams_equal_plain_decoding() {
     let s = Server::start(&["--speculate", "4"]).await;
-    let mut c = s.client().await;
     let mut total = 0.0;
     for prompt in [
         "one two three four, one two three four, one two three four,",
@@ -23,29 +23,7 @@ async fn speculated_streams_equal_plain_decoding() {
     ] {
         let mut req = text_req(prompt, 48);
         req.ignore_eos = true;
-        // A stop string that never matches: requests with stop strings do not
-        // speculate, so this one decodes a token per step.
-        let mut plain = req.clone();
-        plain.stop = vec!["\u{1}never\u{1}".into()];
-        let before = accepted(&s).await;
-        let want = c.generate(plain).await.unwrap().into_inner();
-        assert_eq!(
-            accepted(&s).await,
-            before,
-            "a stop-string request speculated"
-        );
-        let got = c.generate(req).await.unwrap().into_inner();
-        let gained = accepted(&s).await - before;
-        assert_eq!(
-            got.ids, want.ids,
-            "{prompt:?}: speculation changed the tokens"
-        );
-        assert_eq!(got.text, want.text);
-        eprintln!(
-            "{prompt:?}: {gained} draft tokens accepted of 48 generated: {:?}",
-            got.text
-        );
-        total += gained;
+        total += speculated_equals_plain(&s, req).await;
     }
     assert!(
         total > 16.0,
@@ -58,9 +36,7 @@ async fn speculated_streams_equal_plain_decoding() {
 /// and they stream exactly the tokens of the same request decoded a token per step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn constrained_speculated_streams_equal_plain_decoding() {
-    use weft_grpc::pb::{self, output_constraint::Kind};
     let s = Server::start(&["--speculate", "4"]).await;
-    let mut c = s.client().await;
     let mut total = 0.0;
     for (prompt, kind) in [
         (
@@ -77,30 +53,37 @@ async fn constrained_speculated_streams_equal_plain_decoding() {
         ),
     ] {
         let mut req = text_req(prompt, 48);
-        req.constraint = Some(pb::OutputConstraint {
-            kind: Some(kind.clone()),
-        });
-        let mut plain = req.clone();
-        plain.stop = vec!["\u{1}never\u{1}".into()];
-        let before = accepted(&s).await;
-        let want = c.generate(plain).await.unwrap().into_inner();
-        assert_eq!(
-            accepted(&s).await,
-            before,
-            "a stop-string request speculated"
-        );
-        let got = c.generate(req).await.unwrap().into_inner();
-        let gained = accepted(&s).await - before;
-        assert_eq!(
-            got.ids, want.ids,
-            "{prompt:?}: speculation changed the tokens"
-        );
-        assert_eq!(got.text, want.text);
-        eprintln!("{prompt:?}: {gained} draft tokens accepted: {:?}", got.text);
-        total += gained;
+        req.constraint = Some(pb::OutputConstraint { kind: Some(kind) });
+        total += speculated_equals_plain(&s, req).await;
     }
     assert!(
         total > 4.0,
         "repetitive constrained output should accept drafts: {total}"
     );
+}
+
+/// Runs `req` without speculation (a stop string that never matches: requests with
+/// stop strings do not speculate) and as it is, asserts both stream the same tokens
+/// and text, and returns the draft tokens the second accepted.
+async fn speculated_equals_plain(s: &Server, req: pb::GenerateRequest) -> f64 {
+    let mut c = s.client().await;
+    let mut plain = req.clone();
+    plain.stop = vec!["\u{1}never\u{1}".into()];
+    let before = accepted(s).await;
+    let want = c.generate(plain).await.unwrap().into_inner();
+    assert_eq!(
+        accepted(s).await,
+        before,
+        "a stop-string request speculated"
+    );
+    let got = c.generate(req.clone()).await.unwrap().into_inner();
+    let gained = accepted(s).await - before;
+    let prompt = &req.input;
+    assert_eq!(
+        got.ids, want.ids,
+        "{prompt:?}: speculation changed the tokens"
+    );
+    assert_eq!(got.text, want.text);
+    eprintln!("{prompt:?}: {gained} draft tokens accepted: {:?}", got.text);
+    gained
 }
