@@ -630,24 +630,31 @@ fn log_kv(runner: &BatchRunner, max_rows: usize, context: u64) {
 /// warm (benches/RESULTS.md). Steps: one row, one decode token, a ragged
 /// prefill of three fresh rows, a mixed step (decode rows beside a
 /// continuation chunk), a decode step of four rows, and on the GPU a long
-/// continuation; rows sample greedily, with temperature / top-k / top-p, and
+/// continuation and a ragged prefill of 16 fresh rows; rows sample greedily, with temperature / top-k / top-p, and
 /// with logprobs. The blocks written here are the pool's own and are simply
 /// overwritten once the scheduler hands them out.
 fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
     use weft_scheduler::kv_pool::{KvPool, OwnerId, SeqSpec};
     let mut pool = KvPool::new(runner.kv_groups().clone())?;
-    let seqs = (0..4)
-        .map(|i| pool.allocate(SeqSpec::new(OwnerId(i))))
+    let gpu = runner.kv().uses_kernel();
+    // On the GPU, 16 more rows for a wide ragged prefill of ~128-token prompts: the
+    // first one a cold H200 server met took 6.8 s with every other step kind
+    // warmed, the same step ~25 ms after (benches/RESULTS.md).
+    let wide = if gpu { 16 } else { 0 };
+    let seqs = (0..4 + wide)
+        .map(|i| pool.allocate(SeqSpec::new(OwnerId(i as u32))))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut lens = [0usize; 4];
-    let long = if runner.kv().uses_kernel() { 600 } else { 0 };
-    let plan: [&[(usize, usize)]; 6] = [
+    let mut lens = vec![0usize; seqs.len()];
+    let long = if gpu { 600 } else { 0 };
+    let ragged: Vec<(usize, usize)> = (4..4 + wide).map(|i| (i, 120 + (i * 5) % 17)).collect();
+    let plan: [&[(usize, usize)]; 7] = [
         &[(0, 4)],
         &[(0, 1)],
         &[(1, 37), (2, 9), (3, 130)],
         &[(0, 1), (1, 1), (2, 70), (3, 1)],
         &[(0, 1), (1, 1), (2, 1), (3, 1)],
         &[(3, long)],
+        &ragged,
     ];
     let vocab = (runner.model().config.vocab_size as u32).max(2);
     for step in plan {
