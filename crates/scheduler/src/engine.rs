@@ -62,10 +62,16 @@ struct Shared {
     detok: Arc<dyn Detokenizer>,
     /// Set (before `alive` disconnects) when the engine thread panicked.
     failure: Mutex<Option<String>>,
+    /// Called on the engine thread once it panicked, before any live request is
+    /// failed ([`EngineHandle::on_failure`]).
+    failure_hook: Mutex<Option<FailureHook>>,
     /// Never sent on: it disconnects when the engine thread ends, for any reason,
     /// which wakes every [`EngineHandle::stopped`].
     alive: flume::Receiver<()>,
 }
+
+/// What [`EngineHandle::on_failure`] registers.
+pub type FailureHook = Box<dyn FnOnce(&str) + Send>;
 
 /// Cheap to clone; every clone talks to the same engine thread.
 #[derive(Clone)]
@@ -137,6 +143,18 @@ impl EngineHandle {
             .clone()
     }
 
+    /// Registers `hook`, called on the engine thread with the panic's message if the
+    /// thread panics, before any live request gets its final event: a server turns
+    /// unhealthy there, so a client that saw its request fail never finds it healthy.
+    /// A later call replaces an earlier hook.
+    pub fn on_failure(&self, hook: FailureHook) {
+        *self
+            .shared
+            .failure_hook
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(hook);
+    }
+
     /// Resolves once the engine thread has ended: after [`Engine::shutdown`], or on
     /// its own after a panic (then [`failure`](Self::failure) says why, and every
     /// request that was live has had its final event).
@@ -192,6 +210,7 @@ impl Engine {
                     info: sched.info().clone(),
                     detok: sched.detokenizer(),
                     failure: Mutex::new(None),
+                    failure_hook: Mutex::new(None),
                     alive,
                 });
                 if ready_tx.send(Ok(shared.clone())).is_err() {
@@ -294,6 +313,16 @@ fn fail_after_panic<M: Model>(
     error!(panic = %msg, "the engine thread panicked; failing every live request");
     shared.admission.close();
     *shared.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg.clone());
+    let hook = shared
+        .failure_hook
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    if let Some(hook) = hook {
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&msg))).is_err() {
+            error!("the engine's failure hook panicked");
+        }
+    }
     let error = format!("the engine thread panicked ({msg}); the server is stopping");
     let mut sched = sched;
     let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -99,7 +99,7 @@ mod util;
 
 pub use config::{ItlTarget, SchedulerConfig, TenantLimits, VtcWeights};
 pub use constraint::{Constraint, ConstraintSpec, Grammars};
-pub use engine::{Engine, EngineError, EngineHandle};
+pub use engine::{Engine, EngineError, EngineHandle, FailureHook};
 pub use fault::{FaultPlan, FaultPoint};
 pub use model::{
     Detokenizer, KvGroups, Model, ModelError, ModelInfo, RowBlocks, RowId, RowInput, RowSampling,

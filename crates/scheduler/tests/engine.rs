@@ -255,6 +255,12 @@ async fn a_panic_on_the_engine_thread_fails_every_live_request() {
     .expect("engine starts");
     let h = e.handle();
     assert!(h.failure().is_none());
+    // The failure hook runs before any live request gets its final event.
+    let hooked = Arc::new(std::sync::Mutex::new(None::<String>));
+    let seen = hooked.clone();
+    h.on_failure(Box::new(move |why| {
+        *seen.lock().unwrap() = Some(why.to_string());
+    }));
     // Two rows run, the third waits: all three are live when step 4 panics.
     let streams: Vec<EventStream> = (0..3)
         .map(|i| {
@@ -268,6 +274,11 @@ async fn a_panic_on_the_engine_thread_fails_every_live_request() {
             .await
             .expect("the stream ends");
         assert_eq!(f.reason, FinishReason::Error);
+        let hook_saw = hooked.lock().unwrap().clone().expect("the hook ran first");
+        assert!(
+            hook_saw.contains("injected engine-thread panic"),
+            "{hook_saw}"
+        );
         let msg = f.error.unwrap_or_default();
         assert!(
             msg.contains("engine thread panicked") && msg.contains("injected"),

@@ -247,6 +247,20 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
             return Err(e);
         }
     };
+    // If the engine thread panics, health turns NOT_SERVING on that thread before
+    // any in-flight request gets its INTERNAL status: a client that saw its request
+    // fail never finds the server healthy afterwards.
+    let hook_health = health.clone();
+    let rt = tokio::runtime::Handle::current();
+    ready.engine.on_failure(Box::new(move |_| {
+        let mut h = hook_health;
+        ::metrics::gauge!(metrics::SERVING).set(0.0);
+        rt.block_on(async move {
+            h.set_service_status("", ServingStatus::NotServing).await;
+            h.set_not_serving::<GenerationServer<GenerationService>>()
+                .await;
+        });
+    }));
     let model_name = ready.model.name.clone();
     let kv = ready.engine.stats();
     metrics::set_kv_config(settings.kv_block_size, kv.kv_blocks_total);
