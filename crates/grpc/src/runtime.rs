@@ -630,8 +630,8 @@ fn log_kv(runner: &BatchRunner, max_rows: usize, context: u64) {
 /// warm (benches/RESULTS.md). Steps: one row, one decode token, a ragged
 /// prefill of three fresh rows, a mixed step (decode rows beside a
 /// continuation chunk), a decode step of four rows, and on the GPU a long
-/// continuation and a ragged prefill of 16 fresh rows; rows sample greedily, with temperature / top-k / top-p, and
-/// with logprobs. The blocks written here are the pool's own and are simply
+/// continuation and a ragged prefill of 16 fresh rows; rows sample greedily,
+/// with temperature / top-k / top-p, and with logprobs. The blocks written here are the pool's own and are simply
 /// overwritten once the scheduler hands them out.
 fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
     use weft_scheduler::kv_pool::{KvPool, OwnerId, SeqSpec};

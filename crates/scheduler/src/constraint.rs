@@ -382,8 +382,8 @@ impl Constraint {
         }
     }
 
-    /// Whether position `j` of a step may pick `t`: the committed state's mask at 0, a
-    /// checked draft's masks after it (`draft`: the row's draft, checked already).
+    /// Whether position `j` of a step may pick `t`: the committed state's mask at 0,
+    /// the checked draft's masks after it.
     pub(crate) fn allows_at(&self, j: usize, t: u32) -> bool {
         if j == 0 {
             return self.allows(t);
@@ -397,9 +397,9 @@ impl Constraint {
     pub(crate) fn completes_at(&mut self, j: usize, t: u32, draft: &[u32]) -> Result<bool, String> {
         if j < draft.len() && draft[j] == t {
             // A draft token: checked with the draft (only its last may complete).
-            let kept = self.draft_masks(draft.len())?.len();
+            self.draft_masks(draft.len())?;
             let completes = self.drafted.as_ref().is_some_and(|d| d.completes);
-            return Ok(completes && j + 1 == kept);
+            return Ok(completes && j + 1 == draft.len());
         }
         let before = draft.get(..j).ok_or("a pick past the draft")?;
         self.matcher.consume_tokens(before).map_err(matcher_error)?;

@@ -473,7 +473,6 @@ const DECODE_TIMES: usize = 33;
 /// (any id inside every vocabulary; the model feeds the real pick).
 const FOLLOW_PLACEHOLDER: u32 = 0;
 
-/// Position `i` of a step's output as a staged token.
 /// Checks a constrained row's pick at position `j` of its step (`draft`: the row's
 /// draft, checked against the constraint when planned) against the mask it was made
 /// under, and ends the request with STOP where the pick ends the grammar: an
@@ -505,6 +504,7 @@ fn constrain_pick(
     Ok(())
 }
 
+/// Position `i` of a step's output as a staged token.
 fn picked(out: &StepOutput, i: usize, key: RequestKey) -> Result<Sampled, String> {
     let token = *out
         .tokens
@@ -2635,14 +2635,9 @@ impl<M: Model> Scheduler<M> {
                     // The step committed: its pick is the constraint's now (checked
                     // against its mask in `settle`, so this cannot fail but for an
                     // internal error of the matcher, which fails the request).
-                    let done = if c.more.is_empty() {
-                        con.advance(&[s.token])
-                    } else {
-                        let all: Vec<u32> = std::iter::once(s.token)
-                            .chain(c.more.iter().map(|m| m.token))
-                            .collect();
-                        con.advance(&all)
-                    };
+                    let done = std::iter::once(s.token)
+                        .chain(c.more.iter().map(|m| m.token))
+                        .try_for_each(|t| con.advance(&[t]).map(drop));
                     if let Err(e) = done {
                         broken.push((p.key, e));
                     }
