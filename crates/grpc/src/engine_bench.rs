@@ -184,6 +184,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             block_size: 16,
             memory: weft_models::KvMemory::Blocks(u32::try_from(blocks)?),
             max_batch_rows: args.streams,
+            cache_limit: crate::memory_plan::CacheLimit::Auto,
         },
     )?;
     let constraint = if args.constrained > 0 {

@@ -189,6 +189,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<LongPromptsReport> {
             block_size: 16,
             memory: weft_models::KvMemory::Blocks(u32::try_from(blocks)?),
             max_batch_rows: rows,
+            cache_limit: crate::memory_plan::CacheLimit::Auto,
         },
     )?;
     let vocab = served.vocab_size as u32;

@@ -156,6 +156,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             // to the CPU's default budget.
             memory: weft_models::KvMemory::Bytes(crate::server::config::DEFAULT_CPU_KV_BYTES),
             max_batch_rows: 1,
+            cache_limit: crate::memory_plan::CacheLimit::Auto,
         },
     )?;
     let text = if args.chat {

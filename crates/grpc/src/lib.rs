@@ -9,6 +9,7 @@ pub mod engine_bench;
 pub mod engine_bench_long;
 pub mod generate;
 pub mod malloc;
+pub mod memory_plan;
 pub mod paths;
 pub mod runtime;
 pub mod server;

@@ -202,6 +202,8 @@ pub struct KvSpec {
     /// Rows a step may hold: the log says how much context each gets when
     /// that many share the pool.
     pub max_batch_rows: usize,
+    /// MLX's buffer-cache cap (part of the memory plan).
+    pub cache_limit: crate::memory_plan::CacheLimit,
 }
 
 fn failed(e: weft_models::ModelError) -> ModelError {
@@ -452,6 +454,8 @@ pub struct ServedModel {
     pub dtype: String,
     pub quantization: String,
     pub eos_token_ids: Vec<u32>,
+    /// What the server plans to hold (set once the engine has started).
+    pub memory: crate::memory_plan::MemoryPlan,
 }
 
 /// The names `--model` and `weft pull` accept (`weft_gguf::KNOWN_MODELS`,
@@ -544,6 +548,7 @@ pub fn start_engine_with(
         dtype: format!("{:?}", policy.dtype).to_lowercase(),
         quantization,
         eos_token_ids: eos.clone(),
+        memory: Default::default(),
     };
     let dir_owned = dir.to_path_buf();
     // What the scheduler will hold at most: a sliding-window group (Gemma 3's
@@ -553,16 +558,41 @@ pub fn start_engine_with(
         max_rows: config.max_batch_rows,
         max_step_tokens: config.max_step_tokens,
     };
+    let speculate = config.speculate;
+    let planned = Arc::new(std::sync::Mutex::new(None));
+    let plan_out = planned.clone();
     let engine = Engine::start(
         config,
         move || -> anyhow::Result<MlxModel> {
+            let rss_before = crate::memory_plan::resident_bytes();
             let loaded = weft_models::load(&dir_owned, opts)?;
-            let context = loaded.model.config.max_position_embeddings as u64;
+            let weights = crate::memory_plan::weights_bytes(opts.device, rss_before)?;
+            let model_config = loaded.model.config.clone();
+            let context = model_config.max_position_embeddings as u64;
             let mut runner =
                 BatchRunner::with_memory_use(loaded.model, kv.block_size, kv.memory, Some(usage))?;
             runner.set_lanes(opts.lanes());
             log_kv(&runner, kv.max_batch_rows, context);
+            let shape = crate::memory_plan::step_shape(
+                &model_config,
+                &runner,
+                usage.max_step_tokens,
+                usage.max_rows,
+                speculate,
+            );
+            let step = weft_models::memory::step_memory(&model_config, shape);
+            let decode = weft_models::memory::step_memory(
+                &model_config,
+                crate::memory_plan::decode_shape(shape),
+            );
+            let plan = crate::memory_plan::plan(weights, &runner, step, decode, kv.cache_limit)?;
+            weft_models::memory::reset_peak()?;
             warm_up(&mut runner)?;
+            let warm_peak = weft_models::memory::mlx_memory().ok().map(|m| m.peak);
+            crate::memory_plan::log(&plan, warm_peak);
+            if let Ok(mut p) = plan_out.lock() {
+                *p = Some(plan);
+            }
             let t = std::time::Instant::now();
             let traced =
                 runner.warm_decode(kv.max_batch_rows, weft_models::runner::COMPILED_MIN_CONTEXT)?;
@@ -579,6 +609,10 @@ pub fn start_engine_with(
         },
         Arc::new(TokenizerDetok(tokenizer.clone())),
     )?;
+    let mut served = served;
+    if let Some(plan) = planned.lock().ok().and_then(|p| *p) {
+        served.memory = plan;
+    }
     Ok((engine, tokenizer, served))
 }
 

@@ -296,6 +296,7 @@ fn served() -> ServedModel {
         dtype: "float32".into(),
         quantization: "none".into(),
         eos_token_ids: vec![0],
+        memory: Default::default(),
     }
 }
 

@@ -20,6 +20,7 @@ pub mod linear;
 pub mod llama;
 pub mod loader;
 pub mod lora;
+pub mod memory;
 pub mod paged_attention;
 pub mod runner;
 pub mod sampler;

@@ -32,6 +32,7 @@ pub mod client;
 pub mod dist;
 pub mod mix;
 pub mod prompt;
+pub mod soak;
 pub mod sse;
 pub mod stats;
 pub mod tenant;
@@ -195,6 +196,30 @@ pub struct BenchArgs {
     /// tenant-mix: length of each phase (light alone, flood alone, both).
     #[arg(long, value_parser = parse_positive_duration, default_value = "60s")]
     pub phase_duration: Duration,
+
+    /// soak: the server's Prometheus endpoint, read every --sample-every
+    /// (e.g. http://127.0.0.1:9464/metrics).
+    #[arg(long, value_name = "URL")]
+    pub metrics_url: Option<String>,
+
+    /// soak: how often the server's gauges are read.
+    #[arg(long, value_parser = parse_positive_duration, default_value = "10s")]
+    pub sample_every: Duration,
+
+    /// soak: share of requests the client cancels after a random number of
+    /// tokens.
+    #[arg(long, default_value_t = 0.1)]
+    pub cancel_fraction: f64,
+
+    /// soak: share of requests sent on a connection of their own that is
+    /// closed after a random number of tokens.
+    #[arg(long, default_value_t = 0.05)]
+    pub disconnect_fraction: f64,
+
+    /// soak: share of --duration counted as warm-up (RSS after it is compared
+    /// with RSS during it).
+    #[arg(long, default_value_t = 0.2)]
+    pub soak_warmup: f64,
 }
 
 /// What `weft bench` runs.
@@ -202,6 +227,9 @@ pub struct BenchArgs {
 pub enum Scenario {
     Load,
     TenantMix,
+    /// Memory and KV blocks over a long mixed run with cancels and
+    /// disconnects (bench/soak.rs).
+    Soak,
 }
 
 /// One source of load in the measured phase.
@@ -529,6 +557,13 @@ pub fn run_blocking(args: BenchArgs) -> anyhow::Result<()> {
     match args.scenario {
         Scenario::Load => rt.block_on(run(args)).map(|_| ()),
         Scenario::TenantMix => rt.block_on(mix::run(args)).map(|_| ()),
+        Scenario::Soak => rt.block_on(soak::run(args)).and_then(|r| {
+            if r.no_request_lost && r.blocks_back {
+                Ok(())
+            } else {
+                anyhow::bail!("soak: a request was lost or blocks did not return to baseline")
+            }
+        }),
     }
 }
 

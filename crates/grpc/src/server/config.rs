@@ -12,6 +12,7 @@ use serde::Deserialize;
 use weft_scheduler::SchedulerConfig;
 
 use crate::generate::ComputeArgs;
+use crate::memory_plan::CacheLimit;
 use crate::units::parse_duration;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
@@ -153,6 +154,11 @@ pub struct ServeArgs {
     /// are loaded (0.9 or 90%) [default: 0.9 on a GPU, 1GiB on the CPU].
     #[arg(long, env = "WEFT_KV_MEMORY", value_name = "BYTES|FRACTION")]
     pub kv_memory: Option<String>,
+    /// Freed buffers MLX keeps for reuse: a size, "auto" (one largest step's
+    /// bound, as the startup memory plan states it) or "off" (MLX's own
+    /// default, not bounded by the plan) [default: auto].
+    #[arg(long, env = "WEFT_MLX_CACHE_LIMIT", value_name = "BYTES|auto|off")]
+    pub mlx_cache_limit: Option<CacheLimit>,
     /// max_tokens of requests that leave it 0 [default: 256].
     #[arg(long, env = "WEFT_DEFAULT_MAX_TOKENS")]
     pub default_max_tokens: Option<usize>,
@@ -192,6 +198,7 @@ struct FileConfig {
     kv_blocks: Option<usize>,
     kv_block_size: Option<usize>,
     kv_memory: Option<String>,
+    mlx_cache_limit: Option<CacheLimit>,
     default_max_tokens: Option<usize>,
     drain_timeout: Option<String>,
     coalesce: Option<String>,
@@ -297,6 +304,7 @@ pub struct Settings {
     pub speculate_step_tokens: usize,
     pub kv_size: KvSize,
     pub kv_block_size: usize,
+    pub mlx_cache_limit: CacheLimit,
     pub default_max_tokens: usize,
     pub drain_timeout: Duration,
     pub coalesce: Duration,
@@ -443,6 +451,10 @@ impl Settings {
                 .unwrap_or(DEFAULT_SPECULATE_STEP_TOKENS),
             kv_size,
             kv_block_size: args.kv_block_size.or(file.kv_block_size).unwrap_or(16),
+            mlx_cache_limit: args
+                .mlx_cache_limit
+                .or(file.mlx_cache_limit)
+                .unwrap_or(CacheLimit::Auto),
             default_max_tokens: args
                 .default_max_tokens
                 .or(file.default_max_tokens)

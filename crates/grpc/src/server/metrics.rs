@@ -140,6 +140,7 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         KV_USAGE,
         "Fraction (0-1) of KV pool blocks in use by running rows; refreshed at each scrape"
     );
+    crate::memory_plan::describe();
     gauge!(SERVING).set(0.0);
     gauge!(GRPC_IN_FLIGHT).set(0.0);
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);

@@ -139,6 +139,7 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
         let maddr = ml.local_addr()?;
         let (st, aliases) = (state.clone(), settings.metrics_aliases);
         let refresh: metrics::Refresh = Arc::new(move || {
+            crate::memory_plan::refresh();
             if let Some(r) = st.ready.get() {
                 let s = r.engine.stats();
                 metrics::set_load(
@@ -264,6 +265,7 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
     let model_name = ready.model.name.clone();
     let kv = ready.engine.stats();
     metrics::set_kv_config(settings.kv_block_size, kv.kv_blocks_total);
+    ready.model.memory.export();
     let _ = state.ready.set(ready);
     health.set_service_status("", ServingStatus::Serving).await;
     health
@@ -405,6 +407,7 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
             block_size: s.kv_block_size as u32,
             memory: kv_memory,
             max_batch_rows: s.max_batch_rows,
+            cache_limit: s.mlx_cache_limit,
         },
         model_faults,
     )?;

@@ -1,0 +1,248 @@
+//! The server's memory plan (issue 17 item 3): what the weights, the KV pool,
+//! the largest step and MLX's buffer cache may take, computed once the model
+//! is loaded, logged at startup and exported as gauges beside what MLX and the
+//! process hold now, so an operator (and the soak benchmark) can check that
+//! memory stays inside what the server says.
+
+use metrics::{describe_gauge, gauge};
+use weft_models::memory::{self, StepMemory, StepShape};
+use weft_models::{BatchRunner, ModelConfig};
+
+pub const PLAN_BYTES: &str = "weft_memory_plan_bytes";
+pub const MLX_ACTIVE: &str = "weft_mlx_active_memory_bytes";
+pub const MLX_CACHE: &str = "weft_mlx_cache_memory_bytes";
+pub const MLX_PEAK: &str = "weft_mlx_peak_memory_bytes";
+pub const RESIDENT: &str = "weft_process_resident_memory_bytes";
+
+/// `--mlx-cache-limit`: how many bytes of freed buffers MLX keeps for reuse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(try_from = "String")]
+pub enum CacheLimit {
+    /// One full decode step's worth (every row decoding with its longest
+    /// draft; [`decode_shape`]): the steady steps reuse what the previous one
+    /// freed, and a prefill's larger buffers go back to the system allocator.
+    /// (Measured on the CPU: capped at the largest step's bound, the cache
+    /// filled to it with buffers of the many prefill shapes and RSS grew 59%
+    /// over a 90 s mixed run.)
+    Auto,
+    Bytes(u64),
+    /// MLX's own default (up to its memory limit: not bounded by the plan).
+    Off,
+}
+
+impl TryFrom<String> for CacheLimit {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl std::str::FromStr for CacheLimit {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("auto") {
+            return Ok(Self::Auto);
+        }
+        if t.eq_ignore_ascii_case("off") {
+            return Ok(Self::Off);
+        }
+        crate::server::config::parse_bytes(t)
+            .map(Self::Bytes)
+            .map_err(|e| format!("--mlx-cache-limit {s:?}: {e:#} (or auto, off)"))
+    }
+}
+
+/// What the server plans to hold, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryPlan {
+    /// Weights (MLX's active bytes once the model is loaded).
+    pub weights: u64,
+    /// The paged KV pool, allocated at startup.
+    pub kv: u64,
+    /// Bound of the largest step's allocations ([`StepMemory`]).
+    pub step_activations: u64,
+    pub step_attention: u64,
+    pub step_logits: u64,
+    /// MLX's buffer-cache cap; `None` when left to MLX (unbounded by the plan).
+    pub cache_limit: Option<u64>,
+}
+
+impl MemoryPlan {
+    pub fn step(&self) -> u64 {
+        self.step_activations + self.step_attention + self.step_logits
+    }
+
+    /// Everything MLX may hold at once under the plan; `None` when the cache
+    /// is not capped.
+    pub fn total(&self) -> Option<u64> {
+        self.cache_limit
+            .map(|c| self.weights + self.kv + self.step() + c)
+    }
+
+    /// Sets the plan gauges (`weft_memory_plan_bytes{part=...}`).
+    pub fn export(&self) {
+        let parts = [
+            ("weights", Some(self.weights)),
+            ("kv", Some(self.kv)),
+            ("step", Some(self.step())),
+            ("cache_limit", self.cache_limit),
+            ("total", self.total()),
+        ];
+        for (part, v) in parts {
+            if let Some(v) = v {
+                gauge!(PLAN_BYTES, "part" => part).set(v as f64);
+            }
+        }
+    }
+}
+
+/// The largest step the scheduler may plan for `config` on this runner.
+pub fn step_shape(
+    model: &ModelConfig,
+    runner: &BatchRunner,
+    max_step_tokens: usize,
+    max_rows: usize,
+    speculate: usize,
+) -> StepShape {
+    let g = runner.kv_groups();
+    let pool_tokens = g
+        .groups
+        .first()
+        .map_or(0, |s| u64::from(s.num_blocks) * u64::from(g.block_size));
+    let tokens = max_step_tokens as u64;
+    let gpu = runner.kv().uses_kernel();
+    StepShape {
+        tokens,
+        sampled: ((max_rows * (1 + speculate)) as u64).min(tokens),
+        context: (model.max_position_embeddings.max(1) as u64).min(pool_tokens.max(1)),
+        act_bytes: match runner.kv().shape().dtype {
+            mlx_rs::Dtype::Float32 => 4,
+            _ => 2,
+        },
+        flash_beyond_cap: gpu,
+    }
+}
+
+/// A step of `shape`'s rows all decoding: one token and the longest draft
+/// each, no attention scores kept (the paged kernels read the pool in place).
+pub fn decode_shape(shape: StepShape) -> StepShape {
+    StepShape {
+        tokens: shape.sampled,
+        context: 0,
+        ..shape
+    }
+}
+
+/// Plans memory once the runner holds its KV pool: `weights` is what the
+/// model took to load. Caps MLX's buffer cache as `limit` says (`decode`:
+/// the full decode step's bound, for [`CacheLimit::Auto`]).
+pub fn plan(
+    weights: u64,
+    runner: &BatchRunner,
+    step: StepMemory,
+    decode: StepMemory,
+    limit: CacheLimit,
+) -> anyhow::Result<MemoryPlan> {
+    let cache_limit = match limit {
+        CacheLimit::Auto => Some(decode.total()),
+        CacheLimit::Bytes(b) => Some(b),
+        CacheLimit::Off => None,
+    };
+    if let Some(c) = cache_limit {
+        memory::set_cache_limit(c)?;
+    }
+    Ok(MemoryPlan {
+        weights,
+        kv: runner.kv().bytes(),
+        step_activations: step.activations,
+        step_attention: step.attention,
+        step_logits: step.logits,
+        cache_limit,
+    })
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+}
+
+/// The startup line: every part of the plan and its total.
+pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
+    let total = plan
+        .total()
+        .map_or_else(|| "unbounded (--mlx-cache-limit off)".to_string(), mib);
+    tracing::info!(
+        weights_bytes = plan.weights,
+        kv_bytes = plan.kv,
+        step_bytes = plan.step(),
+        cache_limit_bytes = plan.cache_limit,
+        total_bytes = plan.total(),
+        warm_up_peak_bytes = warm_up_peak,
+        "memory plan: weights {} + KV pool {} + largest step {} (activations {}, attention scores {}, logits {}) + MLX buffer cache {} = {total}; the warm-up peaked at {}",
+        mib(plan.weights),
+        mib(plan.kv),
+        mib(plan.step()),
+        mib(plan.step_activations),
+        mib(plan.step_attention),
+        mib(plan.step_logits),
+        plan.cache_limit.map_or_else(|| "uncapped".to_string(), mib),
+        warm_up_peak.map_or_else(|| "?".to_string(), mib),
+    );
+}
+
+/// Describes the gauges (once, with the recorder installed).
+pub fn describe() {
+    describe_gauge!(
+        PLAN_BYTES,
+        "Memory plan in bytes by part (weights, kv, step, cache_limit, total), set at startup"
+    );
+    describe_gauge!(
+        MLX_ACTIVE,
+        "Bytes MLX holds in live arrays; refreshed at each scrape"
+    );
+    describe_gauge!(
+        MLX_CACHE,
+        "Bytes of freed buffers MLX keeps for reuse; refreshed at each scrape"
+    );
+    describe_gauge!(
+        MLX_PEAK,
+        "Most bytes MLX held in live arrays since startup; refreshed at each scrape"
+    );
+    describe_gauge!(
+        RESIDENT,
+        "Resident set size of the server process in bytes; refreshed at each scrape"
+    );
+}
+
+/// Refreshes the live gauges: MLX's counters and the process's RSS.
+pub fn refresh() {
+    if let Ok(m) = memory::mlx_memory() {
+        gauge!(MLX_ACTIVE).set(m.active as f64);
+        gauge!(MLX_CACHE).set(m.cache as f64);
+        gauge!(MLX_PEAK).set(m.peak as f64);
+    }
+    if let Some(rss) = resident_bytes() {
+        gauge!(RESIDENT).set(rss as f64);
+    }
+}
+
+/// What loading the model took: MLX's active bytes, and on the CPU at least
+/// the growth of RSS over the load (`rss_before`), which also counts weights
+/// kept outside MLX (the packed CPU GEMM's).
+pub fn weights_bytes(device: weft_models::Device, rss_before: Option<u64>) -> anyhow::Result<u64> {
+    let active = memory::mlx_memory()?.active;
+    let host = match (device, rss_before, resident_bytes()) {
+        (weft_models::Device::Cpu, Some(a), Some(b)) => b.saturating_sub(a),
+        _ => 0,
+    };
+    Ok(active.max(host))
+}
+
+/// The process's resident set size, from `/proc/self/statm` (Linux).
+pub fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(page).ok().map(|p| pages * p)
+}

@@ -1,0 +1,118 @@
+//! Where the process's memory goes: MLX's allocator counters, its buffer-cache
+//! cap, and an upper bound of what one step allocates beside the weights and
+//! the KV pool, so the server can state its memory plan at startup and hold
+//! to it (benches/RESULTS.md, "Memory inside the budget").
+
+use crate::composed_attention::MAX_SCORES;
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+
+/// MLX's allocator, read now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MlxMemory {
+    /// Bytes held by live arrays.
+    pub active: u64,
+    /// Bytes of freed buffers MLX keeps for reuse (its buffer cache).
+    pub cache: u64,
+    /// Most `active` bytes since the process started or [`reset_peak`].
+    pub peak: u64,
+}
+
+/// Reads MLX's allocator counters.
+pub fn mlx_memory() -> Result<MlxMemory> {
+    let read = |what: &str, r: std::result::Result<usize, mlx_rs::error::Exception>| {
+        r.map(|v| v as u64)
+            .map_err(|e| ModelError::Invalid(format!("MLX {what} memory query failed: {e}")))
+    };
+    Ok(MlxMemory {
+        active: read("active", mlx_rs::memory::active_memory())?,
+        cache: read("cache", mlx_rs::memory::cache_memory())?,
+        peak: read("peak", mlx_rs::memory::peak_memory())?,
+    })
+}
+
+/// Starts MLX's peak counter again from the active bytes.
+pub fn reset_peak() -> Result<()> {
+    mlx_rs::memory::reset_peak_memory()
+        .map_err(|e| ModelError::Invalid(format!("MLX peak memory reset failed: {e}")))
+}
+
+/// Caps MLX's buffer cache at `bytes` (freed buffers beyond it go back to the
+/// system allocator); returns the previous cap.
+pub fn set_cache_limit(bytes: u64) -> Result<u64> {
+    let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+    mlx_rs::memory::set_cache_limit(bytes)
+        .map(|v| v as u64)
+        .map_err(|e| ModelError::Invalid(format!("MLX cache limit failed: {e}")))
+}
+
+/// What the largest step the scheduler may plan allocates at once, beside the
+/// weights and the KV pool (an upper bound: MLX frees each layer's
+/// intermediates as the next layer runs, so at most one layer's are live).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepMemory {
+    /// One layer's hidden states, projections and MLP intermediates for every
+    /// token of the step.
+    pub activations: u64,
+    /// Attention scores and their softmax for the step's multi-token queries,
+    /// all over the longest context a row may reach.
+    pub attention: u64,
+    /// Logits of every sampled position in f32, with the sampler's working
+    /// copies.
+    pub logits: u64,
+}
+
+impl StepMemory {
+    pub fn total(&self) -> u64 {
+        self.activations + self.attention + self.logits
+    }
+}
+
+/// The shape of the largest step: tokens it carries, positions it samples,
+/// and the longest context one row can attend over.
+#[derive(Debug, Clone, Copy)]
+pub struct StepShape {
+    pub tokens: u64,
+    pub sampled: u64,
+    pub context: u64,
+    /// Bytes per activation element (4 for f32, 2 for bf16).
+    pub act_bytes: u64,
+    /// Multi-token attention is composed of two matmuls and a softmax up to
+    /// [`MAX_SCORES`] scores per layer and flash (no scores kept) beyond it
+    /// (the GPU), rather than composed at any size (MLX's CPU SDPA).
+    pub flash_beyond_cap: bool,
+}
+
+/// Upper bound of a step's allocations for `config` at `shape`.
+pub fn step_memory(config: &ModelConfig, shape: StepShape) -> StepMemory {
+    let h = config.hidden_size.max(0) as u64;
+    let f = config.intermediate_size.max(0) as u64;
+    let (hq, hkv, d) = (
+        config.num_heads.max(0) as u64,
+        config.num_kv_heads.max(0) as u64,
+        config.head_dim.max(0) as u64,
+    );
+    let t = shape.tokens;
+    // Input, norm, attention output projection, residual, MLP output and the
+    // next norm ([T, h] each); fused q/k/v, roped q and k, attention output;
+    // fused gate/up, its activation.
+    let per_token = 6 * h + (hq + 2 * hkv) * d + (hq + hkv) * d + hq * d + 3 * f;
+    let activations = t.saturating_mul(per_token).saturating_mul(shape.act_bytes);
+    // Worst case: every prefill token of the step is one row's, over the
+    // longest context; scores (act dtype) and their f32 softmax both live.
+    let mut scores = hq.saturating_mul(t).saturating_mul(shape.context);
+    if shape.flash_beyond_cap {
+        scores = scores.min(MAX_SCORES as u64);
+    }
+    let attention = scores.saturating_mul(shape.act_bytes + 4);
+    // f32 logits, the softmax / log-softmax the sampler takes, the masked copy.
+    let logits = shape
+        .sampled
+        .saturating_mul(config.vocab_size.max(0) as u64)
+        .saturating_mul(4 * 3);
+    StepMemory {
+        activations,
+        attention,
+        logits,
+    }
+}
