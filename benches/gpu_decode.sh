@@ -24,6 +24,9 @@
 #           and fused_decode_check with the GEMV kernels (bf16; 4-bit too with q4);
 #           gemv: benches/gemv_probe.py (MLX's few-row matmuls vs Weft's GEMV kernels) at GEMV_ROWS;
 #           GEMV_SWEEP="0 8": the engine again with WEFT_GEMV_MAX_ROWS at each value (0 = off);
+#           long: weft bench-engine --scenario long-prompts (issue 17 item 1);
+#           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase);
+#           soak: weft bench --scenario soak for SOAK_DURATION (default 300s);
 #           constrained: benches/constrained.sh on the 1.2B model (C_STREAMS, default 32);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
@@ -157,9 +160,11 @@ if [[ $S == *constrained* ]]; then
   echo "== constrained output: 32 streams, half JSON-schema constrained vs none (benches/constrained.sh)" | tee -a $R
   WEFT=/root/weft MODEL=$M STREAMS=${C_STREAMS:-32} bash benches/constrained.sh 2>&1 | tee -a $R
 fi
-if [[ $S == *server* ]]; then
-  echo "== weft serve vs mlx_lm.server, 1.2B bf16, prompt 128, 128 generated, 2 requests per stream" | tee -a $R
-  up() { python3 - "$1" <<'PY'
+if [[ $S == *long* ]]; then
+  echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R
+  /root/weft bench-engine --scenario long-prompts --model $M 2>&1 | tail -4 | tee -a $R
+fi
+up() { python3 - "$1" <<'PY'
 import sys, time, urllib.request
 for _ in range(240):
     try:
@@ -168,7 +173,31 @@ for _ in range(240):
         time.sleep(0.5)
 sys.exit(1)
 PY
-  }
+}
+if [[ $S == *mix* ]]; then
+  echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16" | tee -a $R
+  /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off > $O/weft-mix.log 2>&1 &
+  P=$!
+  up http://127.0.0.1:50563/metrics
+  for _ in $(seq 240); do grep -q "ready: serving" $O/weft-mix.log && break; sleep 0.5; done
+  /root/weft bench --scenario tenant-mix --target grpc://127.0.0.1:50561 --tenant flood:flood-key --tenant light:light-key \
+    --flood-streams ${MIX_FLOOD:-48} --phase-duration ${MIX_PHASE:-30s} --warmup 8 --quiet --json $O/mix.json 2>&1 | tee -a $R
+  kill -TERM $P; wait $P || true
+fi
+if [[ $S == *soak* ]]; then
+  echo "== soak: weft bench --scenario soak for ${SOAK_DURATION:-300s}, 1.2B bf16, 32 workers, two tenants" | tee -a $R
+  /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50571 --metrics-listen 127.0.0.1:50573 --http-listen off > $O/weft-soak.log 2>&1 &
+  P=$!
+  up http://127.0.0.1:50573/metrics
+  for _ in $(seq 240); do grep -q "ready: serving" $O/weft-soak.log && break; sleep 0.5; done
+  grep "memory plan" $O/weft-soak.log | tee -a $R
+  /root/weft bench --scenario soak --target grpc://127.0.0.1:50571 --metrics-url http://127.0.0.1:50573/metrics \
+    --tenant flood:flood-key:3 --tenant light:light-key:1 -c 32 --duration ${SOAK_DURATION:-300s} --sample-every 15s \
+    --prompt-tokens uniform:16:2000 --max-tokens uniform:4:256 --json $O/soak.json 2>&1 | tee -a $R
+  kill -TERM $P; wait $P || true
+fi
+if [[ $S == *server* ]]; then
+  echo "== weft serve vs mlx_lm.server, 1.2B bf16, prompt 128, 128 generated, 2 requests per stream" | tee -a $R
   A="--prompt-tokens 128 --max-tokens 128 --warmup 2 --quiet"
   for n in ${SERVER_STREAMS:-64 256}; do
     /root/weft serve --model $M --listen 127.0.0.1:50551 --metrics-listen 127.0.0.1:50553 --max-batch-rows $n > $O/weft-serve-$n.log 2>&1 &
