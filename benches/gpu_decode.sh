@@ -186,7 +186,7 @@ if [[ $S == *mix* ]]; then
 fi
 if [[ $S == *soak* ]]; then
   echo "== soak: weft bench --scenario soak for ${SOAK_DURATION:-300s}, 1.2B bf16, 32 workers, two tenants" | tee -a $R
-  /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50571 --metrics-listen 127.0.0.1:50573 --http-listen off > $O/weft-soak.log 2>&1 &
+  RUST_LOG=info,weft_grpc::memory_plan=debug /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50571 --metrics-listen 127.0.0.1:50573 --http-listen off > $O/weft-soak.log 2>&1 &
   P=$!
   up http://127.0.0.1:50573/metrics
   for _ in $(seq 240); do grep -q "ready: serving" $O/weft-soak.log && break; sleep 0.5; done
@@ -195,6 +195,7 @@ if [[ $S == *soak* ]]; then
     --tenant flood:flood-key:3 --tenant light:light-key:1 -c 32 --duration ${SOAK_DURATION:-300s} --sample-every 15s \
     --prompt-tokens uniform:16:2000 --max-tokens uniform:4:256 --json $O/soak.json 2>&1 | tee -a $R
   kill -TERM $P; wait $P || true
+  grep "peak grew" $O/weft-soak.log | cut -c1-400 | tee -a $R
 fi
 if [[ $S == *server* ]]; then
   echo "== weft serve vs mlx_lm.server, 1.2B bf16, prompt 128, 128 generated, 2 requests per stream" | tee -a $R

@@ -120,7 +120,7 @@ pub fn step_shape(
             mlx_rs::Dtype::Float32 => 4,
             _ => 2,
         },
-        flash_beyond_cap: gpu,
+        chunked: gpu,
     }
 }
 
@@ -245,4 +245,62 @@ pub fn resident_bytes() -> Option<u64> {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     u64::try_from(page).ok().map(|p| pages * p)
+}
+
+/// Watches MLX's peak across steps and logs each step that raised it by more
+/// than [`PeakWatch::STEP`]: what the steps in flight then were (rows, tokens,
+/// prefill rows, longest context), to find which step kind takes memory the
+/// plan does not count.
+#[derive(Debug, Default)]
+pub struct PeakWatch {
+    last: u64,
+    /// The steps submitted and not yet collected (at most two when pipelined).
+    in_flight: std::collections::VecDeque<String>,
+}
+
+impl PeakWatch {
+    /// Growth of the peak worth a line.
+    pub const STEP: u64 = 64 << 20;
+
+    /// Notes a submitted step.
+    pub fn submitted(&mut self, batch: &[weft_scheduler::RowInput]) {
+        let tokens: usize = batch.iter().map(|r| r.tokens.len()).sum();
+        let prefill = batch
+            .iter()
+            .filter(|r| r.tokens.len() > 1 + r.draft)
+            .count();
+        let context = batch
+            .iter()
+            .map(|r| r.start_pos + r.tokens.len())
+            .max()
+            .unwrap_or(0);
+        if self.in_flight.len() >= 2 {
+            self.in_flight.pop_front();
+        }
+        self.in_flight.push_back(format!(
+            "{} rows, {tokens} tokens, {prefill} prefilling, longest context {context}",
+            batch.len()
+        ));
+    }
+
+    /// After a step was read: logs if MLX's peak grew.
+    pub fn collected(&mut self) {
+        let Ok(m) = memory::mlx_memory() else {
+            return;
+        };
+        if m.peak > self.last + Self::STEP {
+            let steps: Vec<&str> = self.in_flight.iter().map(String::as_str).collect();
+            tracing::debug!(
+                peak_bytes = m.peak,
+                active_bytes = m.active,
+                grew_bytes = m.peak - self.last,
+                "MLX peak grew by {:.1} MiB to {:.1} MiB with the steps in flight: {}",
+                (m.peak - self.last) as f64 / (1u64 << 20) as f64,
+                m.peak as f64 / (1u64 << 20) as f64,
+                steps.join(" | ")
+            );
+        }
+        self.last = self.last.max(m.peak);
+        self.in_flight.pop_front();
+    }
 }

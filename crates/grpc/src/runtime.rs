@@ -101,6 +101,8 @@ pub struct MlxModel {
     faults: ModelFaults,
     /// Forward and submit calls so far (for `faults`).
     calls: u64,
+    /// Steps that raised MLX's peak, logged at debug level.
+    peaks: crate::memory_plan::PeakWatch,
 }
 
 impl MlxModel {
@@ -139,6 +141,7 @@ impl MlxModel {
             follows: Vec::new(),
             faults: ModelFaults::default(),
             calls: 0,
+            peaks: Default::default(),
         }
     }
 
@@ -257,10 +260,12 @@ impl Model for MlxModel {
         self.injected()?;
         let t0 = std::time::Instant::now();
         self.fill_steps(batch);
+        self.peaks.submitted(batch);
         let out = self.forward_steps(ops, batch);
         if out.is_ok() {
             record_forward(self.runner.last_timing(), t0.elapsed());
         }
+        self.peaks.collected();
         out
     }
 
@@ -278,6 +283,7 @@ impl Model for MlxModel {
         }
         self.injected()?;
         self.fill_steps(batch);
+        self.peaks.submitted(batch);
         let n = self.fill_sampling(batch);
         self.follows.clear();
         self.follows.extend(batch.iter().map(|r| r.follows));
@@ -309,6 +315,7 @@ impl Model for MlxModel {
         }
         self.injected()?;
         self.fill_steps(batch);
+        self.peaks.submitted(batch);
         self.follows.clear();
         self.follows.extend(batch.iter().map(|r| r.follows));
         self.runner
@@ -325,6 +332,7 @@ impl Model for MlxModel {
 
     fn collect(&mut self) -> Result<StepOutput, ModelError> {
         let out = self.runner.collect().map_err(failed)?;
+        self.peaks.collected();
         // The step's build, and the wait for its picks: what its evaluation did
         // not overlap with the host's work in between.
         let t = self.runner.last_timing();

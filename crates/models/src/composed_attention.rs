@@ -8,24 +8,36 @@
 //! same attention as two matmuls and a softmax has no such cost (0.6-9 ms on its
 //! first call, 0.3-0.5 ms after) and agrees with SDPA to bf16 rounding.
 //!
-//! It materializes the `[rows, heads, queries, keys]` scores, so it is used only
-//! while those stay within [`MAX_SCORES`]; larger steps (long prompts in big
-//! chunks) take SDPA, whose plan cost their compute amortizes.
+//! It materializes the `[rows, heads, queries, keys]` scores, so queries go in
+//! chunks whose scores stay within [`MAX_SCORES`] (a causal chunk reads only the
+//! keys up to its last query). Chunking, not SDPA, serves the large steps too: a
+//! prompt chunk deep into a long prompt is a new (queries, keys) shape nearly
+//! every step, and with SDPA the 7000-token prompt of `bench-engine --scenario
+//! long-prompts` stalled decoding rows for up to 1 s on such first calls.
 
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::error::Result;
 
 /// Most score elements (rows x query heads x queries x keys) composed attention
-/// materializes: 2^26, i.e. 256 MiB of f32 softmax input for one layer at a time.
+/// materializes at once: 2^26, i.e. 256 MiB of f32 softmax input for one chunk
+/// of one layer.
 pub const MAX_SCORES: i64 = 1 << 26;
+
+/// Bytes live per score element at the peak of one chunk, by activation size:
+/// the matmul's scores, their f32 copy, the masked f32 scores and the f32
+/// softmax (an upper bound: MLX frees each once its consumer ran).
+pub const fn bytes_per_score(act_bytes: u64) -> u64 {
+    act_bytes + 12
+}
 
 /// Which prefill attention a KV uses for multi-token queries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillAttention {
     /// MLX's fused SDPA for every shape (bit-identical to mlx-lm's model code).
     Sdpa,
-    /// [`attention`] where its scores fit [`MAX_SCORES`], SDPA beyond.
+    /// [`attention`] for every multi-token query (chunked past [`MAX_SCORES`]).
     Composed,
 }
 
@@ -42,12 +54,10 @@ impl PrefillAttention {
         }
     }
 
-    /// Whether a query of `q`'s shape over `keys` keys is composed.
-    pub fn composes(self, q: &Array, keys: i32) -> bool {
-        let (b, h, t) = (q.dim(0), q.dim(1), q.dim(2));
-        self == Self::Composed
-            && t > 1
-            && i64::from(b) * i64::from(h) * i64::from(t) * i64::from(keys) <= MAX_SCORES
+    /// Whether a query of `q`'s shape is composed (multi-token queries, when
+    /// composed attention is on).
+    pub fn composes(self, q: &Array) -> bool {
+        self == Self::Composed && q.dim(2) > 1
     }
 }
 
@@ -67,6 +77,48 @@ pub enum Visible<'a> {
 /// `q`'s dtype. A query that sees no key gets finite garbage, never NaN (masked
 /// scores are the f32 minimum, not -inf), as padding rows need.
 pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, visible: Visible) -> Result<Array> {
+    let (b, hq, t) = (q.dim(0), q.dim(1), q.dim(2));
+    let l = k.dim(2);
+    let per_query = i64::from(b) * i64::from(hq) * i64::from(l);
+    let chunk = (MAX_SCORES / per_query.max(1)).clamp(1, i64::from(t.max(1))) as i32;
+    if chunk >= t {
+        return attend(q, k, v, scale, visible);
+    }
+    let mut outs = Vec::with_capacity(((t + chunk - 1) / chunk) as usize);
+    for q0 in (0..t).step_by(chunk as usize) {
+        let q1 = (q0 + chunk).min(t);
+        let qc = q.try_index((.., .., q0..q1, ..))?;
+        let out = match visible {
+            // The queries are the last `t` keys' positions: the chunk's last
+            // query sees the keys up to `l - t + q1`, and the chunk's queries
+            // are the last of those.
+            Visible::Causal => {
+                let seen = l - t + q1;
+                let kc = k.try_index((.., .., ..seen, ..))?;
+                let vc = v.try_index((.., .., ..seen, ..))?;
+                attend(&qc, &kc, &vc, scale, Visible::Causal)?
+            }
+            Visible::Bool(m) => attend(&qc, k, v, scale, Visible::Bool(&rows_of(m, q0, q1)?))?,
+            Visible::Additive(m) => {
+                attend(&qc, k, v, scale, Visible::Additive(&rows_of(m, q0, q1)?))?
+            }
+        };
+        outs.push(out);
+    }
+    Ok(ops::concatenate(&outs, 2)?)
+}
+
+/// Query rows `q0..q1` of a mask `[T, L]` or `[B | 1, 1, T, L]`.
+fn rows_of(m: &Array, q0: i32, q1: i32) -> Result<Array> {
+    Ok(if m.ndim() == 2 {
+        m.try_index((q0..q1, ..))?
+    } else {
+        m.try_index((.., .., q0..q1, ..))?
+    })
+}
+
+/// One chunk of [`attention`]: all of `q`'s queries at once.
+fn attend(q: &Array, k: &Array, v: &Array, scale: f32, visible: Visible) -> Result<Array> {
     let (b, hq, t, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let (hkv, l) = (k.dim(1), k.dim(2));
     let g = hq / hkv;
@@ -191,14 +243,51 @@ mod tests {
     }
 
     #[test]
-    fn composes_only_multi_token_queries_within_the_bound() {
+    fn composes_only_multi_token_queries() {
         let q = Array::zeros::<f32>(&[4, 32, 128, 64]).unwrap();
-        assert!(PrefillAttention::Composed.composes(&q, 128));
-        assert!(!PrefillAttention::Sdpa.composes(&q, 128));
-        // 4 x 32 x 128 x 4096 = 2^26: still composed; one more key is not.
-        assert!(PrefillAttention::Composed.composes(&q, 4096));
-        assert!(!PrefillAttention::Composed.composes(&q, 4097));
+        assert!(PrefillAttention::Composed.composes(&q));
+        assert!(!PrefillAttention::Sdpa.composes(&q));
         let one = Array::zeros::<f32>(&[64, 32, 1, 64]).unwrap();
-        assert!(!PrefillAttention::Composed.composes(&one, 128));
+        assert!(!PrefillAttention::Composed.composes(&one));
+    }
+
+    /// Past [`MAX_SCORES`] the queries go in chunks: the same attention as
+    /// SDPA for a causal prefill (keys cut per chunk), and ragged boolean and
+    /// additive masks (mask rows cut per chunk). 1 row x 8 heads x 1000
+    /// queries x 9000 keys = 72M scores: two chunks, of 932 and 68 queries.
+    #[test]
+    fn chunks_past_the_bound_equal_sdpa() {
+        let (b, hq, hkv, t, l, d) = (1, 8, 2, 1000, 9000, 8);
+        assert!(i64::from(b * hq * t) * i64::from(l) > MAX_SCORES);
+        let q = rand(&[b, hq, t, d], 11);
+        let k = rand(&[b, hkv, l, d], 12);
+        let v = rand(&[b, hkv, l, d], 13);
+        let scale = 0.3;
+        let want = fast::scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            scale,
+            ScaledDotProductAttentionMask::Causal,
+            None,
+        )
+        .unwrap();
+        let got = attention(&q, &k, &v, scale, Visible::Causal).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        assert!(max_diff(&got, &want) < 1e-5, "causal, chunked");
+        // A boolean mask that hides the first 100 keys from every query.
+        let m: Vec<bool> = (0..t * l)
+            .map(|x| {
+                let (i, j) = (x / l, x % l);
+                j >= 100 && j <= i + l - t
+            })
+            .collect();
+        let m = Array::from_slice(&m, &[b, 1, t, l]);
+        let want = fast::scaled_dot_product_attention(&q, &k, &v, scale, &m, None).unwrap();
+        let got = attention(&q, &k, &v, scale, Visible::Bool(&m)).unwrap();
+        assert!(max_diff(&got, &want) < 1e-5, "boolean, chunked");
+        let a = ops::select(&m, Array::from_f32(0.0), Array::from_f32(f32::NEG_INFINITY)).unwrap();
+        let got = attention(&q, &k, &v, scale, Visible::Additive(&a)).unwrap();
+        assert!(max_diff(&got, &want) < 1e-5, "additive, chunked");
     }
 }

@@ -869,7 +869,7 @@ fn attention(
     mask: &Mask,
 ) -> Result<Array> {
     let t = q.dim(2);
-    if kernels == Kernels::Stock && prefill.composes(q, k.dim(2)) {
+    if kernels == Kernels::Stock && prefill.composes(q) {
         let visible = match mask {
             Mask::Causal => Visible::Causal,
             Mask::Bool(m) => Visible::Bool(m),

@@ -3,7 +3,7 @@
 //! the KV pool, so the server can state its memory plan at startup and hold
 //! to it (benches/RESULTS.md, "Memory inside the budget").
 
-use crate::composed_attention::MAX_SCORES;
+use crate::composed_attention::{bytes_per_score, MAX_SCORES};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 
@@ -77,10 +77,10 @@ pub struct StepShape {
     pub context: u64,
     /// Bytes per activation element (4 for f32, 2 for bf16).
     pub act_bytes: u64,
-    /// Multi-token attention is composed of two matmuls and a softmax up to
-    /// [`MAX_SCORES`] scores per layer and flash (no scores kept) beyond it
-    /// (the GPU), rather than composed at any size (MLX's CPU SDPA).
-    pub flash_beyond_cap: bool,
+    /// Multi-token attention is composed in chunks of at most [`MAX_SCORES`]
+    /// scores (the GPU), rather than over all of a forward's at once (MLX's
+    /// CPU SDPA, which composes without a bound).
+    pub chunked: bool,
 }
 
 /// Upper bound of a step's allocations for `config` at `shape`.
@@ -99,12 +99,13 @@ pub fn step_memory(config: &ModelConfig, shape: StepShape) -> StepMemory {
     let per_token = 6 * h + (hq + 2 * hkv) * d + (hq + hkv) * d + hq * d + 3 * f;
     let activations = t.saturating_mul(per_token).saturating_mul(shape.act_bytes);
     // Worst case: every prefill token of the step is one row's, over the
-    // longest context; scores (act dtype) and their f32 softmax both live.
+    // longest context. Composed attention (the GPU) materializes one chunk of
+    // at most MAX_SCORES at a time; MLX's CPU SDPA all of a forward's.
     let mut scores = hq.saturating_mul(t).saturating_mul(shape.context);
-    if shape.flash_beyond_cap {
+    if shape.chunked {
         scores = scores.min(MAX_SCORES as u64);
     }
-    let attention = scores.saturating_mul(shape.act_bytes + 4);
+    let attention = scores.saturating_mul(bytes_per_score(shape.act_bytes));
     // f32 logits, the softmax / log-softmax the sampler takes, the masked copy.
     let logits = shape
         .sampled
