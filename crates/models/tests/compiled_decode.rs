@@ -175,3 +175,50 @@ fn warmed_buckets_are_not_traced_while_decoding() {
     );
     assert_eq!(comp.runner.warm_decode(3, 40).unwrap(), 0, "warming twice");
 }
+
+/// A row joining while the others decode: the step's prefill runs op by op
+/// and the decoding rows as a compiled step beside it. Every row's logits
+/// match the op-by-op runner's, the joining row's prefill and the decode rows'
+/// steps alike, and then every row decodes compiled on.
+#[test]
+fn a_row_joining_beside_compiled_decode_rows_matches_op_by_op() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
+    let mut comp = Rows::new(compiled(&md));
+    plain.prefill();
+    comp.prefill();
+    for s in 0..12 {
+        let mut steps_p = plain.decode_steps();
+        let mut steps_c = comp.decode_steps();
+        if s == 3 {
+            // Row 3 joins with an 11-token prompt.
+            let join = RowStep {
+                row: 3,
+                tokens: vec![5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+                start_pos: 0,
+                want_logits: true,
+                ..Default::default()
+            };
+            steps_p.push(join.clone());
+            steps_c.push(join);
+        }
+        let lp = step(&mut plain.runner, &mut plain.kv, &mut steps_p);
+        let lc = step(&mut comp.runner, &mut comp.kv, &mut steps_c);
+        let d = max_abs_diff(&lp.data, &lc.data);
+        assert!(d <= TOLERANCE, "step {s}: max |logit diff| {d}");
+        plain.settle(&lp, &steps_p);
+        comp.settle(&lc, &steps_c);
+        assert_eq!(plain.at, comp.at, "step {s}: greedy picks");
+        // Every step's decode rows ran compiled, the mixed step's too.
+        let c = comp.runner.compiled_decode().unwrap();
+        assert_eq!(c.steps(), s as u64 + 1, "step {s}");
+    }
+    let c = comp.runner.compiled_decode().unwrap();
+    assert!(
+        c.buckets().iter().any(|&(rows, _)| rows == 4),
+        "the joined row decodes compiled: {:?}",
+        c.buckets()
+    );
+}
