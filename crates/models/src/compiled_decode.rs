@@ -48,8 +48,6 @@ const FIXED_INPUTS: usize = 6;
 pub struct CompiledDecode {
     f: Traced,
     traces: Rc<Cell<u64>>,
-    /// Steps built so far (warm-up steps included).
-    steps: u64,
     /// `(rows, table width)` buckets called so far.
     buckets: BTreeSet<(i32, i32)>,
     block_size: usize,
@@ -129,7 +127,6 @@ impl CompiledDecode {
         Self {
             f: Box::new(f),
             traces,
-            steps: 0,
             buckets: BTreeSet::new(),
             block_size,
             null_block: kv.null_block(),
@@ -165,11 +162,6 @@ impl CompiledDecode {
         self.traces.get()
     }
 
-    /// Compiled steps built so far (warm-up steps included).
-    pub fn steps(&self) -> u64 {
-        self.steps
-    }
-
     /// `(rows, table width)` buckets stepped so far.
     pub fn buckets(&self) -> &BTreeSet<(i32, i32)> {
         &self.buckets
@@ -199,7 +191,6 @@ impl CompiledDecode {
         min_width: usize,
         lora: Option<&LoraStep>,
     ) -> Result<Array> {
-        self.steps += 1;
         let b = rows.len();
         if tokens.shape() != [b as i32, 1] {
             return Err(ModelError::Invalid(format!(

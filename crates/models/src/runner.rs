@@ -870,52 +870,6 @@ impl BatchRunner {
                 return self.wanted(steps, &jobs, vec![logits]);
             }
         }
-        // A mixed step (prefill forwards beside a plain decode batch): the
-        // prefills run op by op, each evaluated (as on the GPU below), then the
-        // decode batch as a compiled step over the pools they wrote, so rows
-        // joining do not turn the decode rows' forward uncompiled for a step.
-        let compiled_mixed = self.compiled.is_some()
-            && jobs.len() > 1
-            && matches!(jobs.last(), Some((rows, _, _, true))
-                if rows.iter().all(|s| s.tokens.len() == 1 && s.blocks.len() == 1));
-        if compiled_mixed {
-            let n = jobs.len() - 1;
-            let kv = &self.kv;
-            let mut outs: Vec<Array> = Vec::with_capacity(jobs.len());
-            for ((rows, lane, tokens, dec), lora) in jobs[..n].iter().zip(&loras) {
-                let r: Vec<(&[RowBlocks], usize, usize)> = rows
-                    .iter()
-                    .map(|s| (s.blocks.as_slice(), s.start_pos, s.tokens.len()))
-                    .collect();
-                let mut kvs = kv.step(&r, *dec)?;
-                let last_only = !*dec || tokens.dim(1) == 1;
-                let mut one = self.model.forward_interleaved(
-                    vec![(*lane, tokens, &mut kvs, last_only, lora.as_ref())],
-                    &self.lanes,
-                    hook,
-                )?;
-                drop(kvs);
-                let o = one
-                    .pop()
-                    .ok_or_else(|| ModelError::Invalid("a forward returned no logits".into()))?;
-                let mut pending = kv.arrays();
-                pending.push(o.clone());
-                mlx_rs::transforms::eval(pending.iter())?;
-                outs.push(o);
-            }
-            let (rows, _, tokens, _) = &jobs[n];
-            let r: Vec<(&RowBlocks, usize)> =
-                rows.iter().map(|s| (&s.blocks[0], s.start_pos)).collect();
-            let c = self
-                .compiled
-                .as_mut()
-                .ok_or_else(|| ModelError::Invalid("compiled decode missing".into()))?;
-            outs.push(c.step(&self.kv, tokens, &r, loras[n].as_ref())?);
-            for i in 0..self.model.num_layers() {
-                hook(i)?;
-            }
-            return self.wanted(steps, &jobs, outs);
-        }
         let kv = &self.kv;
         let mut steps_kv: Vec<KvStep<'_>> = jobs
             .iter()
