@@ -16,7 +16,9 @@ bandwidth; each timed op multiplies by the weights of all layers stacked
 ([layers * N, K], far past L2), so the host's few us per op are noise beside
 the device's time.
 
-    python3 benches/gemv_probe.py [--rows 1,2,4,8] [--reps 20] [--max-blocks 1024]
+    python3 benches/gemv_probe.py [--rows 1,2,4,8] [--cols 1,2,4] [--reps 20] [--max-blocks 1024]
+
+--cols: output columns per warp (NC; several rows only, gemv.rs's GEMV_COLS).
 """
 import argparse
 import pathlib
@@ -34,23 +36,39 @@ EPS = 1e-5
 
 
 def source(loop):
-    return "".join((SRC / f"gemv_{p}.cu").read_text() for p in ("head", loop, "tail"))
+    parts = ["gemv_head", "gemv_cols", f"gemv_{loop}", "gemv_tail"]
+    return "constexpr int XS_CAP = (NB <= 4 ? 1024 : 2560);\n" + "".join(
+        (SRC / f"{p}.cu").read_text() for p in parts)
+
+
+def mma_source(a):
+    parts = ["gemv_head", "mma_open", f"mma_a_{a}", "mma_close"]
+    return "constexpr int XS_CAP = 1;\n" + "".join((SRC / f"{p}.cu").read_text() for p in parts)
 
 
 def kernels():
-    dense = mx.fast.cuda_kernel(name="weft_gemv_dense", input_names=["x", "w", "nw", "eps", "res"],
-                                output_names=["y"], source=source("dense"))
-    q4 = mx.fast.cuda_kernel(name="weft_gemv_q4",
-                             input_names=["x", "w", "scales", "biases", "nw", "eps", "res"],
-                             output_names=["y"], source=source("q4"))
-    return dense, q4
+    dn, qn = ["x", "w", "nw", "eps", "res"], ["x", "w", "scales", "biases", "nw", "eps", "res"]
+    k = lambda name, ins, src: mx.fast.cuda_kernel(name=name, input_names=ins, output_names=["y"],
+                                                   source=src)
+    return (k("weft_gemv_dense", dn, source("dense")), k("weft_gemv_q4", qn, source("q4")),
+            k("weft_mma_dense", dn, mma_source("dense")), k("weft_mma_q4", qn, mma_source("q4")))
 
 
-def launch(k, x, weights, nw, eps, res, n, norm, epi, max_blocks, g=None):
+def launch_mma(k, x, weights, nw, eps, res, n, norm, epi, max_blocks, g=None):
     b = x.shape[0]
     no = n // 2 if epi == 2 else n
-    blocks = min((no + 7) // 8, max_blocks)
-    tmpl = [("NB", b), ("NORM", norm), ("EPI", epi)] + ([("G", g)] if g else []) + [("DT", x.dtype)]
+    blocks = min(no // 16, max_blocks)
+    tmpl = [("NB", b), ("NORM", norm), ("EPI", epi), ("BF16", 1)] + ([("G", g)] if g else []) + [
+        ("DT", x.dtype)]
+    return k(inputs=[x, *weights, nw, eps, res], template=tmpl, grid=(blocks * 128, 1, 1),
+             threadgroup=(128, 1, 1), output_shapes=[(b, no)], output_dtypes=[x.dtype])[0]
+
+
+def launch(k, x, weights, nw, eps, res, n, norm, epi, max_blocks, nc, g=None):
+    b = x.shape[0]
+    no = n // 2 if epi == 2 else n
+    blocks = min((no + 8 * nc - 1) // (8 * nc), max_blocks)
+    tmpl = [("NB", b), ("NORM", norm), ("EPI", epi), ("NC", nc)] + ([("G", g)] if g else []) + [("DT", x.dtype)]
     return k(inputs=[x, *weights, nw, eps, res], template=tmpl, grid=(blocks * 256, 1, 1),
              threadgroup=(256, 1, 1), output_shapes=[(b, no)], output_dtypes=[x.dtype])[0]
 
@@ -71,8 +89,9 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--max-blocks", type=int, default=1024)
+    ap.add_argument("--cols", default="1,2,4")
     a = ap.parse_args()
-    kd, kq = kernels()
+    kd, kq, kmd, kmq = kernels()
     eps = mx.array([EPS], dtype=mx.float32)
     for name, (n, k, norm, epi) in OPS.items():
         # Stack the layers' weights (gate/up stays [gate; up] per kernel call,
@@ -100,20 +119,34 @@ def main():
 
             dense_mm = lambda v: v @ w.T
             q_mm = lambda v: mx.quantized_matmul(v, *q, transpose=True, group_size=64, bits=4)
-            own = lambda: launch(kd, x, [w], nw, eps, res, n, norm, epi, a.max_blocks)
-            qown = lambda: launch(kq, x, list(q), nw, eps, res, n, norm, epi, a.max_blocks, 64)
             ref, qref = chain(dense_mm), chain(q_mm)
-            got, qgot = own(), qown()
             scale = mx.abs(ref).max().item()
-            err = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item() / scale
-            qerr = mx.abs(qgot.astype(mx.float32) - qref.astype(mx.float32)).max().item() / scale
-            t_mlx, t_own = timed(lambda: chain(dense_mm), a.reps), timed(own, a.reps)
-            t_qmlx, t_qown = timed(lambda: chain(q_mm), a.reps), timed(qown, a.reps)
+            t_mlx, t_qmlx = timed(lambda: chain(dense_mm), a.reps), timed(lambda: chain(q_mm), a.reps)
             print(f"{name:8s} {n:6d}x{k:5d} rows {b}: bf16 mlx {t_mlx*1e6:6.0f} us "
-                  f"({mb/t_mlx/1e3:5.0f} GB/s) own {t_own*1e6:6.0f} us ({mb/t_own/1e3:5.0f} GB/s) "
-                  f"err {err:.1e} | q4 mlx {t_qmlx*1e6:6.0f} us ({mb/4/t_qmlx/1e3:5.0f} GB/s) "
-                  f"own {t_qown*1e6:6.0f} us ({mb/4/t_qown/1e3:5.0f} GB/s) err {qerr:.1e}",
+                  f"({mb/t_mlx/1e3:5.0f} GB/s) | q4 mlx {t_qmlx*1e6:6.0f} us ({mb/4/t_qmlx/1e3:5.0f} GB/s)",
                   flush=True)
+            if b >= 2:
+                own = lambda: launch_mma(kmd, x, [w], nw, eps, res, n, norm, epi, a.max_blocks)
+                qown = lambda: launch_mma(kmq, x, list(q), nw, eps, res, n, norm, epi, a.max_blocks, 64)
+                got, qgot = own(), qown()
+                err = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item() / scale
+                qerr = mx.abs(qgot.astype(mx.float32) - qref.astype(mx.float32)).max().item() / scale
+                t_own, t_qown = timed(own, a.reps), timed(qown, a.reps)
+                print(f"{'':8s} {'':12s} mma: bf16 own {t_own*1e6:6.0f} us ({mb/t_own/1e3:5.0f} GB/s) "
+                      f"err {err:.1e} | q4 own {t_qown*1e6:6.0f} us ({mb/4/t_qown/1e3:5.0f} GB/s) "
+                      f"err {qerr:.1e}", flush=True)
+            for nc in [int(c) for c in a.cols.split(",")]:
+                if (b == 1 and nc != 1) or no % nc:
+                    continue
+                own = lambda: launch(kd, x, [w], nw, eps, res, n, norm, epi, a.max_blocks, nc)
+                qown = lambda: launch(kq, x, list(q), nw, eps, res, n, norm, epi, a.max_blocks, nc, 64)
+                got, qgot = own(), qown()
+                err = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item() / scale
+                qerr = mx.abs(qgot.astype(mx.float32) - qref.astype(mx.float32)).max().item() / scale
+                t_own, t_qown = timed(own, a.reps), timed(qown, a.reps)
+                print(f"{'':8s} {'':12s} NC {nc}: bf16 own {t_own*1e6:6.0f} us ({mb/t_own/1e3:5.0f} GB/s) "
+                      f"err {err:.1e} | q4 own {t_qown*1e6:6.0f} us ({mb/4/t_qown/1e3:5.0f} GB/s) "
+                      f"err {qerr:.1e}", flush=True)
 
 
 if __name__ == "__main__":

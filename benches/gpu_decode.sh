@@ -20,9 +20,11 @@
 #           nocompile: the engine with WEFT_COMPILE=off at PLAIN_STREAMS;
 #           decode: each row count one step at a time, pipelined compiled (fused decode
 #           kernels), compiled with WEFT_FUSED=off, and WEFT_COMPILE=off, with graph census;
-#           gemvstep: decode_timing with WEFT_GEMV_MAX_ROWS=0 and 8 at GEMV_ROWS_STEP (1 8),
+#           gemvstep: decode_timing with WEFT_GEMV_MAX_ROWS=0 and 8 at GEMV_ROWS_STEP (1 8)
+#           (the 4-bit model too with q4),
 #           and fused_decode_check with the GEMV kernels (bf16; 4-bit too with q4);
-#           gemv: benches/gemv_probe.py (MLX's few-row matmuls vs Weft's GEMV kernels) at GEMV_ROWS;
+#           gemv: benches/gemv_probe.py (MLX's few-row matmuls vs Weft's GEMV kernels) at GEMV_ROWS
+#           and columns per warp GEMV_COLS (1,2,4; WEFT_GEMV_COLS sets the engine's);
 #           GEMV_SWEEP="0 8": the engine again with WEFT_GEMV_MAX_ROWS at each value (0 = off);
 #           long: weft bench-engine --scenario long-prompts (issue 17 item 1);
 #           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase);
@@ -68,13 +70,17 @@ if [[ $S == *kernel* ]]; then
 fi
 if [[ $S == *gemv* ]]; then
   echo "== few-row matmuls: MLX's vs Weft's GEMV kernels (benches/gemv_probe.py)" | tee -a $R
-  python3 benches/gemv_probe.py --rows ${GEMV_ROWS:-1,2,4,8} 2>&1 | tee -a $R
+  python3 benches/gemv_probe.py --rows ${GEMV_ROWS:-1,2,4,8} --cols ${GEMV_COLS:-1,2,4} 2>&1 | tee -a $R
 fi
 if [[ $S == *gemvstep* ]]; then
   for b in ${GEMV_ROWS_STEP:-1 8}; do
     for g in 0 8; do
       echo "== runner decode step, $b rows, pipelined, compiled, WEFT_GEMV_MAX_ROWS=$g" | tee -a $R
       WEFT_GEMV_MAX_ROWS=$g CENSUS=1 PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+      if [[ $S == *q4* ]]; then
+        echo "== runner decode step, $b rows, 4-bit, pipelined, compiled, WEFT_GEMV_MAX_ROWS=$g" | tee -a $R
+        WEFT_GEMV_MAX_ROWS=$g CENSUS=1 PIPELINE=1 /root/decode_timing $Q $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+      fi
     done
     echo "== compiled steps with the GEMV kernels (WEFT_GEMV_MAX_ROWS=8) vs op-by-op, $b rows" | tee -a $R
     WEFT_GEMV_MAX_ROWS=8 /root/fused_decode_check $M $b 120 24 2>&1 | tail -4 | tee -a $R

@@ -1,7 +1,10 @@
 //! Few-row matrix products on the GPU for decode steps: `x [B, K] @ W^T`
-//! with one warp per output feature streaming its weight row in 16-byte
-//! loads, for dense and MLX affine 4-bit weights (dequantized in registers),
-//! each optionally fused with what surrounds it in a decode layer: the RMS
+//! for dense and MLX affine 4-bit weights (dequantized in registers): one
+//! row on CUDA cores, one warp per output feature streaming its weight row
+//! in 16-byte loads; 2-16 rows on tensor cores (`mma.sync`, the rows padded
+//! to the 8-wide side of the tile, the weights on the 16-wide side, so the
+//! weights are read once whatever the rows). Each is optionally fused with
+//! what surrounds it in a decode layer: the RMS
 //! norm of its input ([`Pre::Norm`]), and the residual add or the SwiGLU of
 //! a fused gate/up projection on its output ([`Post`]). A one-row decode
 //! step is a chain of such products over ~2.3 GB of weights at the 1.2B
@@ -9,10 +12,13 @@
 //! [`crate::decode_kernels`]), so fusing the norms and the element-wise
 //! epilogues removes four kernels per layer.
 //!
-//! The kernels are `kernels/gemv_head.cu`, then `gemv_dense.cu` or
-//! `gemv_q4.cu`, then `gemv_tail.cu`; `benches/gemv_probe.py` measures them
-//! against MLX's own matmul / quantized matmul chains at the model's shapes
-//! (benches/RESULTS.md).
+//! The kernels are `kernels/gemv_head.cu` (the norm prologue and the
+//! epilogue, shared), then `gemv_cols.cu`, `gemv_dense.cu` or `gemv_q4.cu`,
+//! `gemv_tail.cu` (CUDA cores, [`GEMV_COLS`] columns per warp for several
+//! rows where the tensor-core kernels do not take the layer), or
+//! `mma_open.cu`, `mma_a_dense.cu` or `mma_a_q4.cu`, `mma_close.cu` (tensor
+//! cores); `benches/gemv_probe.py` measures them against MLX's own matmul /
+//! quantized matmul chains at the model's shapes (benches/RESULTS.md).
 //!
 //! CUDA only (MLX's NVRTC path), used by the compiled GPU decode step for
 //! inputs of at most [`GEMV_MAX_ROWS`] / [`GEMV_MAX_ROWS_Q4`] rows
@@ -34,20 +40,62 @@ use crate::linear::Linear;
 pub const GEMV_MAX_ROWS: i32 = 0;
 /// The same for a model with 4-bit weights: one-row steps went from 310 to
 /// 387 tok/s (MLX's 4-bit matrix-vector product streams ~600 GB/s, these
-/// ~870), so on for one row; at 2-8 rows MLX's own products are faster.
-pub const GEMV_MAX_ROWS_Q4: i32 = 1;
+/// ~870); with the tensor-core kernels 2-16 rows too: MLX's quantized
+/// product is 3-4x slower at 2-4 rows than at 8, and from 8 rows Weft
+/// dequantized each weight per step (462 primitives per step against 217),
+/// so the 8-row step went from 5.39 / 6.35 to 4.95 / 4.63 ms on two H200s
+/// (benches/RESULTS.md). Dense weights keep MLX's matmul there (8 rows:
+/// 3.94 vs 4.99 ms and 4.95 vs 4.47 ms on the same two machines: no clear
+/// gain).
+pub const GEMV_MAX_ROWS_Q4: i32 = 16;
 
-const DENSE_SOURCE: &str = concat!(
+/// Shared memory that may stage a normalized input, in 16-byte words: the
+/// GEMV kernels take 16 KB up to 4 rows and 40 KB beyond (more would cut the
+/// blocks an SM holds); the tensor-core ones none (each block reads each
+/// input element once per tile, and normalizes it as it loads it).
+const GEMV_XS: &str = "constexpr int XS_CAP = (NB <= 4 ? 1024 : 2560);\n";
+const MMA_XS: &str = "constexpr int XS_CAP = 1;\n";
+const GEMV_DENSE: &str = concat!(
     include_str!("kernels/gemv_head.cu"),
+    include_str!("kernels/gemv_cols.cu"),
     include_str!("kernels/gemv_dense.cu"),
     include_str!("kernels/gemv_tail.cu")
 );
-const Q4_SOURCE: &str = concat!(
+const GEMV_Q4: &str = concat!(
     include_str!("kernels/gemv_head.cu"),
+    include_str!("kernels/gemv_cols.cu"),
     include_str!("kernels/gemv_q4.cu"),
     include_str!("kernels/gemv_tail.cu")
 );
+const MMA_DENSE: &str = concat!(
+    include_str!("kernels/gemv_head.cu"),
+    include_str!("kernels/mma_open.cu"),
+    include_str!("kernels/mma_a_dense.cu"),
+    include_str!("kernels/mma_close.cu")
+);
+const MMA_Q4: &str = concat!(
+    include_str!("kernels/gemv_head.cu"),
+    include_str!("kernels/mma_open.cu"),
+    include_str!("kernels/mma_a_q4.cu"),
+    include_str!("kernels/mma_close.cu")
+);
+/// Rows up to which the tensor-core kernels take inputs of two or more rows
+/// (their tile pads the rows to 8 or 16).
+const MMA_MAX_ROWS: i32 = 16;
+/// Rows up to which the CUDA-core kernels take several rows where the
+/// tensor-core ones do not (beyond, MLX's ops are faster: at 8-16 rows they
+/// took 1.5-8x MLX's time on the H200).
+const COLS_MAX_ROWS: i32 = 4;
+/// Threads of a tensor-core kernel's block (`MW` warps in mma_open.cu).
+const MMA_THREADS: i32 = 128;
 const THREADS: i32 = 256;
+/// Output columns each CUDA-core warp computes for inputs of several rows
+/// that the tensor-core kernels do not take (each input vector a warp loads
+/// serves all of them; one row keeps one column per warp, the most
+/// parallel): 4-bit at 2-4 rows on the H200, 4 columns took 0.5-0.9x the
+/// time of 1, and mostly less than 2. `WEFT_GEMV_COLS` overrides it (1, 2
+/// or 4).
+pub const GEMV_COLS: i32 = 4;
 /// Thread blocks per launch at most (columns beyond them loop): bounds the
 /// norm prologue, which every block runs over the whole input.
 const MAX_BLOCKS: i32 = 1024;
@@ -67,6 +115,24 @@ pub(crate) fn max_rows(quantized: bool) -> i32 {
     } else {
         GEMV_MAX_ROWS
     })
+}
+
+/// Columns per warp for an input of `rows` rows and `n` output columns
+/// (`n` must be a multiple of it).
+fn cols_per_warp(rows: i32, n: i32) -> i32 {
+    static COLS: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    let cols = *COLS.get_or_init(|| {
+        std::env::var("WEFT_GEMV_COLS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .filter(|c: &i32| matches!(c, 1 | 2 | 4))
+            .unwrap_or(GEMV_COLS)
+    });
+    if rows == 1 || n % cols != 0 {
+        1
+    } else {
+        cols
+    }
 }
 
 /// What a product does to its input first.
@@ -92,28 +158,37 @@ pub(crate) enum Post<'a> {
     SiluPair,
 }
 
-/// The two kernel objects (NVRTC compiles one per row count, mode and dtype
-/// at first use).
+/// Whether inputs of 2-16 rows take the tensor-core kernels
+/// (`WEFT_GEMV_MMA=0`: the CUDA-core kernels instead, at any row count up
+/// to the GEMV limit: a measurement knob, and the way around them on a GPU
+/// older than compute capability 8.0, whose NVRTC build of their bf16/f16
+/// `mma.sync` fails when the server traces its decode steps at startup).
+fn mma_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WEFT_GEMV_MMA").map_or(true, |v| v != "0"))
+}
+
+/// The kernel objects (NVRTC compiles one per row count, mode and dtype at
+/// first use).
 pub(crate) struct Gemv {
     dense: Kernel,
     q4: Kernel,
+    mma_dense: Kernel,
+    mma_q4: Kernel,
 }
 
 impl Gemv {
     pub(crate) fn new() -> Result<Self> {
+        let dense = ["x", "w", "nw", "eps", "res"];
+        let q4 = ["x", "w", "scales", "biases", "nw", "eps", "res"];
+        let kernel = |name: &str, inputs: &[&str], xs: &str, body: &str| {
+            Kernel::new(name, inputs, &["y"], &format!("{xs}{body}"))
+        };
         Ok(Self {
-            dense: Kernel::new(
-                "weft_gemv_dense",
-                &["x", "w", "nw", "eps", "res"],
-                &["y"],
-                DENSE_SOURCE,
-            )?,
-            q4: Kernel::new(
-                "weft_gemv_q4",
-                &["x", "w", "scales", "biases", "nw", "eps", "res"],
-                &["y"],
-                Q4_SOURCE,
-            )?,
+            dense: kernel("weft_gemv_dense", &dense, GEMV_XS, GEMV_DENSE)?,
+            q4: kernel("weft_gemv_q4", &q4, GEMV_XS, GEMV_Q4)?,
+            mma_dense: kernel("weft_mma_dense", &dense, MMA_XS, MMA_DENSE)?,
+            mma_q4: kernel("weft_mma_q4", &q4, MMA_XS, MMA_Q4)?,
         })
     }
 
@@ -142,7 +217,7 @@ impl Gemv {
                 (1, w, eps)
             }
         };
-        let (inputs, n, kernel, g, bias): (Vec<&Array>, i32, &Kernel, Option<i32>, _) = match lin {
+        let (inputs, n, quant, g, bias): (Vec<&Array>, i32, bool, Option<i32>, _) = match lin {
             Linear::Dense { weight, bias, .. } => {
                 let vec = match dt {
                     Dtype::Bfloat16 | Dtype::Float16 => 8,
@@ -152,7 +227,7 @@ impl Gemv {
                 if weight.dtype() != dt || weight.shape() != [weight.dim(0), k] || k % vec != 0 {
                     return Ok(None);
                 }
-                (vec![x, weight], weight.dim(0), &self.dense, None, bias)
+                (vec![x, weight], weight.dim(0), false, None, bias)
             }
             Linear::Quantized {
                 weight,
@@ -177,7 +252,7 @@ impl Gemv {
                 (
                     vec![x, weight, scales, biases],
                     weight.dim(0),
-                    &self.q4,
+                    true,
                     Some(*group_size),
                     bias,
                 )
@@ -205,16 +280,31 @@ impl Gemv {
         };
         let mut all = inputs;
         all.extend([nw, eps, res]);
-        let blocks = ((out_n + 7) / 8).min(MAX_BLOCKS);
+        let two_bytes = matches!(dt, Dtype::Bfloat16 | Dtype::Float16);
+        let mma = (2..=MMA_MAX_ROWS).contains(&b) && two_bytes && k % 128 == 0 && out_n % 16 == 0;
         let mut t: Vec<(&str, i32)> = vec![("NB", b), ("NORM", norm), ("EPI", epi)];
+        let (kernel, blocks, threads) = if mma && mma_on() {
+            t.push(("BF16", i32::from(dt == Dtype::Bfloat16)));
+            let kernel = if quant { &self.mma_q4 } else { &self.mma_dense };
+            (kernel, (out_n / 16).min(MAX_BLOCKS), MMA_THREADS)
+        } else if b <= COLS_MAX_ROWS || !mma_on() {
+            let nc = cols_per_warp(b, out_n);
+            t.push(("NC", nc));
+            let per_block = THREADS / 32 * nc;
+            let kernel = if quant { &self.q4 } else { &self.dense };
+            let blocks = ((out_n + per_block - 1) / per_block).min(MAX_BLOCKS);
+            (kernel, blocks, THREADS)
+        } else {
+            return Ok(None);
+        };
         if let Some(g) = g {
             t.push(("G", g));
         }
         let mut out = kernel.apply(
             &all,
             &[(&[b, out_n], dt)],
-            (blocks * THREADS, 1),
-            THREADS,
+            (blocks * threads, 1),
+            threads,
             &t,
             ("DT", dt),
         )?;

@@ -1,21 +1,31 @@
-// Few-row GEMV kernels, part 1 of 3 (head, then gemv_dense.cu or gemv_q4.cu,
-// then gemv_tail.cu; crates/models/src/gemv.rs joins them):
+// Few-row products, part 1: the prologue shared by the GEMV kernels (then
+// gemv_cols.cu, gemv_dense.cu or gemv_q4.cu, gemv_tail.cu) and the
+// tensor-core ones (then mma_open.cu, mma_a_dense.cu or mma_a_q4.cu,
+// mma_close.cu); crates/models/src/gemv.rs joins them after a line that sets
+// XS_CAP, the 16-byte words of shared memory that may stage the input:
 //   y[b, n] = EPI(sum_k NORM(x)[b, k] * w[n, k])      for b < NB rows
 // NORM = 1: x's rows are RMS-normalized first, rounded where MLX's
 //   rms_norm rounds (x * rsqrt(mean(x^2) + eps) to DT, then * nw to DT);
 //   every block computes the rows' inverse RMS itself (no extra launch) and
 //   stages the normalized rows in shared memory.
 // EPI = 0: y = DT(acc); 1: y = DT(res + DT(acc)) (the residual add);
-//   2: w holds [gate; up] (2F rows), y[b, j] = silu(gate_j) * up_j, [NB, F].
-// One warp per output column (grid-stride), 16-byte weight loads, f32
-// accumulation, warp-shuffle reductions. Inputs nw, eps and res are read
-// only when NORM / EPI use them.
+//   2: w holds [gate; up] (2F rows), y[b, j] = silu(gate_j) * up_j, [NB, F]
+//   (`emit` below).
+// Each warp computes NC adjacent output columns (grid-stride; NO a multiple
+// of NC): every input vector it loads serves all NC columns, which is what
+// makes several rows pay (with one column per warp, each row's input is read
+// again for every column). 16-byte weight loads, f32 accumulation,
+// warp-shuffle reductions. Inputs nw, eps and res are read only when NORM /
+// EPI use them.
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int WPB = blockDim.x >> 5;
     const int N = w_shape[0];
     const int K = x_shape[1];
     const int NO = EPI == 2 ? N / 2 : N;
+    // Elements per 16-byte word; K is a multiple of it.
+    constexpr int VEC = 16 / sizeof(DT);
+    const int KVEC = K / VEC;
     __shared__ float inv_s[NB];
     if (NORM) {
         __shared__ float red[NB][32];
@@ -24,11 +34,23 @@
         for (int b = 0; b < NB; ++b) {
             ss[b] = 0.f;
         }
-        for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        // 16-byte loads, every row's at once: a block's prologue is on the
+        // critical path of every launch (one round of loads for K up to
+        // blockDim.x 16-byte words).
+        for (int c = threadIdx.x; c < KVEC; c += blockDim.x) {
+            uint4 v[NB];
             #pragma unroll
             for (int b = 0; b < NB; ++b) {
-                const float f = static_cast<float>(x[(size_t)b * K + k]);
-                ss[b] += f * f;
+                v[b] = reinterpret_cast<const uint4*>(x + (size_t)b * K)[c];
+            }
+            #pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const DT* p = reinterpret_cast<const DT*>(&v[b]);
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const float f = static_cast<float>(p[e]);
+                    ss[b] += f * f;
+                }
             }
         }
         #pragma unroll
@@ -59,24 +81,47 @@
         __syncthreads();
     }
     // With NORM, the normalized rows are staged once per block in shared
-    // memory when they fit (16 KB), else normalized again at every use.
-    __shared__ uint4 xs4[NORM ? 1024 : 1];
+    // memory when they fit (XS_CAP words), else normalized again at every use.
+    __shared__ uint4 xs4[NORM ? XS_CAP : 1];
     const bool staged = NORM && (size_t)NB * K * sizeof(DT) <= sizeof(xs4);
     if (staged) {
-        DT* xs = reinterpret_cast<DT*>(xs4);
-        for (int i = threadIdx.x; i < NB * K; i += blockDim.x) {
-            const DT r = static_cast<DT>(static_cast<float>(x[i]) * inv_s[i / K]);
-            xs[i] = static_cast<DT>(static_cast<float>(nw[i % K]) * static_cast<float>(r));
+        for (int c = threadIdx.x; c < KVEC; c += blockDim.x) {
+            const uint4 nv = reinterpret_cast<const uint4*>(nw)[c];
+            const DT* np = reinterpret_cast<const DT*>(&nv);
+            uint4 v[NB];
+            #pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                v[b] = reinterpret_cast<const uint4*>(x + (size_t)b * K)[c];
+            }
+            #pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                DT o[VEC];
+                const DT* p = reinterpret_cast<const DT*>(&v[b]);
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const DT r = static_cast<DT>(static_cast<float>(p[e]) * inv_s[b]);
+                    o[e] = static_cast<DT>(static_cast<float>(np[e]) * static_cast<float>(r));
+                }
+                xs4[(size_t)b * KVEC + c] = *reinterpret_cast<const uint4*>(o);
+            }
         }
         __syncthreads();
     }
     const DT* xin = staged ? reinterpret_cast<const DT*>(xs4) : x;
     const bool renorm = NORM && !staged;
-    for (int n = blockIdx.x * WPB + warp; n < NO; n += gridDim.x * WPB) {
-        float acc[NB];
-        float acc2[NB];
-        #pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            acc[b] = 0.f;
-            acc2[b] = 0.f;
+    // The epilogue of output o (row-major [NB, NO]) from the f32 sums of its
+    // column (v) and, with EPI 2, of its up column (v2).
+    auto emit = [&](size_t o, float v, float v2) {
+        if (EPI == 0) {
+            y[o] = static_cast<DT>(v);
+        } else if (EPI == 1) {
+            y[o] = static_cast<DT>(
+                static_cast<float>(res[o]) + static_cast<float>(static_cast<DT>(v)));
+        } else {
+            const float g = static_cast<float>(static_cast<DT>(v));
+            const float u = static_cast<float>(static_cast<DT>(v2));
+            const DT sig = static_cast<DT>(1.f / (1.f + expf(-g)));
+            const DT gs = static_cast<DT>(g * static_cast<float>(sig));
+            y[o] = static_cast<DT>(static_cast<float>(gs) * u);
         }
+    };
