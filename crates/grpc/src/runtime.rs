@@ -461,6 +461,10 @@ pub struct ServedModel {
     pub vocab_size: usize,
     pub dtype: String,
     pub quantization: String,
+    /// Tokens a sliding-window layer attends (None: no such layers).
+    pub sliding_window: Option<u32>,
+    /// Per layer: "full_attention" or "sliding_attention".
+    pub layer_kinds: Vec<String>,
     pub eos_token_ids: Vec<u32>,
     /// What the server plans to hold (set once the engine has started).
     pub memory: crate::memory_plan::MemoryPlan,
@@ -555,6 +559,23 @@ pub fn start_engine_with(
         vocab_size: model_config.vocab_size as usize,
         dtype: format!("{:?}", policy.dtype).to_lowercase(),
         quantization,
+        sliding_window: model_config
+            .sliding_layers
+            .contains(&true)
+            .then_some(model_config.sliding_window)
+            .flatten()
+            .and_then(|w| u32::try_from(w).ok()),
+        layer_kinds: (0..model_config.num_layers as usize)
+            .map(|i| {
+                let sliding = model_config.sliding_layers.get(i).copied().unwrap_or(false);
+                if sliding {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+                .to_string()
+            })
+            .collect(),
         eos_token_ids: eos.clone(),
         memory: Default::default(),
     };

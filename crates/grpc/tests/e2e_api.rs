@@ -70,6 +70,33 @@ async fn models_tokenize_detokenize() {
     assert_eq!(m.architecture, "llama");
     assert!(m.has_chat_template);
     assert!(!m.dtype.is_empty() && !m.quantization.is_empty());
+    // Layer kinds and the KV pool: 30 full-attention layers, one group.
+    assert_eq!(m.sliding_window, 0);
+    assert_eq!(m.layer_kinds.len(), 30);
+    assert!(m.layer_kinds.iter().all(|k| k == "full_attention"));
+    assert_eq!(m.kv_dtype, m.dtype);
+    assert_eq!(m.kv_block_size, 16);
+    assert_eq!(m.kv_groups.len(), 1, "{:?}", m.kv_groups);
+    let g = &m.kv_groups[0];
+    assert_eq!((g.kind.as_str(), g.layers), ("full", 30));
+    // The per-kind gauges cover the same blocks.
+    let text = s.metrics().await;
+    let kind = |state: &str| {
+        metric(
+            &text,
+            "weft_kv_kind_blocks",
+            &["kind=\"full\"", &format!("state=\"{state}\"")],
+        )
+        .unwrap_or_else(|| panic!("weft_kv_kind_blocks{{kind=full,state={state}}}"))
+    };
+    assert_eq!(
+        kind("used") + kind("free") + kind("cached"),
+        f64::from(g.blocks)
+    );
+    assert_eq!(
+        metric(&text, "weft_kv_kind_blocks", &["kind=\"sliding_window\""]),
+        None
+    );
     let got = c
         .get_model(pb::GetModelRequest {
             name: String::new(),

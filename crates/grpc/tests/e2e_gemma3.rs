@@ -219,6 +219,46 @@ async fn gemma3_batches_mixed_lengths_as_each_runs_alone() {
     // 8 rows x (32 window blocks + 2) + a step's 2056 tokens: the windows only.
     assert_eq!(sliding, 8 * 34 + 2056u64.div_ceil(16));
     assert!(full > 4 * sliding, "full {full}, sliding {sliding}");
+    // The API and the metrics say the same: 5 local layers to 1 global.
+    let mut c = s.client().await;
+    let m = c
+        .get_model(with(
+            pb::GetModelRequest {
+                name: String::new(),
+            },
+            Some(ALONE),
+            None,
+        ))
+        .await
+        .expect("GetModel")
+        .into_inner();
+    assert_eq!(m.architecture, "gemma3_text");
+    assert_eq!(m.sliding_window, 512);
+    let kinds: Vec<bool> = m
+        .layer_kinds
+        .iter()
+        .map(|k| k == "sliding_attention")
+        .collect();
+    assert_eq!(kinds.len(), 18);
+    assert!(kinds
+        .iter()
+        .enumerate()
+        .all(|(i, &sliding)| sliding == (i % 6 != 5)));
+    let groups: Vec<(&str, u32, u64)> = m
+        .kv_groups
+        .iter()
+        .map(|g| (g.kind.as_str(), g.layers, u64::from(g.blocks)))
+        .collect();
+    assert_eq!(groups, [("full", 3, full), ("sliding_window", 15, sliding)]);
+    let text = s.metrics().await;
+    for (kind, blocks) in [("full", full), ("sliding_window", sliding)] {
+        let k = format!("kind=\"{kind}\"");
+        assert_eq!(
+            metric(&text, "weft_kv_kind_blocks", &[&k]),
+            Some(blocks as f64),
+            "{kind}: used + free + cached"
+        );
+    }
 
     let reqs = requests();
     let alone = run(&s, ALONE, &reqs, false).await;

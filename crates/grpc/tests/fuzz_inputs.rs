@@ -295,6 +295,8 @@ fn served() -> ServedModel {
         vocab_size: VOCAB,
         dtype: "float32".into(),
         quantization: "none".into(),
+        sliding_window: None,
+        layer_kinds: vec!["full_attention".into(); 2],
         eos_token_ids: vec![0],
         memory: Default::default(),
     }

@@ -83,6 +83,14 @@ pub enum AttentionKind {
 }
 
 impl AttentionKind {
+    /// The kind's name in metrics and the API: "full" or "sliding_window".
+    pub fn label(self) -> &'static str {
+        match self {
+            AttentionKind::Full => "full",
+            AttentionKind::SlidingWindow { .. } => "sliding_window",
+        }
+    }
+
     /// First logical block a sequence of `len` tokens still needs: blocks lying
     /// entirely before `len - window` are never attended again (0 for full
     /// attention). The pool drops the blocks before this one, taking the length

@@ -15,6 +15,10 @@ pub const KV_BLOCKS_USED: &str = "weft_kv_blocks_used";
 pub const KV_BLOCKS_FREE: &str = "weft_kv_blocks_free";
 pub const KV_BLOCKS_CACHED: &str = "weft_kv_blocks_cached";
 pub const KV_USAGE_RATIO: &str = "weft_kv_usage_ratio";
+/// Blocks per attention kind (`kind`: "full", "sliding_window") and `state`
+/// ("used", "free", "cached"): the pool's groups one by one (the unlabelled
+/// `weft_kv_blocks_*` gauges are the full-attention group's).
+pub const KV_KIND_BLOCKS: &str = "weft_kv_kind_blocks";
 pub const PREEMPTIONS: &str = "weft_preemptions_total";
 pub const STEP_ROLLBACKS: &str = "weft_step_rollbacks_total";
 pub const STEP_OUT_OF_MEMORY: &str = "weft_step_out_of_memory_total";
@@ -58,6 +62,10 @@ pub fn describe() {
         "KV pool blocks holding prefix-cache contents, evictable (LRU) when none are free"
     );
     describe_gauge!(KV_USAGE_RATIO, "Used / total KV pool blocks");
+    describe_gauge!(
+        KV_KIND_BLOCKS,
+        "KV pool blocks of each attention kind's group (kind), used / free / cached (state)"
+    );
     describe_counter!(
         PREEMPTIONS,
         "Rows preempted (recomputed later) for lack of KV memory"
@@ -162,6 +170,24 @@ impl EngineMetrics {
             spec_accepted: counter!(SPEC_ACCEPTED_TOKENS),
             constraint_mask: histogram!(CONSTRAINT_MASK),
             constraint_masks: counter!(CONSTRAINT_MASKS),
+        }
+    }
+}
+
+/// One KV group's gauges: used, free, cached blocks.
+pub(crate) struct KindMetrics {
+    pub used: Gauge,
+    pub free: Gauge,
+    pub cached: Gauge,
+}
+
+impl KindMetrics {
+    pub fn new(kind: &'static str) -> Self {
+        let g = |state: &'static str| gauge!(KV_KIND_BLOCKS, "kind" => kind, "state" => state);
+        Self {
+            used: g("used"),
+            free: g("free"),
+            cached: g("cached"),
         }
     }
 }

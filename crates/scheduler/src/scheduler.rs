@@ -26,7 +26,7 @@ use crate::constraint::{Constraint, MaskTime};
 use crate::detok::{TextState, TextUpdate};
 use crate::draft::{self, Seq};
 use crate::fault::{FaultPlan, FaultPoint};
-use crate::metrics::{EngineMetrics, TenantMetrics};
+use crate::metrics::{EngineMetrics, KindMetrics, TenantMetrics};
 use crate::model::{Detokenizer, Model, ModelError, ModelInfo, RowId, RowInput};
 use crate::model::{RowSampling, StepOutput};
 use crate::request::TokenLogprob;
@@ -629,6 +629,8 @@ pub struct Scheduler<M: Model> {
     bufs: StepBufs,
     stats: Stats,
     metrics: EngineMetrics,
+    /// Per KV group (in group order), its blocks by state.
+    kind_metrics: Vec<KindMetrics>,
     /// A pipelined step submitted to the model and not yet collected.
     inflight: Option<Vec<Planned>>,
     /// Sequences released while a pool step was open, with the number of steps open
@@ -691,6 +693,11 @@ impl<M: Model> Scheduler<M> {
         if let Some(key) = cfg.kv_hash_key {
             kv.hash_key = Some(key);
         }
+        let kind_metrics = kv
+            .groups
+            .iter()
+            .map(|g| KindMetrics::new(g.kind.label()))
+            .collect();
         let pool = KvPool::new(kv)?;
         let bs = pool.block_size();
         let total = pool.group(0)?.total();
@@ -731,6 +738,7 @@ impl<M: Model> Scheduler<M> {
             bufs: StepBufs::default(),
             stats: Stats::default(),
             metrics: EngineMetrics::new(),
+            kind_metrics,
             inflight: None,
             released_open: Vec::new(),
         };
@@ -2745,6 +2753,12 @@ impl<M: Model> Scheduler<M> {
     }
 
     fn publish(&mut self) {
+        for (g, m) in self.kind_metrics.iter().enumerate() {
+            let b = self.pool.group(g).map(|p| p.stats()).unwrap_or_default();
+            m.used.set(b.used as f64);
+            m.free.set(b.free as f64);
+            m.cached.set(b.cached as f64);
+        }
         let b = self.pool.group(0).map(|g| g.stats()).unwrap_or_default();
         self.metrics.kv_used.set(b.used as f64);
         self.metrics.kv_free.set(b.free as f64);

@@ -792,6 +792,8 @@ impl pb::generation_server::Generation for GenerationService {
 
 fn model_info(ready: &Ready) -> pb::ModelInfo {
     let m = &ready.model;
+    let kv = &ready.engine.model_info().kv;
+    let layers = |kind: &str| m.layer_kinds.iter().filter(|k| *k == kind).count() as u32;
     pb::ModelInfo {
         name: m.name.clone(),
         context_length: m.context_length as u32,
@@ -800,6 +802,25 @@ fn model_info(ready: &Ready) -> pb::ModelInfo {
         quantization: m.quantization.clone(),
         architecture: m.architecture.clone(),
         has_chat_template: ready.tokenizer.has_chat_template(),
+        sliding_window: m.sliding_window.unwrap_or(0),
+        layer_kinds: m.layer_kinds.clone(),
+        // The pool's storage takes the compute dtype.
+        kv_dtype: m.dtype.clone(),
+        kv_block_size: kv.block_size,
+        kv_groups: kv
+            .groups
+            .iter()
+            .map(|g| pb::KvGroupInfo {
+                kind: g.kind.label().to_string(),
+                layers: match g.kind {
+                    weft_scheduler::kv_pool::AttentionKind::Full => layers("full_attention"),
+                    weft_scheduler::kv_pool::AttentionKind::SlidingWindow { .. } => {
+                        layers("sliding_attention")
+                    }
+                },
+                blocks: g.num_blocks,
+            })
+            .collect(),
     }
 }
 
