@@ -158,6 +158,55 @@ pub(crate) enum Post<'a> {
     SiluPair,
 }
 
+/// One kernel object's NVRTC source as [`Gemv`] builds it: its name, input
+/// names and body (the `XS_CAP` line included). For checks outside MLX
+/// (`crates/models/tests/cuda_sources.rs` compiles every variant with NVRTC).
+pub struct KernelSource {
+    pub name: &'static str,
+    pub inputs: &'static [&'static str],
+    /// Whether its weight is MLX's packed 4-bit (`uint32`) with scales and
+    /// biases, and its template arguments include the group `G`.
+    pub quantized: bool,
+    /// Tensor-core kernel (template argument `BF16`; 2-16 rows) or CUDA-core
+    /// (`NC`; any rows).
+    pub mma: bool,
+    pub source: String,
+}
+
+const DENSE_INPUTS: &[&str] = &["x", "w", "nw", "eps", "res"];
+const Q4_INPUTS: &[&str] = &["x", "w", "scales", "biases", "nw", "eps", "res"];
+
+/// Every kernel object's source.
+pub fn kernel_sources() -> Vec<KernelSource> {
+    let k = |name, inputs, quantized, mma, xs: &str, body: &str| KernelSource {
+        name,
+        inputs,
+        quantized,
+        mma,
+        source: format!("{xs}{body}"),
+    };
+    vec![
+        k(
+            "weft_gemv_dense",
+            DENSE_INPUTS,
+            false,
+            false,
+            GEMV_XS,
+            GEMV_DENSE,
+        ),
+        k("weft_gemv_q4", Q4_INPUTS, true, false, GEMV_XS, GEMV_Q4),
+        k(
+            "weft_mma_dense",
+            DENSE_INPUTS,
+            false,
+            true,
+            MMA_XS,
+            MMA_DENSE,
+        ),
+        k("weft_mma_q4", Q4_INPUTS, true, true, MMA_XS, MMA_Q4),
+    ]
+}
+
 /// Whether inputs of 2-16 rows take the tensor-core kernels
 /// (`WEFT_GEMV_MMA=0`: the CUDA-core kernels instead, at any row count up
 /// to the GEMV limit: a measurement knob, and the way around them on a GPU
@@ -179,16 +228,18 @@ pub(crate) struct Gemv {
 
 impl Gemv {
     pub(crate) fn new() -> Result<Self> {
-        let dense = ["x", "w", "nw", "eps", "res"];
-        let q4 = ["x", "w", "scales", "biases", "nw", "eps", "res"];
-        let kernel = |name: &str, inputs: &[&str], xs: &str, body: &str| {
-            Kernel::new(name, inputs, &["y"], &format!("{xs}{body}"))
+        let mut k = kernel_sources()
+            .into_iter()
+            .map(|s| Kernel::new(s.name, s.inputs, &["y"], &s.source));
+        let mut next = || {
+            k.next()
+                .ok_or_else(|| ModelError::Invalid("gemv: a kernel source is missing".into()))?
         };
         Ok(Self {
-            dense: kernel("weft_gemv_dense", &dense, GEMV_XS, GEMV_DENSE)?,
-            q4: kernel("weft_gemv_q4", &q4, GEMV_XS, GEMV_Q4)?,
-            mma_dense: kernel("weft_mma_dense", &dense, MMA_XS, MMA_DENSE)?,
-            mma_q4: kernel("weft_mma_q4", &q4, MMA_XS, MMA_Q4)?,
+            dense: next()?,
+            q4: next()?,
+            mma_dense: next()?,
+            mma_q4: next()?,
         })
     }
 

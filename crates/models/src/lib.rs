@@ -11,7 +11,7 @@ pub mod cpu_kernels;
 mod cuda_kernel;
 pub mod decode_kernels;
 pub mod error;
-mod gemv;
+pub mod gemv;
 pub mod graph_census;
 pub mod host_attention;
 pub mod kv;

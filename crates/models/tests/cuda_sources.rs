@@ -1,0 +1,94 @@
+//! Every variant of Weft's few-row product kernels (`weft_models::gemv`) that a
+//! decode step can launch compiles with NVRTC for sm_90 (the H200), without
+//! warnings and without register spills, wrapped as MLX's custom-kernel path
+//! wraps it (`tests/cuda/nvrtc_check.py`, NVRTC from the test venv's
+//! `nvidia-cuda-nvrtc-cu12`). No GPU is needed: this is what catches a kernel
+//! source broken for some row count, mode or dtype before a GPU run does. The
+//! kernels' numbers are checked on the GPU (`benches/gemv_probe.py`, the
+//! decode-step checks in benches/gpu_decode.sh).
+
+mod common;
+
+use serde_json::json;
+
+#[test]
+fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
+    let mut spec = Vec::new();
+    for k in weft_models::gemv::kernel_sources() {
+        let dtypes: &[&str] = match (k.mma, k.quantized) {
+            // The tensor-core kernels take bf16 and f16 (their mma types).
+            (true, _) => &["__nv_bfloat16", "__half"],
+            // 4-bit weights come with 2-byte activations; dense ones with any.
+            (false, true) => &["__nv_bfloat16", "__half"],
+            (false, false) => &["__nv_bfloat16", "float"],
+        };
+        // Rows: the tensor-core kernels take 2-16 (9 pads to a second tile);
+        // the CUDA-core ones one row, and several where those cannot.
+        let variants: Vec<(i32, i32)> = if k.mma {
+            [2, 5, 8, 9, 16].iter().map(|&b| (b, 0)).collect()
+        } else {
+            vec![(1, 1), (2, 4), (3, 4), (4, 4), (4, 2), (4, 1)]
+        };
+        for &dt in dtypes {
+            for &(nb, nc) in &variants {
+                for norm in 0..2 {
+                    for epi in 0..3 {
+                        let mut consts = vec![
+                            json!(["NB", nb]),
+                            json!(["NORM", norm]),
+                            json!(["EPI", epi]),
+                        ];
+                        consts.push(if k.mma {
+                            json!(["BF16", i32::from(dt == "__nv_bfloat16")])
+                        } else {
+                            json!(["NC", nc])
+                        });
+                        if k.quantized {
+                            consts.push(json!(["G", 64]));
+                        }
+                        let inputs: Vec<_> = k
+                            .inputs
+                            .iter()
+                            .map(|&n| {
+                                let t = match n {
+                                    "w" if k.quantized => "uint32_t",
+                                    "eps" => "float",
+                                    _ => dt,
+                                };
+                                json!([n, t])
+                            })
+                            .collect();
+                        spec.push(json!({
+                            "name": k.name,
+                            "inputs": inputs,
+                            "outputs": [["y", dt]],
+                            "consts": consts,
+                            "types": [["DT", dt]],
+                            "source": k.source,
+                        }));
+                    }
+                }
+            }
+        }
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("spec.json");
+    std::fs::write(&path, serde_json::to_vec(&spec).expect("spec")).expect("write spec");
+    let script = common::workspace_root().join("tests/cuda/nvrtc_check.py");
+    let out = std::process::Command::new(common::python())
+        .arg(&script)
+        .arg(&path)
+        .output()
+        .expect("run nvrtc_check.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}");
+    assert!(
+        out.status.success(),
+        "some kernel variants failed (see above): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("{} variants, 0 failed", spec.len())),
+        "the checker did not report every variant"
+    );
+}
