@@ -125,28 +125,23 @@ def main():
             print(f"{name:8s} {n:6d}x{k:5d} rows {b}: bf16 mlx {t_mlx*1e6:6.0f} us "
                   f"({mb/t_mlx/1e3:5.0f} GB/s) | q4 mlx {t_qmlx*1e6:6.0f} us ({mb/4/t_qmlx/1e3:5.0f} GB/s)",
                   flush=True)
-            if b >= 2:
-                own = lambda: launch_mma(kmd, x, [w], nw, eps, res, n, norm, epi, a.max_blocks)
-                qown = lambda: launch_mma(kmq, x, list(q), nw, eps, res, n, norm, epi, a.max_blocks, 64)
+            def measure(label, own, qown):
                 got, qgot = own(), qown()
                 err = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item() / scale
                 qerr = mx.abs(qgot.astype(mx.float32) - qref.astype(mx.float32)).max().item() / scale
                 t_own, t_qown = timed(own, a.reps), timed(qown, a.reps)
-                print(f"{'':8s} {'':12s} mma: bf16 own {t_own*1e6:6.0f} us ({mb/t_own/1e3:5.0f} GB/s) "
+                print(f"{'':8s} {'':12s} {label}: bf16 own {t_own*1e6:6.0f} us ({mb/t_own/1e3:5.0f} GB/s) "
                       f"err {err:.1e} | q4 own {t_qown*1e6:6.0f} us ({mb/4/t_qown/1e3:5.0f} GB/s) "
                       f"err {qerr:.1e}", flush=True)
+
+            if b >= 2:
+                measure("mma", lambda: launch_mma(kmd, x, [w], nw, eps, res, n, norm, epi, a.max_blocks),
+                        lambda: launch_mma(kmq, x, list(q), nw, eps, res, n, norm, epi, a.max_blocks, 64))
             for nc in [int(c) for c in a.cols.split(",")]:
                 if (b == 1 and nc != 1) or no % nc:
                     continue
-                own = lambda: launch(kd, x, [w], nw, eps, res, n, norm, epi, a.max_blocks, nc)
-                qown = lambda: launch(kq, x, list(q), nw, eps, res, n, norm, epi, a.max_blocks, nc, 64)
-                got, qgot = own(), qown()
-                err = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item() / scale
-                qerr = mx.abs(qgot.astype(mx.float32) - qref.astype(mx.float32)).max().item() / scale
-                t_own, t_qown = timed(own, a.reps), timed(qown, a.reps)
-                print(f"{'':8s} {'':12s} NC {nc}: bf16 own {t_own*1e6:6.0f} us ({mb/t_own/1e3:5.0f} GB/s) "
-                      f"err {err:.1e} | q4 own {t_qown*1e6:6.0f} us ({mb/4/t_qown/1e3:5.0f} GB/s) "
-                      f"err {qerr:.1e}", flush=True)
+                measure(f"NC {nc}", lambda: launch(kd, x, [w], nw, eps, res, n, norm, epi, a.max_blocks, nc),
+                        lambda: launch(kq, x, list(q), nw, eps, res, n, norm, epi, a.max_blocks, nc, 64))
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@
                 for (int e = 0; e < VEC; ++e) {
                     float xf = static_cast<float>(xp[e]);
                     if (renorm) {
-                        const DT r = static_cast<DT>(xf * inv_s[b]);
-                        xf = static_cast<float>(static_cast<DT>(
-                            static_cast<float>(np[e]) * static_cast<float>(r)));
+                        xf = static_cast<float>(normed(xf, np[e], b));
                     }
                     #pragma unroll
                     for (int j = 0; j < NC; ++j) {

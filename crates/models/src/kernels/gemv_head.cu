@@ -27,6 +27,13 @@
     constexpr int VEC = 16 / sizeof(DT);
     const int KVEC = K / VEC;
     __shared__ float inv_s[NB];
+    // 16-byte word c of every input row, all loads issued at once.
+    auto load_rows = [&](int c, uint4* v) {
+        #pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            v[b] = reinterpret_cast<const uint4*>(x + (size_t)b * K)[c];
+        }
+    };
     if (NORM) {
         __shared__ float red[NB][32];
         float ss[NB];
@@ -39,10 +46,7 @@
         // blockDim.x 16-byte words).
         for (int c = threadIdx.x; c < KVEC; c += blockDim.x) {
             uint4 v[NB];
-            #pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                v[b] = reinterpret_cast<const uint4*>(x + (size_t)b * K)[c];
-            }
+            load_rows(c, v);
             #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 const DT* p = reinterpret_cast<const DT*>(&v[b]);
@@ -80,6 +84,12 @@
         }
         __syncthreads();
     }
+    // Element k of row b normalized as MLX's rms_norm rounds it (xe =
+    // x[b, k], we = nw[k]): DT(xe * inv_s[b]), then DT(we * that).
+    auto normed = [&](float xe, DT we, int b) -> DT {
+        const DT r = static_cast<DT>(xe * inv_s[b]);
+        return static_cast<DT>(static_cast<float>(we) * static_cast<float>(r));
+    };
     // With NORM, the normalized rows are staged once per block in shared
     // memory when they fit (XS_CAP words), else normalized again at every use.
     __shared__ uint4 xs4[NORM ? XS_CAP : 1];
@@ -89,18 +99,14 @@
             const uint4 nv = reinterpret_cast<const uint4*>(nw)[c];
             const DT* np = reinterpret_cast<const DT*>(&nv);
             uint4 v[NB];
-            #pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                v[b] = reinterpret_cast<const uint4*>(x + (size_t)b * K)[c];
-            }
+            load_rows(c, v);
             #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 DT o[VEC];
                 const DT* p = reinterpret_cast<const DT*>(&v[b]);
                 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
-                    const DT r = static_cast<DT>(static_cast<float>(p[e]) * inv_s[b]);
-                    o[e] = static_cast<DT>(static_cast<float>(np[e]) * static_cast<float>(r));
+                    o[e] = normed(static_cast<float>(p[e]), np[e], b);
                 }
                 xs4[(size_t)b * KVEC + c] = *reinterpret_cast<const uint4*>(o);
             }

@@ -60,9 +60,7 @@
                         for (int e = 0; e < 8; ++e) {
                             float xf = static_cast<float>(xp[e]);
                             if (renorm) {
-                                const DT r = static_cast<DT>(xf * inv_s[b]);
-                                xf = static_cast<float>(static_cast<DT>(
-                                    static_cast<float>(np[e]) * static_cast<float>(r)));
+                                xf = static_cast<float>(normed(xf, np[e], b));
                             }
                             #pragma unroll
                             for (int j = 0; j < NC; ++j) {
@@ -113,9 +111,7 @@
                         for (int b = 0; b < NB; ++b) {
                             float xf = static_cast<float>(reinterpret_cast<const DT*>(&xv[b])[e]);
                             if (renorm) {
-                                const DT r = static_cast<DT>(xf * inv_s[b]);
-                                xf = static_cast<float>(static_cast<DT>(
-                                    static_cast<float>(np[e]) * static_cast<float>(r)));
+                                xf = static_cast<float>(normed(xf, np[e], b));
                             }
                             #pragma unroll
                             for (int j = 0; j < NC; ++j) {

@@ -61,8 +61,7 @@
                             DT o[8];
                             #pragma unroll
                             for (int e = 0; e < 8; ++e) {
-                                const DT r = static_cast<DT>(static_cast<float>(xp[e]) * inv_s[row]);
-                                o[e] = static_cast<DT>(static_cast<float>(np[e]) * static_cast<float>(r));
+                                o[e] = normed(static_cast<float>(xp[e]), np[e], row);
                             }
                             v = *reinterpret_cast<const uint4*>(o);
                         }
