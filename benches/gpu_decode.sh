@@ -32,6 +32,8 @@
 #           constrained: benches/constrained.sh on the 1.2B model (C_STREAMS, default 32);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
+#           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
+#           (default, pinned: server and client on separate cores, pinned-t4: + TOKIO_WORKER_THREADS=4);
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated)
 #           (call 2 within the machine's idle window after call 1)
@@ -141,8 +143,11 @@ if [[ $S == *nocompile* ]]; then
 fi
 if [[ $S == *q4* && -z "${SKIP_Q4_ENGINE:-}" ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B 4-bit (affine g64), prompt 128, gen 128" | tee -a $R
-  python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
-    --streams ${Q_STREAMS:-${STREAMS:-1,8,32,64,128,256}} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
+  # One stream count per run, each bounded, so one slow count cannot take the call's time.
+  for n in $(echo ${Q_STREAMS:-${STREAMS:-1,8,32,64,128,256}} | tr , ' '); do
+    timeout ${Q_TIMEOUT:-200} python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
+      --streams $n --gen-tokens 128 2>&1 | tail -6 | tee -a $R || echo "streams $n: timed out or failed" | tee -a $R
+  done
 fi
 for g in ${GEMV_SWEEP:-}; do
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_GEMV_MAX_ROWS=$g (GEMV kernels up to $g rows; default: 1 row with 4-bit weights, off with dense)" | tee -a $R
@@ -202,6 +207,45 @@ if [[ $S == *soak* ]]; then
     --prompt-tokens uniform:16:2000 --max-tokens uniform:4:256 --json $O/soak.json 2>&1 | tee -a $R
   kill -TERM $P; wait $P || true
   grep "peak grew" $O/weft-soak.log | cut -c1-400 | tee -a $R
+fi
+if [[ $S == *split64* ]]; then
+  # Where the server's 64-stream gap to the engine goes: bench-engine at 64
+  # streams, then one `weft serve` per variant (default; server and bench
+  # client on separate cores; that plus TOKIO_WORKER_THREADS=4), each with the
+  # server's per-step forward split read from its /metrics after the bench.
+  C=$(nproc)
+  echo "== server vs engine at 64 streams, variants (nproc $C)" | tee -a $R
+  /root/weft bench-engine --model $M --streams 64 --gen-tokens 128 --rounds 2 2>&1 | tail -5 | tee -a $R
+  A="--prompt-tokens 128 --max-tokens 128 --warmup 2 --quiet"
+  for v in ${SPLIT_VARIANTS:-default pinned pinned-t4 default}; do
+    SP=""; CP=""; TW=""
+    case $v in
+      pinned) SP="taskset -c 0-$((C - 5))"; CP="taskset -c $((C - 4))-$((C - 1))" ;;
+      pinned-t4) SP="taskset -c 0-$((C - 5))"; CP="taskset -c $((C - 4))-$((C - 1))"; TW=4 ;;
+    esac
+    env ${TW:+TOKIO_WORKER_THREADS=$TW} $SP /root/weft serve --model $M --listen 127.0.0.1:50581 --metrics-listen 127.0.0.1:50583 \
+      --http-listen off --max-batch-rows 64 > $O/weft-split-$v.log 2>&1 &
+    P=$!
+    up http://127.0.0.1:50583/metrics
+    for _ in $(seq 240); do grep -q "ready" $O/weft-split-$v.log && break; sleep 0.5; done
+    $CP /root/weft bench --target grpc://127.0.0.1:50581 -c 64 -n 128 $A --json $O/split-$v.json > /dev/null
+    python3 - "$v" "$O/split-$v.json" <<'PY' | tee -a $R
+import json, sys, urllib.request
+v, f = sys.argv[1], sys.argv[2]
+d = json.load(open(f))['overall']
+m = {}
+for l in urllib.request.urlopen('http://127.0.0.1:50583/metrics').read().decode().splitlines():
+    for k in ('weft_forward_build_seconds', 'weft_forward_eval_seconds', 'weft_forward_other_seconds', 'weft_step_duration_seconds'):
+        if l.startswith(k + '_sum') or l.startswith(k + '_count'):
+            m[l.split()[0].split('{')[0]] = m.get(l.split()[0].split('{')[0], 0) + float(l.split()[-1])
+per = lambda k: 1e3 * m.get(k + '_sum', 0) / max(m.get(k + '_count', 1), 1)
+print(f"{v}: {d['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 {d['ttft_ms']['p50']:.0f}/{d['ttft_ms']['p99']:.0f} ms, "
+      f"ITL p50/p99 {d['itl_ms']['p50']:.1f}/{d['itl_ms']['p99']:.1f} ms; per forward (incl. warm-up): build {per('weft_forward_build_seconds'):.2f}, "
+      f"eval {per('weft_forward_eval_seconds'):.2f}, other {per('weft_forward_other_seconds'):.2f} ms; "
+      f"per step {per('weft_step_duration_seconds'):.2f} ms over {int(m.get('weft_step_duration_seconds_count', 0))} steps")
+PY
+    kill -TERM $P; wait $P || true
+  done
 fi
 if [[ $S == *server* ]]; then
   echo "== weft serve vs mlx_lm.server, 1.2B bf16, prompt 128, 128 generated, 2 requests per stream" | tee -a $R

@@ -616,7 +616,8 @@ pub fn start_engine_with(
             );
             let plan = crate::memory_plan::plan(weights, &runner, step, decode, kv.cache_limit)?;
             weft_models::memory::reset_peak()?;
-            warm_up(&mut runner)?;
+            let gpu = runner.kv().uses_kernel();
+            warm_up(&mut runner, gpu)?;
             let warm_peak = weft_models::memory::mlx_memory().ok().map(|m| m.peak);
             crate::memory_plan::log(&plan, warm_peak);
             if let Ok(mut p) = plan_out.lock() {
@@ -696,10 +697,10 @@ fn log_kv(runner: &BatchRunner, max_rows: usize, context: u64) {
 /// continuation and a ragged prefill of 16 fresh rows; rows sample greedily,
 /// with temperature / top-k / top-p, and with logprobs. The blocks written here are the pool's own and are simply
 /// overwritten once the scheduler hands them out.
-fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
+/// `gpu` adds the GPU's steps. Each step fits the runner's pool, however small.
+fn warm_up(runner: &mut BatchRunner, gpu: bool) -> anyhow::Result<()> {
     use weft_scheduler::kv_pool::{KvPool, OwnerId, SeqSpec};
     let mut pool = KvPool::new(runner.kv_groups().clone())?;
-    let gpu = runner.kv().uses_kernel();
     // On the GPU, 16 more rows for a wide ragged prefill of ~128-token prompts: the
     // first one a cold H200 server met took 6.8 s with every other step kind
     // warmed, the same step ~25 ms after (benches/RESULTS.md).
@@ -720,8 +721,32 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
         &ragged,
     ];
     let vocab = (runner.model().config.vocab_size as u32).max(2);
-    for step in plan {
-        let step: Vec<(usize, usize)> = step.iter().copied().filter(|&(_, n)| n > 0).collect();
+    let bs = pool.block_size();
+    for (k, step) in plan.iter().enumerate() {
+        if k + 1 == plan.len() {
+            // The wide prefill's rows are fresh: the first rows' blocks go back first.
+            for &s in &seqs[..4] {
+                pool.release(s)?;
+            }
+        }
+        let mut step: Vec<(usize, usize)> =
+            step.iter().copied().filter(|&(_, n)| n > 0).collect();
+        // Every step fits the pool it warms: a small pool (`bench-engine` of one
+        // row sizes it to that row) loses the wide step's last rows and a shorter
+        // long one, instead of failing the start.
+        let free = (0..pool.num_groups())
+            .map(|g| pool.group(g).map_or(0, |p| p.stats().free))
+            .min()
+            .unwrap_or(0);
+        let need = |i: usize, n: usize| (lens[i] + n).div_ceil(bs) - lens[i].div_ceil(bs);
+        while step.len() > 1 && step.iter().map(|&(i, n)| need(i, n)).sum::<usize>() > free {
+            step.pop();
+        }
+        if let [(i, n)] = step.as_mut_slice() {
+            // The most tokens this row can add: its last block's room plus free blocks.
+            *n = (*n).min((lens[*i].div_ceil(bs) + free) * bs - lens[*i]);
+        }
+        step.retain(|&(_, n)| n > 0);
         if step.is_empty() {
             continue;
         }
@@ -775,6 +800,24 @@ fn warm_up(runner: &mut BatchRunner) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The warm-up fits any pool: `bench-engine --streams 1` on the GPU sizes the
+    /// pool to one row (75 blocks on the 1.2B model) and the GPU steps (a
+    /// 600-token continuation, 16 fresh ~128-token rows) need ~200; the start
+    /// failed with "KV pool exhausted". Here the GPU steps run on the CPU over
+    /// pools of 12 and 75 blocks, and over one large enough for all of them.
+    #[test]
+    fn the_warm_up_fits_a_small_pool() {
+        let dir = resolve_model("", false).expect("the default model");
+        let opts = LoadOptions::default();
+        for blocks in [12u32, 75, 400] {
+            let loaded = weft_models::load(&dir, opts).expect("load");
+            let mut runner =
+                BatchRunner::with_memory(loaded.model, 16, weft_models::KvMemory::Blocks(blocks))
+                    .expect("runner");
+            warm_up(&mut runner, true).unwrap_or_else(|e| panic!("{blocks} blocks: {e:#}"));
+        }
+    }
 
     /// MLX's allocation failures are recognised as such (the scheduler then
     /// splits the batch instead of retrying it whole); other errors are not.
