@@ -14,6 +14,7 @@ stand-in for its Shape parameter type (the bodies index it only).
 """
 import ctypes
 import json
+import time
 import pathlib
 import re
 import sys
@@ -67,7 +68,9 @@ def main():
     for v in spec:
         what = v["name"] + " " + " ".join(f"{n}={x}" for n, x in v["consts"]) + " " + " ".join(
             t for _, t in v["types"])
+        t0 = time.perf_counter()
         rc, log = compile_one(wrap(v), v["name"])
+        secs = time.perf_counter() - t0
         spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", log)]
         regs = re.findall(r"Used (\d+) registers", log)
         problems = []
@@ -81,7 +84,7 @@ def main():
             bad += 1
             print(f"FAIL {what}: {', '.join(problems)}\n{log[:4000]}", flush=True)
         else:
-            print(f"ok   {what}: registers {','.join(regs)}", flush=True)
+            print(f"ok   {what}: registers {','.join(regs)}, {secs:.2f} s", flush=True)
     print(f"{len(spec)} variants, {bad} failed")
     sys.exit(1 if bad else 0)
 
