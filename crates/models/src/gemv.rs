@@ -40,14 +40,14 @@ use crate::linear::Linear;
 pub const GEMV_MAX_ROWS: i32 = 0;
 /// The same for a model with 4-bit weights: one-row steps went from 310 to
 /// 387 tok/s (MLX's 4-bit matrix-vector product streams ~600 GB/s, these
-/// ~870); with the tensor-core kernels 2-16 rows too: MLX's quantized
-/// product is 3-4x slower at 2-4 rows than at 8, and from 8 rows Weft
-/// dequantized each weight per step (462 primitives per step against 217),
-/// so the 8-row step went from 5.39 / 6.35 to 4.95 / 4.63 ms on two H200s
-/// (benches/RESULTS.md). Dense weights keep MLX's matmul there (8 rows:
-/// 3.94 vs 4.99 ms and 4.95 vs 4.47 ms on the same two machines: no clear
-/// gain).
-pub const GEMV_MAX_ROWS_Q4: i32 = 16;
+/// ~870). The tensor-core kernels for 2-16 rows made the 8-row step faster
+/// (5.39 / 6.35 -> 4.95 / 4.63 ms on two H200s) and 16 rows measured 1.99x
+/// mlx-lm, but with them a start that warms the 2-8-row buckets did not
+/// finish in 120-150 s on the 1.2B model (each kernel variant a start meets
+/// costs seconds in MLX's custom-kernel path; benches/RESULTS.md): a server
+/// that may not start is worse than a slower step, so they stay opt-in
+/// (`WEFT_GEMV_MAX_ROWS=16`) until the start is fixed.
+pub const GEMV_MAX_ROWS_Q4: i32 = 1;
 
 /// Shared memory that may stage a normalized input, in 16-byte words: the
 /// GEMV kernels take 16 KB up to 4 rows and 40 KB beyond (more would cut the
