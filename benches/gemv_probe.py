@@ -58,7 +58,7 @@ def launch_mma(k, x, weights, nw, eps, res, n, norm, epi, max_blocks, g=None):
     b = x.shape[0]
     no = n // 2 if epi == 2 else n
     blocks = min(no // 16, max_blocks)
-    tmpl = [("NB", b), ("NORM", norm), ("EPI", epi), ("BF16", 1)] + ([("G", g)] if g else []) + [
+    tmpl = [("NB", (b + 7) // 8 * 8), ("ROWS_RT", 1), ("NORM", norm), ("EPI", epi), ("BF16", 1)] + ([("G", g)] if g else []) + [
         ("DT", x.dtype)]
     return k(inputs=[x, *weights, nw, eps, res], template=tmpl, grid=(blocks * 128, 1, 1),
              threadgroup=(128, 1, 1), output_shapes=[(b, no)], output_dtypes=[x.dtype])[0]
@@ -68,7 +68,7 @@ def launch(k, x, weights, nw, eps, res, n, norm, epi, max_blocks, nc, g=None):
     b = x.shape[0]
     no = n // 2 if epi == 2 else n
     blocks = min((no + 8 * nc - 1) // (8 * nc), max_blocks)
-    tmpl = [("NB", b), ("NORM", norm), ("EPI", epi), ("NC", nc)] + ([("G", g)] if g else []) + [("DT", x.dtype)]
+    tmpl = [("NB", b), ("ROWS_RT", 0), ("NORM", norm), ("EPI", epi), ("NC", nc)] + ([("G", g)] if g else []) + [("DT", x.dtype)]
     return k(inputs=[x, *weights, nw, eps, res], template=tmpl, grid=(blocks * 256, 1, 1),
              threadgroup=(256, 1, 1), output_shapes=[(b, no)], output_dtypes=[x.dtype])[0]
 

@@ -729,8 +729,7 @@ fn warm_up(runner: &mut BatchRunner, gpu: bool) -> anyhow::Result<()> {
                 pool.release(s)?;
             }
         }
-        let mut step: Vec<(usize, usize)> =
-            step.iter().copied().filter(|&(_, n)| n > 0).collect();
+        let mut step: Vec<(usize, usize)> = step.iter().copied().filter(|&(_, n)| n > 0).collect();
         // Every step fits the pool it warms: a small pool (`bench-engine` of one
         // row sizes it to that row) loses the wide step's last rows and a shorter
         // long one, instead of failing the start.

@@ -119,6 +119,12 @@ pub(crate) fn max_rows(quantized: bool) -> i32 {
 
 /// Columns per warp for an input of `rows` rows and `n` output columns
 /// (`n` must be a multiple of it).
+/// The row capacity a tensor-core kernel is built for: rows padded to whole
+/// 8-row tiles (8 or 16).
+pub fn mma_capacity(rows: i32) -> i32 {
+    (rows + 7) / 8 * 8
+}
+
 fn cols_per_warp(rows: i32, n: i32) -> i32 {
     static COLS: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     let cols = *COLS.get_or_init(|| {
@@ -333,14 +339,17 @@ impl Gemv {
         all.extend([nw, eps, res]);
         let two_bytes = matches!(dt, Dtype::Bfloat16 | Dtype::Float16);
         let mma = (2..=MMA_MAX_ROWS).contains(&b) && two_bytes && k % 128 == 0 && out_n % 16 == 0;
-        let mut t: Vec<(&str, i32)> = vec![("NB", b), ("NORM", norm), ("EPI", epi)];
+        let mut t: Vec<(&str, i32)> = vec![("NORM", norm), ("EPI", epi)];
         let (kernel, blocks, threads) = if mma && mma_on() {
+            // Built for 8 or 16 rows, taking the row count from `x`: every
+            // bucket of 2-8 (9-16) rows shares one build.
+            t.extend([("NB", mma_capacity(b)), ("ROWS_RT", 1)]);
             t.push(("BF16", i32::from(dt == Dtype::Bfloat16)));
             let kernel = if quant { &self.mma_q4 } else { &self.mma_dense };
             (kernel, (out_n / 16).min(MAX_BLOCKS), MMA_THREADS)
         } else if b <= COLS_MAX_ROWS || !mma_on() {
             let nc = cols_per_warp(b, out_n);
-            t.push(("NC", nc));
+            t.extend([("NB", b), ("ROWS_RT", 0), ("NC", nc)]);
             let per_block = THREADS / 32 * nc;
             let kernel = if quant { &self.q4 } else { &self.dense };
             let blocks = ((out_n + per_block - 1) / per_block).min(MAX_BLOCKS);

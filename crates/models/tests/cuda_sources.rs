@@ -22,10 +22,16 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
             (false, true) => &["__nv_bfloat16", "__half"],
             (false, false) => &["__nv_bfloat16", "float"],
         };
-        // Rows: the tensor-core kernels take 2-16 (9 pads to a second tile);
-        // the CUDA-core ones one row, and several where those cannot.
+        // Rows: the tensor-core kernels are built for 8 and 16 (the capacity
+        // `gemv::mma_capacity` pads 2-16 rows to; the count itself is read at
+        // run time); the CUDA-core ones one row, and several where those cannot.
         let variants: Vec<(i32, i32)> = if k.mma {
-            [2, 5, 8, 9, 16].iter().map(|&b| (b, 0)).collect()
+            [2, 5, 8, 9, 16]
+                .iter()
+                .map(|&b| (weft_models::gemv::mma_capacity(b), 0))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect()
         } else {
             vec![(1, 1), (2, 4), (3, 4), (4, 4), (4, 2), (4, 1)]
         };
@@ -35,6 +41,7 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
                     for epi in 0..3 {
                         let mut consts = vec![
                             json!(["NB", nb]),
+                            json!(["ROWS_RT", i32::from(k.mma)]),
                             json!(["NORM", norm]),
                             json!(["EPI", epi]),
                         ];

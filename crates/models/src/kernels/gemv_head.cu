@@ -3,7 +3,10 @@
 // tensor-core ones (then mma_open.cu, mma_a_dense.cu or mma_a_q4.cu,
 // mma_close.cu); crates/models/src/gemv.rs joins them after a line that sets
 // XS_CAP, the 16-byte words of shared memory that may stage the input:
-//   y[b, n] = EPI(sum_k NORM(x)[b, k] * w[n, k])      for b < NB rows
+//   y[b, n] = EPI(sum_k NORM(x)[b, k] * w[n, k])      for b < NR rows
+// NR = NB, or with ROWS_RT = 1 (the tensor-core kernels) x's row count, NB
+//   being the capacity the kernel is built for (8 or 16): one build serves
+//   every row count up to it (each build costs seconds of a start in MLX).
 // NORM = 1: x's rows are RMS-normalized first, rounded where MLX's
 //   rms_norm rounds (x * rsqrt(mean(x^2) + eps) to DT, then * nw to DT);
 //   every block computes the rows' inverse RMS itself (no extra launch) and
@@ -22,16 +25,19 @@
     const int WPB = blockDim.x >> 5;
     const int N = w_shape[0];
     const int K = x_shape[1];
+    const int NR = ROWS_RT ? x_shape[0] : NB;
     const int NO = EPI == 2 ? N / 2 : N;
     // Elements per 16-byte word; K is a multiple of it.
     constexpr int VEC = 16 / sizeof(DT);
     const int KVEC = K / VEC;
     __shared__ float inv_s[NB];
-    // 16-byte word c of every input row, all loads issued at once.
+    // 16-byte word c of every input row, all loads issued at once (zeros
+    // past NR).
     auto load_rows = [&](int c, uint4* v) {
         #pragma unroll
         for (int b = 0; b < NB; ++b) {
-            v[b] = reinterpret_cast<const uint4*>(x + (size_t)b * K)[c];
+            v[b] = b < NR ? reinterpret_cast<const uint4*>(x + (size_t)b * K)[c]
+                          : make_uint4(0u, 0u, 0u, 0u);
         }
     };
     if (NORM) {

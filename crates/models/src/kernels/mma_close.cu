@@ -46,7 +46,7 @@
                 for (int i = 0; i < 4; ++i) {
                     const int row = 8 * t + 2 * tq + (i & 1);
                     const int col = n + gq + 8 * (i >> 1);
-                    if (row < NB) {
+                    if (row < NR) {
                         emit((size_t)row * NO + col, s[i], s2[i]);
                     }
                 }

@@ -44,7 +44,7 @@
         }
         for (int kb = warp; kb < KB; kb += MW) {
             const int k0 = kb * 128 + tq * 32;
-            // B: input row gq + 8 t, k0 .. k0 + 31 (zeros past NB).
+            // B: input row gq + 8 t, k0 .. k0 + 31 (zeros past NR).
             unsigned int bx[NT][16];
             #pragma unroll
             for (int t = 0; t < NT; ++t) {
@@ -52,7 +52,7 @@
                 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-                    if (row < NB) {
+                    if (row < NR) {
                         v = reinterpret_cast<const uint4*>(xin + (size_t)row * K + k0)[q];
                         if (renorm) {
                             const uint4 nv = reinterpret_cast<const uint4*>(nw + k0)[q];
