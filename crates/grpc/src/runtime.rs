@@ -617,7 +617,12 @@ pub fn start_engine_with(
             let plan = crate::memory_plan::plan(weights, &runner, step, decode, kv.cache_limit)?;
             weft_models::memory::reset_peak()?;
             let gpu = runner.kv().uses_kernel();
+            let t = std::time::Instant::now();
             warm_up(&mut runner, gpu)?;
+            tracing::info!(
+                ms = t.elapsed().as_millis() as u64,
+                "warm-up steps ran (first use of each step kind)"
+            );
             let warm_peak = weft_models::memory::mlx_memory().ok().map(|m| m.peak);
             crate::memory_plan::log(&plan, warm_peak);
             if let Ok(mut p) = plan_out.lock() {
