@@ -299,6 +299,18 @@ fn served() -> ServedModel {
         layer_kinds: vec!["full_attention".into(); 2],
         eos_token_ids: vec![0],
         memory: Default::default(),
+        adapters: ["sql", "chat"]
+            .iter()
+            .enumerate()
+            .map(|(i, n)| weft_grpc::runtime::ServedAdapter {
+                name: n.to_string(),
+                id: i as u32 + 1,
+                rank: 8,
+                scale: 1.0,
+                targets: vec!["q_proj".into()],
+                format: "peft".into(),
+            })
+            .collect(),
     }
 }
 
@@ -314,6 +326,8 @@ fn tenant(max_tokens: Option<usize>, max_prompt: Option<usize>) -> Tenant {
         max_tokens,
         max_running: None,
         max_waiting: None,
+        // Of the served "sql" and "chat", this tenant may use "sql".
+        adapters: Some(vec!["sql".into()]),
         in_flight: AtomicUsize::new(0),
     }
 }
@@ -381,10 +395,22 @@ fn input() -> impl Strategy<Value = Option<pb::generate_request::Input>> {
 fn request() -> impl Strategy<Value = pb::GenerateRequest> {
     (
         (
-            prop_oneof![Just(String::new()), Just("tiny".to_string()), "[a-z]{1,5}"],
+            prop_oneof![
+                Just(String::new()),
+                Just("tiny".to_string()),
+                Just("sql".to_string()),
+                Just("chat".to_string()),
+                "[a-z]{1,5}"
+            ],
             input(),
             proptest::option::of(sampling_params()),
             prop_oneof![0u32..80, any::<u32>()],
+            prop_oneof![
+                3 => Just(String::new()),
+                1 => Just("sql".to_string()),
+                1 => Just("chat".to_string()),
+                1 => ".{1,6}"
+            ],
         ),
         (
             proptest::collection::vec(
@@ -400,7 +426,7 @@ fn request() -> impl Strategy<Value = pb::GenerateRequest> {
     )
         .prop_map(
             |(
-                (model, input, sampling, max_tokens),
+                (model, input, sampling, max_tokens, adapter),
                 (stop, stop_token_ids, ignore_eos, logprobs, priority, request_id),
             )| {
                 pb::GenerateRequest {
@@ -415,6 +441,7 @@ fn request() -> impl Strategy<Value = pb::GenerateRequest> {
                     priority,
                     request_id,
                     constraint: None,
+                    adapter,
                 }
             },
         )
@@ -493,13 +520,30 @@ fn whole_requests_are_valid_or_refused_with_invalid_argument() {
                     if let Some(m) = t.max_prompt_tokens {
                         prop_assert!(n <= m);
                     }
-                    prop_assert!(r.model.is_empty() || r.model == "tiny");
+                    prop_assert!(["", "tiny", "sql"].contains(&r.model.as_str()));
+                    // The adapter: `adapter`, else the one `model` names; only
+                    // "sql" is this tenant's.
+                    let named = if r.adapter.is_empty() && r.model == "sql" {
+                        "sql"
+                    } else {
+                        r.adapter.as_str()
+                    };
+                    prop_assert_eq!(req.adapter, (named == "sql").then_some(1));
+                    prop_assert!(named.is_empty() || named == "sql");
                 }
                 Err(e) => {
-                    let want = if r.model.is_empty() || r.model == "tiny" {
-                        Code::InvalidArgument
-                    } else {
+                    let named =
+                        if r.adapter.is_empty() && ["sql", "chat"].contains(&r.model.as_str()) {
+                            r.model.as_str()
+                        } else {
+                            r.adapter.as_str()
+                        };
+                    let want = if !["", "tiny", "sql", "chat"].contains(&r.model.as_str()) {
                         Code::NotFound
+                    } else if named == "chat" {
+                        Code::PermissionDenied
+                    } else {
+                        Code::InvalidArgument
                     };
                     prop_assert_eq!(e.code(), want, "{}", e.message());
                 }

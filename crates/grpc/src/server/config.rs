@@ -170,6 +170,14 @@ pub struct ServeArgs {
     /// together prefill as one batch. 0 turns it off [default: 10ms].
     #[arg(long, env = "WEFT_COALESCE", value_name = "DURATION")]
     pub coalesce: Option<String>,
+    /// A LoRA adapter served beside the model (repeatable): NAME=DIR, DIR
+    /// holding mlx-lm's `adapters.safetensors` or PEFT's
+    /// `adapter_model.safetensors` with its `adapter_config.json`. Requests run
+    /// with it by naming it (`GenerateRequest.adapter`, or `model` on the
+    /// OpenAI API); rows with different adapters share a batch. All stay
+    /// resident. The config file's `[adapters]` table adds more (NAME = "DIR").
+    #[arg(long = "adapter", value_name = "NAME=DIR")]
+    pub adapters: Vec<String>,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -204,6 +212,9 @@ struct FileConfig {
     coalesce: Option<String>,
     compute_dtype: Option<String>,
     weights: Option<String>,
+    /// LoRA adapters: NAME = "DIR" (relative to the file).
+    #[serde(default)]
+    adapters: std::collections::BTreeMap<String, PathBuf>,
 }
 
 /// `--itl-target-ms` / `itl_target_ms`: milliseconds, `auto` or `off` (the file
@@ -284,6 +295,50 @@ pub fn parse_kv_memory(s: &str) -> anyhow::Result<KvSize> {
     }
 }
 
+/// Most adapters one server serves (each is a slot of the device pool).
+pub const MAX_ADAPTERS: usize = 64;
+
+/// `--adapter NAME=DIR` flags, then the file's `[adapters]` (DIR relative to
+/// the file): names are 1-64 of `A-Z a-z 0-9 . _ -`, unique.
+fn adapter_specs(
+    flags: &[String],
+    file: &std::collections::BTreeMap<String, PathBuf>,
+    base: &Path,
+) -> anyhow::Result<Vec<crate::runtime::AdapterSpec>> {
+    let mut out: Vec<crate::runtime::AdapterSpec> = Vec::new();
+    let from_flags = flags.iter().map(|f| {
+        f.split_once('=')
+            .map(|(n, d)| (n.trim().to_string(), PathBuf::from(d.trim())))
+            .ok_or_else(|| anyhow::anyhow!("--adapter {f:?}: expected NAME=DIR"))
+    });
+    let from_file = file.iter().map(|(n, d)| Ok((n.clone(), base.join(d))));
+    for spec in from_flags.chain(from_file) {
+        let (name, dir) = spec?;
+        let ok = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        if !ok {
+            bail!("adapter name {name:?}: expected 1-64 characters of A-Z a-z 0-9 . _ -");
+        }
+        if out.iter().any(|a| a.name == name) {
+            bail!("adapter {name:?} is given twice");
+        }
+        if dir.as_os_str().is_empty() {
+            bail!("adapter {name:?}: empty directory");
+        }
+        out.push(crate::runtime::AdapterSpec { name, dir });
+    }
+    if out.len() > MAX_ADAPTERS {
+        bail!(
+            "{} adapters given, at most {MAX_ADAPTERS} are served at once",
+            out.len()
+        );
+    }
+    Ok(out)
+}
+
 /// Resolved settings.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -309,6 +364,8 @@ pub struct Settings {
     pub drain_timeout: Duration,
     pub coalesce: Duration,
     pub compute: ComputeArgs,
+    /// LoRA adapters to serve, in id order (flags first, then the file's).
+    pub adapters: Vec<crate::runtime::AdapterSpec>,
 }
 
 impl Settings {
@@ -468,6 +525,7 @@ impl Settings {
                 .context("--coalesce")?
                 .unwrap_or(DEFAULT_COALESCE),
             compute,
+            adapters: adapter_specs(&args.adapters, &file.adapters, &base)?,
         };
         s.check()?;
         Ok(s)
@@ -732,6 +790,41 @@ mod tests {
             "{e:#}"
         );
         assert!(Cli::try_parse_from(["serve", "--itl-target-ms", "fast"]).is_err());
+    }
+
+    #[test]
+    fn adapters_from_flags_then_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("weft.toml");
+        std::fs::write(
+            &p,
+            "[adapters]\nsql = \"adapters/sql\"\nchat-v2 = \"/abs/chat\"\n",
+        )
+        .unwrap();
+        let s = Settings::resolve(args(&format!(
+            "--config {} --adapter first=/x/first",
+            p.display()
+        )))
+        .unwrap();
+        let got: Vec<(String, PathBuf)> = s.adapters.into_iter().map(|a| (a.name, a.dir)).collect();
+        assert_eq!(
+            got,
+            vec![
+                ("first".into(), PathBuf::from("/x/first")),
+                ("chat-v2".into(), PathBuf::from("/abs/chat")),
+                ("sql".into(), dir.path().join("adapters/sql")),
+            ]
+        );
+        for (line, needle) in [
+            ("--adapter nodir", "expected NAME=DIR"),
+            ("--adapter =/d", "adapter name \"\""),
+            ("--adapter a/b=/d", "adapter name \"a/b\""),
+            ("--adapter a=/d --adapter a=/e", "given twice"),
+            ("--adapter a=", "empty directory"),
+        ] {
+            let e = Settings::resolve(args(line)).unwrap_err();
+            assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
+        }
     }
 
     #[test]

@@ -373,6 +373,27 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
 /// engine and what calls need.
 fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result<(Engine, Ready)> {
     let dir = crate::runtime::resolve_model(&s.model, true)?;
+    // Adapter names are checked before the load: `model` may name an adapter,
+    // so none may be the model's own name, and a tenant's list names served ones.
+    let model_name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+    for a in &s.adapters {
+        if Some(&a.name) == model_name.as_ref() {
+            anyhow::bail!(
+                "adapter {:?} has the served model's name; give it another",
+                a.name
+            );
+        }
+    }
+    for t in tenants {
+        for name in t.adapters.iter().flatten() {
+            if !s.adapters.iter().any(|a| &a.name == name) {
+                anyhow::bail!(
+                    "tenant {:?} may use adapter {name:?}, which is not served (--adapter NAME=DIR)",
+                    t.name
+                );
+            }
+        }
+    }
     let opts = s.compute.load_options()?;
     let kv_memory = s.kv_memory(weft_models::Device::detect())?;
     let mut sc = s.scheduler_config();
@@ -410,6 +431,7 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
             cache_limit: s.mlx_cache_limit,
         },
         model_faults,
+        &s.adapters,
     )?;
     let t = std::time::Instant::now();
     let grammars = match crate::constraints::grammars(&tokenizer, &model) {

@@ -406,6 +406,8 @@ fn base_request(c: &Common, max_tokens: Option<u32>) -> Result<pb::GenerateReque
         priority: c.priority.unwrap_or(0),
         request_id: c.request_id.clone().unwrap_or_default(),
         constraint: constraint(c)?,
+        // `model` names the adapter on this API (`build` resolves it).
+        adapter: String::new(),
     })
 }
 
@@ -670,7 +672,9 @@ async fn start(
     }
 }
 
-fn shape(api: &Api, kind: Kind, request_id: &str) -> Result<Shape, ApiError> {
+/// `asked`: the request's `model`; responses echo an adapter's name when it
+/// named one, else the served model's.
+fn shape(api: &Api, kind: Kind, request_id: &str, asked: &str) -> Result<Shape, ApiError> {
     let ready = api.state.ready.get().ok_or_else(|| {
         ApiError::from_status(
             &Status::unavailable("the model is still loading; retry shortly"),
@@ -685,7 +689,10 @@ fn shape(api: &Api, kind: Kind, request_id: &str) -> Result<Shape, ApiError> {
         kind,
         id: format!("{prefix}-{request_id}"),
         created: now_unix(),
-        model: ready.model.name.clone(),
+        model: match ready.model.adapter(asked) {
+            Some(a) => a.name.clone(),
+            None => ready.model.name.clone(),
+        },
         tokenizer: ready.tokenizer.clone(),
     })
 }
@@ -700,6 +707,7 @@ async fn respond(
 ) -> Response {
     let chat = kind == Kind::Chat;
     let wants_logprobs = req.logprobs > 0;
+    let asked_model = req.model.clone();
     let mut events = match start(&api, &headers, req, chat).await {
         Ok(s) => Box::pin(s),
         Err(e) => return e.into_response(),
@@ -711,7 +719,7 @@ async fn respond(
         Some(Err(s)) => return ApiError::from_status(s, chat).into_response(),
         None => String::new(),
     };
-    let sh = match shape(&api, kind, &request_id) {
+    let sh = match shape(&api, kind, &request_id, &asked_model) {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
@@ -912,13 +920,20 @@ async fn models(AxState(api): AxState<Api>, headers: HeaderMap) -> Response {
     match api.svc.list_models(lr).await {
         Ok(r) => {
             let created = now_unix();
+            // The model, then each adapter as a model of its own (`parent`: the
+            // base), which is what `model` names to run with it (vLLM's way).
             let data: Vec<Value> = r
                 .into_inner()
                 .models
                 .iter()
-                .map(|m| {
-                    json!({"id": m.name, "object": "model", "created": created,
-                           "owned_by": "weft", "max_model_len": m.context_length})
+                .flat_map(|m| {
+                    std::iter::once(json!({"id": m.name, "object": "model", "created": created,
+                           "owned_by": "weft", "max_model_len": m.context_length}))
+                    .chain(m.adapters.iter().map(|a| {
+                        json!({"id": a.name, "object": "model", "created": created,
+                               "owned_by": "weft", "max_model_len": m.context_length,
+                               "parent": m.name})
+                    }))
                 })
                 .collect();
             Json(json!({"object": "list", "data": data})).into_response()

@@ -48,11 +48,20 @@ pub struct Tenant {
     pub max_tokens: Option<usize>,
     pub max_running: Option<usize>,
     pub max_waiting: Option<usize>,
+    /// The LoRA adapters this tenant may run with (None: every served one).
+    pub adapters: Option<Vec<String>>,
     /// Requests of this tenant admitted and not yet finished.
     pub in_flight: AtomicUsize,
 }
 
 impl Tenant {
+    /// Whether this tenant may run with the served adapter `name`.
+    pub fn may_use_adapter(&self, name: &str) -> bool {
+        self.adapters
+            .as_ref()
+            .is_none_or(|allowed| allowed.iter().any(|a| a == name))
+    }
+
     /// The open-mode tenant: no limits but the server's.
     pub fn open() -> Self {
         Self {
@@ -66,6 +75,7 @@ impl Tenant {
             max_tokens: None,
             max_running: None,
             max_waiting: None,
+            adapters: None,
             in_flight: AtomicUsize::new(0),
         }
     }
@@ -219,6 +229,7 @@ impl Tenants {
                     max_tokens: as_usize(positive("max_tokens", t.max_tokens)?),
                     max_running: as_usize(positive("max_running", t.max_running)?),
                     max_waiting: as_usize(positive("max_waiting", t.max_waiting)?),
+                    adapters: t.adapters,
                     in_flight: AtomicUsize::new(0),
                     name,
                 }),
@@ -313,6 +324,8 @@ struct TenantEntry {
     max_tokens: Option<u64>,
     max_running: Option<u64>,
     max_waiting: Option<u64>,
+    /// LoRA adapters (by served name) the tenant may run with; absent: all.
+    adapters: Option<Vec<String>>,
 }
 
 #[cfg(test)]
@@ -408,6 +421,18 @@ mod tests {
             let e = format!("{:#}", Tenants::parse(text).unwrap_err());
             assert!(e.contains(needle), "{text:?}: {e}");
         }
+    }
+
+    #[test]
+    fn adapter_lists() {
+        let t = Tenants::parse(&file("adapters = [\"sql\"]")).unwrap();
+        let all = t.all();
+        let a = all.iter().find(|t| t.name == "a").unwrap();
+        let b = all.iter().find(|t| t.name == "b").unwrap();
+        assert!(a.may_use_adapter("sql"));
+        assert!(!a.may_use_adapter("chat"));
+        assert!(b.may_use_adapter("chat"), "no list: every served adapter");
+        assert!(Tenant::open().may_use_adapter("anything"));
     }
 
     #[test]

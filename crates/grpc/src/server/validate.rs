@@ -66,16 +66,66 @@ pub fn constraint(
         .map_err(|e| invalid(format!("constraint.{kind}: {e}")))
 }
 
-/// Checks a model name: empty or the served model's name.
+/// Checks a model name: empty, the served model's name, or one of its
+/// adapters' (the same model and tokenizer, run with that adapter).
 pub fn check_model(field: &str, name: &str, model: &ServedModel) -> Result<(), Status> {
-    if name.is_empty() || name == model.name {
+    if name.is_empty() || name == model.name || model.adapter(name).is_some() {
         Ok(())
-    } else {
+    } else if model.adapters.is_empty() {
         Err(Status::not_found(format!(
             "{field}: unknown model {name:?}; this server serves {:?}",
             model.name
         )))
+    } else {
+        Err(Status::not_found(format!(
+            "{field}: unknown model {name:?}; this server serves {:?} and its adapters {}",
+            model.name,
+            adapter_names(model)
+        )))
     }
+}
+
+fn adapter_names(model: &ServedModel) -> String {
+    model
+        .adapters
+        .iter()
+        .map(|a| format!("{:?}", a.name))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The adapter a request runs with: `adapter`, else the adapter `model` names
+/// (the OpenAI API's way), else none. INVALID_ARGUMENT for an unknown one,
+/// PERMISSION_DENIED for one the tenant may not use.
+pub fn adapter(
+    r: &pb::GenerateRequest,
+    tenant: &Tenant,
+    model: &ServedModel,
+) -> Result<Option<u32>, Status> {
+    let (field, name) = if !r.adapter.is_empty() {
+        ("adapter", r.adapter.as_str())
+    } else if model.adapter(&r.model).is_some() && r.model != model.name {
+        ("model", r.model.as_str())
+    } else {
+        return Ok(None);
+    };
+    let Some(a) = model.adapter(name) else {
+        return Err(invalid(if model.adapters.is_empty() {
+            format!("{field}: unknown adapter {name:?}; this server serves no adapters")
+        } else {
+            format!(
+                "{field}: unknown adapter {name:?}; served: {}",
+                adapter_names(model)
+            )
+        }));
+    };
+    if !tenant.may_use_adapter(name) {
+        return Err(Status::permission_denied(format!(
+            "{field}: tenant {:?} may not use adapter {name:?}",
+            tenant.name
+        )));
+    }
+    Ok(Some(a.id))
 }
 
 /// Checks a client request id; None when the server should assign one.
@@ -248,6 +298,7 @@ pub fn build(
     deadline: Option<Instant>,
 ) -> Result<Request, Status> {
     check_model("model", &r.model, l.model)?;
+    let adapter = adapter(r, tenant, l.model)?;
     // Cheap checks first, before tokenizing.
     if r.priority < tenant.priority_min || r.priority > tenant.priority_max {
         return Err(invalid(format!(
@@ -342,6 +393,7 @@ pub fn build(
     req.request_id = Some(request_id);
     req.deadline = deadline;
     req.constraint = constraint;
+    req.adapter = adapter;
     Ok(req)
 }
 

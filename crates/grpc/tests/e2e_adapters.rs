@@ -1,0 +1,267 @@
+//! LoRA adapters served beside the model (issue 18 item 2): a real `weft serve
+//! --adapter a=DIR --adapter b=DIR --tenants FILE` on the default model, with two
+//! random mlx-lm adapters the test writes. Each adapter changes the output; rows
+//! with different adapters (and none) batched together give what each gives
+//! alone; `model` may name the adapter (the OpenAI API's way); an unknown
+//! adapter is INVALID_ARGUMENT, one the tenant may not use PERMISSION_DENIED;
+//! ListModels and `/v1/models` list them.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use tonic::Code;
+use weft_grpc::pb;
+use weft_grpc::server::tenants::hash_key;
+
+const OPEN_KEY: &str = "key-of-tenant-open";
+const ONLY_A_KEY: &str = "key-of-tenant-only-a";
+const PROMPT: &str = "The three most useful things to know about rivers are";
+
+/// An mlx-lm adapter of rank 8 on q_proj and v_proj of every layer, values from
+/// a fixed pseudo-random sequence seeded by `seed`.
+fn write_adapter(dir: &Path, model: &weft_models::ModelConfig, seed: u64) {
+    std::fs::create_dir_all(dir).unwrap();
+    let rank = 8usize;
+    let config = serde_json::json!({
+        "fine_tune_type": "lora",
+        "num_layers": model.num_layers,
+        "lora_parameters": {"rank": rank, "scale": 2.0, "dropout": 0.0,
+                            "keys": ["self_attn.q_proj", "self_attn.v_proj"]}
+    });
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
+    let hidden = model.hidden_size as usize;
+    let head_dim = model.head_dim as usize;
+    let outs = [
+        ("q_proj", model.num_heads as usize * head_dim),
+        ("v_proj", model.num_kv_heads as usize * head_dim),
+    ];
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32
+    };
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for l in 0..model.num_layers as usize {
+        for (name, out) in outs {
+            let base = format!("model.layers.{l}.self_attn.{name}");
+            for (suffix, shape) in [("lora_a", vec![hidden, rank]), ("lora_b", vec![rank, out])] {
+                let n: usize = shape.iter().product();
+                let bytes = (0..n).flat_map(|_| next().to_le_bytes()).collect();
+                data.push((format!("{base}.{suffix}"), shape, bytes));
+            }
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("adapters.safetensors")).unwrap();
+}
+
+fn req(adapter: &str, model: &str) -> pb::GenerateRequest {
+    let mut r = text_req(PROMPT, 16);
+    r.adapter = adapter.to_string();
+    r.model = model.to_string();
+    r
+}
+
+async fn ids(s: &Server, key: &str, r: pb::GenerateRequest) -> Vec<u32> {
+    let mut c = s.client().await;
+    let out = c
+        .generate(with(r, Some(key), None))
+        .await
+        .unwrap_or_else(|e| panic!("generate: {e}"))
+        .into_inner();
+    assert_eq!(out.ids.len(), 16, "{out:?}");
+    out.ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn adapters_are_served_mixed_in_one_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = weft_grpc::runtime::resolve_model("", true).expect("the default model");
+    let config = weft_models::ModelConfig::load(&model_dir).expect("config");
+    write_adapter(&dir.path().join("a"), &config, 1);
+    write_adapter(&dir.path().join("b"), &config, 2);
+    let tenants = dir.path().join("tenants.toml");
+    std::fs::write(
+        &tenants,
+        format!(
+            "[[tenant]]\nname = \"open\"\napi_key_sha256 = \"{}\"\n\n\
+             [[tenant]]\nname = \"only-a\"\napi_key_sha256 = \"{}\"\nadapters = [\"a\"]\n",
+            hash_key(OPEN_KEY),
+            hash_key(ONLY_A_KEY)
+        ),
+    )
+    .unwrap();
+    let a = format!("a={}", dir.path().join("a").display());
+    let b = format!("b={}", dir.path().join("b").display());
+    let s = Server::start(&[
+        "--adapter",
+        &a,
+        "--adapter",
+        &b,
+        "--tenants",
+        tenants.to_str().unwrap(),
+    ])
+    .await;
+
+    // ListModels lists both.
+    let mut c = s.client().await;
+    let models = c
+        .list_models(with(pb::ListModelsRequest {}, Some(OPEN_KEY), None))
+        .await
+        .unwrap()
+        .into_inner()
+        .models;
+    let listed: Vec<_> = models[0]
+        .adapters
+        .iter()
+        .map(|a| {
+            (
+                a.name.as_str(),
+                a.rank,
+                a.targets.clone(),
+                a.format.as_str(),
+            )
+        })
+        .collect();
+    let qv = vec!["q_proj".to_string(), "v_proj".to_string()];
+    assert_eq!(
+        listed,
+        vec![("a", 8, qv.clone(), "mlx-lm"), ("b", 8, qv, "mlx-lm")]
+    );
+
+    // Alone, one at a time (greedy).
+    let base = ids(&s, OPEN_KEY, req("", "")).await;
+    let alone_a = ids(&s, OPEN_KEY, req("a", "")).await;
+    let alone_b = ids(&s, OPEN_KEY, req("b", "")).await;
+    eprintln!("base {base:?}\na    {alone_a:?}\nb    {alone_b:?}");
+    assert_ne!(alone_a, base, "adapter a changes nothing");
+    assert_ne!(alone_b, base, "adapter b changes nothing");
+    assert_ne!(alone_a, alone_b, "adapters a and b give the same tokens");
+
+    // Together: eight requests mixing a, b and none decode in the same steps,
+    // and each gives what its adapter gave alone; `model` names an adapter too.
+    let kinds = [
+        ("a", ""),
+        ("", ""),
+        ("b", ""),
+        ("", "a"),
+        ("b", ""),
+        ("", ""),
+        ("a", ""),
+        ("", "b"),
+    ];
+    let mut tasks = Vec::new();
+    for (adapter, model) in kinds {
+        let s_url = s.url();
+        let r = req(adapter, model);
+        tasks.push(tokio::spawn(async move {
+            let ch = tonic::transport::Endpoint::from_shared(s_url)
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let mut c = pb::generation_client::GenerationClient::new(ch);
+            c.generate(with(r, Some(OPEN_KEY), None))
+                .await
+                .map(|r| r.into_inner().ids)
+        }));
+    }
+    for ((adapter, model), t) in kinds.iter().zip(tasks) {
+        let got = t.await.unwrap().unwrap();
+        let want = match (*adapter, *model) {
+            ("a", _) | (_, "a") => &alone_a,
+            ("b", _) | (_, "b") => &alone_b,
+            _ => &base,
+        };
+        assert_eq!(
+            &got, want,
+            "adapter {adapter:?} / model {model:?} in a batch"
+        );
+    }
+    let m = s.metrics().await;
+    let steps = metric(&m, "weft_batch_size_count", &[]).unwrap_or(0.0);
+    let rows = metric(&m, "weft_batch_size_sum", &[]).unwrap_or(0.0);
+    assert!(
+        rows > steps,
+        "no step held more than one row ({rows} rows in {steps} steps)"
+    );
+
+    // Refusals.
+    assert_code(
+        c.generate(with(req("c", ""), Some(OPEN_KEY), None)).await,
+        Code::InvalidArgument,
+        "adapter: unknown adapter \"c\"",
+    );
+    assert_code(
+        c.generate(with(req("b", ""), Some(ONLY_A_KEY), None)).await,
+        Code::PermissionDenied,
+        "may not use adapter \"b\"",
+    );
+    assert_code(
+        c.generate(with(req("", "b"), Some(ONLY_A_KEY), None)).await,
+        Code::PermissionDenied,
+        "may not use adapter \"b\"",
+    );
+    assert_eq!(ids(&s, ONLY_A_KEY, req("a", "")).await, alone_a);
+
+    // The OpenAI API: `/v1/models` lists the adapters, `model` runs one.
+    let http = s.http_addr.clone().expect("http listener");
+    let client = reqwest::Client::new();
+    let body = |r: reqwest::Response| async move {
+        let text = r.text().await.unwrap();
+        serde_json::from_str::<serde_json::Value>(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+    };
+    let list = body(
+        client
+            .get(format!("http://{http}/v1/models"))
+            .bearer_auth(OPEN_KEY)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let names: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert!(names.ends_with(&["a", "b"]), "{list}");
+    let done = body(
+        client
+            .post(format!("http://{http}/v1/completions"))
+            .bearer_auth(OPEN_KEY)
+            .header("content-type", "application/json")
+            .body(
+                serde_json::json!({"model": "b", "prompt": PROMPT, "max_tokens": 16,
+                                   "temperature": 0})
+                .to_string(),
+            )
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(done["model"], "b", "{done}");
+    let mut c2 = s.client().await;
+    let want_text = c2
+        .generate(with(req("b", ""), Some(OPEN_KEY), None))
+        .await
+        .unwrap()
+        .into_inner()
+        .text;
+    assert_eq!(done["choices"][0]["text"], want_text.as_str(), "{done}");
+}
