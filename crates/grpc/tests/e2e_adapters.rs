@@ -199,6 +199,60 @@ async fn adapters_are_served_mixed_in_one_batch() {
         "no step held more than one row ({rows} rows in {steps} steps)"
     );
 
+    // Metrics: while a long request runs with adapter b, the per-adapter gauge
+    // counts it and the gateway's LoRA info gauge names b as running.
+    let mut long = req("b", "");
+    long.max_tokens = 400;
+    long.ignore_eos = true;
+    let s_url = s.url();
+    let running = tokio::spawn(async move {
+        let ch = tonic::transport::Endpoint::from_shared(s_url)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut c = pb::generation_client::GenerationClient::new(ch);
+        let mut st = c
+            .generate_stream(with(long, Some(OPEN_KEY), None))
+            .await
+            .unwrap()
+            .into_inner();
+        // Hold the stream open until aborted.
+        while let Ok(Some(_)) = st.message().await {}
+    });
+    wait_metric(
+        &s,
+        "weft_adapter_requests",
+        &["adapter=\"b\"", "state=\"running\""],
+        |v| v == 1.0,
+        std::time::Duration::from_secs(60),
+    )
+    .await;
+    let m = s.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "weft_adapter_requests",
+            &["adapter=\"a\"", "state=\"running\""]
+        ),
+        Some(0.0)
+    );
+    let info = metric(
+        &m,
+        "weft_lora_requests_info",
+        &[
+            "running_lora_adapters=\"b\"",
+            "waiting_lora_adapters=\"\"",
+            "max_lora=\"2\"",
+        ],
+    )
+    .unwrap_or_else(|| panic!("no LoRA info gauge naming b running:\n{m}"));
+    assert!(
+        info > 1.6e9,
+        "the info gauge's value is the refresh time: {info}"
+    );
+    running.abort();
+
     // Refusals.
     assert_code(
         c.generate(with(req("c", ""), Some(OPEN_KEY), None)).await,

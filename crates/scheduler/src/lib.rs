@@ -110,7 +110,7 @@ pub use request::{
     SubmitError, TokenDelta, TokenLogprob, Usage,
 };
 pub use scheduler::{
-    min_sliding_blocks, Scheduler, SchedulerError, Stats, StepReport, TenantStats,
+    min_sliding_blocks, AdapterStats, Scheduler, SchedulerError, Stats, StepReport, TenantStats,
 };
 /// The KV pool crate, for the pool types [`Scheduler::kv_pool`] exposes.
 pub use weft_kv_pool as kv_pool;

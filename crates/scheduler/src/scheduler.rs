@@ -63,11 +63,21 @@ pub struct TenantStats {
     pub virtual_counter: f64,
 }
 
+/// Requests of one LoRA adapter ([`crate::Request::adapter`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterStats {
+    pub adapter: u32,
+    pub running: usize,
+    pub waiting: usize,
+}
+
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Stats {
     pub running: usize,
     pub waiting: usize,
     pub tenants: Vec<TenantStats>,
+    /// Live requests per adapter, by adapter id (adapters without any left out).
+    pub adapters: Vec<AdapterStats>,
     /// KV blocks of the pool (one full-attention group): `used` are referenced by a
     /// running row, `free` hold nothing, `cached` hold a finished or preempted row's
     /// full blocks for prefix reuse and are evicted (LRU) when `free` runs out.
@@ -2811,6 +2821,27 @@ impl<M: Model> Scheduler<M> {
                 virtual_counter: t.counter,
             })
             .collect();
+        let mut by: std::collections::BTreeMap<u32, AdapterStats> = Default::default();
+        for r in self.reqs.values() {
+            if let Some(a) = r.r.adapter {
+                by.entry(a)
+                    .or_insert(AdapterStats {
+                        adapter: a,
+                        running: 0,
+                        waiting: 0,
+                    })
+                    .waiting += 1;
+            }
+        }
+        for rs in &self.running {
+            if let Some(a) = self.reqs.at(rs.slot).and_then(|r| r.r.adapter) {
+                if let Some(e) = by.get_mut(&a) {
+                    e.running += 1;
+                    e.waiting -= 1;
+                }
+            }
+        }
+        s.adapters = by.into_values().collect();
         s
     }
 

@@ -29,6 +29,16 @@ pub const KV_USAGE: &str = "weft_kv_cache_usage_perc";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+/// Live requests per served LoRA adapter (`adapter`; `state` running or
+/// waiting): bounded by the adapters served.
+pub const ADAPTER_REQUESTS: &str = "weft_adapter_requests";
+/// The Kubernetes inference gateway's LoRA affinity input, in vLLM's shape:
+/// labels `running_lora_adapters` and `waiting_lora_adapters` (comma-separated
+/// names) and `max_lora` (adapters a batch may mix); value: the unix time it was
+/// last refreshed. The series of the last adapter set is set to 0 when the set
+/// changes, so the current one is the newest.
+pub const LORA_INFO: &str = "weft_lora_requests_info";
+pub const VLLM_LORA_INFO: &str = "vllm:lora_requests_info";
 
 /// Extra names for the gateway gauges (`--metrics-aliases`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -67,6 +77,62 @@ pub fn set_load(waiting: usize, running: usize, kv_used: usize, kv_total: usize,
         gauge!(VLLM_RUNNING).set(running as f64);
         gauge!(VLLM_KV_USAGE).set(usage);
     }
+}
+
+/// The per-adapter gauges and the gateway's LoRA info gauge from one engine
+/// snapshot (`live`, by adapter id) and the served adapters (ids 1..=n).
+pub fn set_adapters(
+    live: &[weft_scheduler::AdapterStats],
+    served: &[crate::runtime::ServedAdapter],
+    aliases: Aliases,
+) {
+    if served.is_empty() {
+        return;
+    }
+    let mut running = Vec::new();
+    let mut waiting = Vec::new();
+    for a in served {
+        let s = live.iter().find(|s| s.adapter == a.id);
+        let (r, w) = s.map_or((0, 0), |s| (s.running, s.waiting));
+        gauge!(ADAPTER_REQUESTS, "adapter" => a.name.clone(), "state" => "running").set(r as f64);
+        gauge!(ADAPTER_REQUESTS, "adapter" => a.name.clone(), "state" => "waiting").set(w as f64);
+        if r > 0 {
+            running.push(a.name.as_str());
+        }
+        if w > 0 {
+            waiting.push(a.name.as_str());
+        }
+    }
+    let labels = (
+        running.join(","),
+        waiting.join(","),
+        served.len().to_string(),
+    );
+    static LAST: std::sync::Mutex<Option<(String, String, String)>> = std::sync::Mutex::new(None);
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    let names: &[&'static str] = match aliases {
+        Aliases::None => &[LORA_INFO],
+        Aliases::Vllm => &[LORA_INFO, VLLM_LORA_INFO],
+    };
+    let set = |l: &(String, String, String), v: f64| {
+        for &n in names {
+            gauge!(
+                n,
+                "running_lora_adapters" => l.0.clone(),
+                "waiting_lora_adapters" => l.1.clone(),
+                "max_lora" => l.2.clone()
+            )
+            .set(v);
+        }
+    };
+    if let Some(old) = last.as_ref().filter(|old| **old != labels) {
+        set(old, 0.0);
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    set(&labels, now);
+    *last = Some(labels);
 }
 
 /// `weft_kv_cache_config_info{block_size, num_blocks} 1`, once the pool exists.
@@ -139,6 +205,14 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     describe_gauge!(
         KV_USAGE,
         "Fraction (0-1) of KV pool blocks in use by running rows; refreshed at each scrape"
+    );
+    describe_gauge!(
+        ADAPTER_REQUESTS,
+        "Live requests per LoRA adapter (adapter), running or waiting (state); refreshed at each scrape"
+    );
+    describe_gauge!(
+        LORA_INFO,
+        "Unix time of the last refresh, labelled with the adapters of running and waiting requests and max_lora (the inference gateway's LoRA affinity input)"
     );
     crate::memory_plan::describe();
     gauge!(SERVING).set(0.0);

@@ -149,6 +149,7 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
                     s.kv_blocks_total,
                     aliases,
                 );
+                metrics::set_adapters(&s.adapters, &r.model.adapters, aliases);
             }
         });
         tokio::spawn(metrics::serve(ml, prom.clone(), refresh, stop_rx.clone()));
