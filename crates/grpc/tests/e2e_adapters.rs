@@ -260,6 +260,11 @@ async fn adapters_are_served_mixed_in_one_batch() {
         "adapter: unknown adapter \"c\"",
     );
     assert_code(
+        c.generate(with(req("b", "a"), Some(OPEN_KEY), None)).await,
+        Code::InvalidArgument,
+        "conflicts with model \"a\"",
+    );
+    assert_code(
         c.generate(with(req("b", ""), Some(ONLY_A_KEY), None)).await,
         Code::PermissionDenied,
         "may not use adapter \"b\"",

@@ -529,6 +529,11 @@ fn whole_requests_are_valid_or_refused_with_invalid_argument() {
                         r.adapter.as_str()
                     };
                     prop_assert_eq!(req.adapter, (named == "sql").then_some(1));
+                    prop_assert!(
+                        !(["sql", "chat"].contains(&r.model.as_str())
+                            && !r.adapter.is_empty()
+                            && r.adapter != r.model)
+                    );
                     prop_assert!(named.is_empty() || named == "sql");
                 }
                 Err(e) => {
@@ -538,8 +543,11 @@ fn whole_requests_are_valid_or_refused_with_invalid_argument() {
                         } else {
                             r.adapter.as_str()
                         };
+                    let model_adapter = ["sql", "chat"].contains(&r.model.as_str());
                     let want = if !["", "tiny", "sql", "chat"].contains(&r.model.as_str()) {
                         Code::NotFound
+                    } else if model_adapter && !r.adapter.is_empty() && r.adapter != r.model {
+                        Code::InvalidArgument
                     } else if named == "chat" {
                         Code::PermissionDenied
                     } else {

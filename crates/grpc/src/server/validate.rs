@@ -102,9 +102,16 @@ pub fn adapter(
     tenant: &Tenant,
     model: &ServedModel,
 ) -> Result<Option<u32>, Status> {
+    let model_names_adapter = r.model != model.name && model.adapter(&r.model).is_some();
+    if model_names_adapter && !r.adapter.is_empty() && r.adapter != r.model {
+        return Err(invalid(format!(
+            "adapter: {:?} conflicts with model {:?}, which names another adapter; give one",
+            r.adapter, r.model
+        )));
+    }
     let (field, name) = if !r.adapter.is_empty() {
         ("adapter", r.adapter.as_str())
-    } else if model.adapter(&r.model).is_some() && r.model != model.name {
+    } else if model_names_adapter {
         ("model", r.model.as_str())
     } else {
         return Ok(None);
