@@ -60,6 +60,8 @@ pub struct MemoryPlan {
     pub weights: u64,
     /// The paged KV pool, allocated at startup.
     pub kv: u64,
+    /// The LoRA adapter pool (`--adapter`), allocated at startup.
+    pub adapters: u64,
     /// Bound of the largest step's allocations ([`StepMemory`]).
     pub step_activations: u64,
     pub step_attention: u64,
@@ -77,7 +79,7 @@ impl MemoryPlan {
     /// is not capped.
     pub fn total(&self) -> Option<u64> {
         self.cache_limit
-            .map(|c| self.weights + self.kv + self.step() + c)
+            .map(|c| self.weights + self.kv + self.adapters + self.step() + c)
     }
 
     /// Sets the plan gauges (`weft_memory_plan_bytes{part=...}`).
@@ -85,6 +87,7 @@ impl MemoryPlan {
         let parts = [
             ("weights", Some(self.weights)),
             ("kv", Some(self.kv)),
+            ("adapters", Some(self.adapters)),
             ("step", Some(self.step())),
             ("cache_limit", self.cache_limit),
             ("total", self.total()),
@@ -155,6 +158,7 @@ pub fn plan(
     Ok(MemoryPlan {
         weights,
         kv: runner.kv().bytes(),
+        adapters: runner.adapters().map_or(0, |p| p.bytes()),
         step_activations: step.activations,
         step_attention: step.attention,
         step_logits: step.logits,
@@ -174,13 +178,15 @@ pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
     tracing::info!(
         weights_bytes = plan.weights,
         kv_bytes = plan.kv,
+        adapter_bytes = plan.adapters,
         step_bytes = plan.step(),
         cache_limit_bytes = plan.cache_limit,
         total_bytes = plan.total(),
         warm_up_peak_bytes = warm_up_peak,
-        "memory plan: weights {} + KV pool {} + largest step {} (activations {}, attention scores {}, logits {}) + MLX buffer cache {} = {total}; the warm-up peaked at {}",
+        "memory plan: weights {} + KV pool {} + adapters {} + largest step {} (activations {}, attention scores {}, logits {}) + MLX buffer cache {} = {total}; the warm-up peaked at {}",
         mib(plan.weights),
         mib(plan.kv),
+        mib(plan.adapters),
         mib(plan.step()),
         mib(plan.step_activations),
         mib(plan.step_attention),
@@ -194,7 +200,7 @@ pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
 pub fn describe() {
     describe_gauge!(
         PLAN_BYTES,
-        "Memory plan in bytes by part (weights, kv, step, cache_limit, total), set at startup"
+        "Memory plan in bytes by part (weights, kv, adapters, step, cache_limit, total), set at startup"
     );
     describe_gauge!(
         MLX_ACTIVE,

@@ -696,6 +696,11 @@ pub fn start_engine_with(
             let mut runner =
                 BatchRunner::with_memory_use(loaded.model, kv.block_size, kv.memory, Some(usage))?;
             runner.set_lanes(opts.lanes());
+            // Before the memory plan, which counts the adapter pool.
+            let resident = load_adapters(&mut runner, &model_config, &adapter_specs)?;
+            if let Ok(mut a) = adapters_out.lock() {
+                *a = resident;
+            }
             log_kv(&runner, kv.max_batch_rows, context);
             let shape = crate::memory_plan::step_shape(
                 &model_config,
@@ -711,10 +716,6 @@ pub fn start_engine_with(
             );
             let plan = crate::memory_plan::plan(weights, &runner, step, decode, kv.cache_limit)?;
             weft_models::memory::reset_peak()?;
-            let resident = load_adapters(&mut runner, &model_config, &adapter_specs)?;
-            if let Ok(mut a) = adapters_out.lock() {
-                *a = resident;
-            }
             let gpu = runner.kv().uses_kernel();
             let t = std::time::Instant::now();
             warm_up(&mut runner, gpu)?;

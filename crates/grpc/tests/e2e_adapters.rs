@@ -142,6 +142,23 @@ async fn adapters_are_served_mixed_in_one_batch() {
         vec![("a", 8, qv.clone(), "mlx-lm"), ("b", 8, qv, "mlx-lm")]
     );
 
+    // The memory plan counts the adapter pool: 3 slots (none, a, b) x layers of
+    // q/v stacks (A [3, hidden, 2 x 8], B [3, 8, q out] and [3, 8, v out]).
+    let (hidden, hd) = (config.hidden_size as usize, config.head_dim as usize);
+    let (q_out, v_out) = (
+        config.num_heads as usize * hd,
+        config.num_kv_heads as usize * hd,
+    );
+    let elems = 3 * (hidden * 16 + 8 * q_out + 8 * v_out) * config.num_layers as usize;
+    let width = if models[0].dtype == "float32" { 4 } else { 2 };
+    let m = s.metrics().await;
+    assert_eq!(
+        metric(&m, "weft_memory_plan_bytes", &["part=\"adapters\""]),
+        Some((elems * width) as f64),
+        "dtype {}",
+        models[0].dtype
+    );
+
     // Alone, one at a time (greedy).
     let base = ids(&s, OPEN_KEY, req("", "")).await;
     let alone_a = ids(&s, OPEN_KEY, req("a", "")).await;

@@ -163,6 +163,16 @@ impl AdapterPool {
         &self.config
     }
 
+    /// Device bytes of the pool's stacks (every slot, resident or not).
+    pub fn bytes(&self) -> u64 {
+        self.stacks
+            .iter()
+            .flat_map(|l| l.iter().flatten())
+            .flat_map(|g| std::iter::once(&g.a).chain(g.b.iter()))
+            .map(|a| a.nbytes() as u64)
+            .sum()
+    }
+
     /// The slot `id` is resident in.
     pub fn slot_of(&self, id: AdapterId) -> Option<u32> {
         self.resident
