@@ -130,6 +130,7 @@ impl MlxModel {
             max_context: c.max_position_embeddings as usize,
             eos_token_ids,
             kv: runner.kv_groups().clone(),
+            adapter_slots: runner.adapters().map_or(0, |p| p.config().slots),
         };
         Self {
             runner,
@@ -356,11 +357,61 @@ impl Model for MlxModel {
     /// scheduler's pool releases.
     fn release_row(&mut self, _row: RowId) {}
 
+    /// `source` is the adapter's files read into host memory
+    /// ([`weft_models::AdapterFiles`]).
+    fn add_adapter(
+        &mut self,
+        id: u32,
+        source: weft_scheduler::AdapterSource,
+    ) -> Result<weft_scheduler::AdapterDesc, ModelError> {
+        let files = source
+            .downcast::<weft_models::AdapterFiles>()
+            .map_err(|_| {
+                ModelError::Contract("an adapter source that is not AdapterFiles".into())
+            })?;
+        let host_bytes = files.bytes();
+        let a = self
+            .runner
+            .register_adapter(weft_models::AdapterId(u64::from(id)), *files)
+            .map_err(|e| ModelError::Failed(e.to_string()))?;
+        Ok(describe(&a, host_bytes))
+    }
+
+    fn remove_adapter(&mut self, id: u32) -> Result<(), ModelError> {
+        self.runner
+            .forget_adapter(weft_models::AdapterId(u64::from(id)))
+            .map(|_| ())
+            .map_err(failed)
+    }
+
+    fn adapter_counters(&self) -> weft_scheduler::AdapterCounters {
+        let c = self.runner.adapter_counters();
+        weft_scheduler::AdapterCounters {
+            loads: c.loads,
+            evictions: c.evictions,
+        }
+    }
+
     /// After an allocation failure: MLX's buffer cache gives back what it holds.
     fn release_memory(&mut self) {
         if let Err(e) = mlx_rs::memory::clear_cache() {
             tracing::warn!(error = %e, "clearing MLX's buffer cache failed");
         }
+    }
+}
+
+/// What an adapter is, as the scheduler's contract says it.
+fn describe(a: &weft_models::Adapter, host_bytes: u64) -> weft_scheduler::AdapterDesc {
+    weft_scheduler::AdapterDesc {
+        rank: a.rank as u32,
+        scale: a.scale,
+        targets: a.targets().iter().map(|t| t.short().to_string()).collect(),
+        format: match a.format {
+            weft_models::AdapterFormat::MlxLm => "mlx-lm",
+            weft_models::AdapterFormat::Peft => "peft",
+        }
+        .to_string(),
+        host_bytes,
     }
 }
 

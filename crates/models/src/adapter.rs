@@ -126,6 +126,34 @@ impl Adapter {
     /// the safetensors file present) and checks it against the base model
     /// `base`.
     pub fn load(dir: &Path, base: &ModelConfig) -> Result<Adapter> {
+        AdapterFiles::read(dir)?.parse(base)
+    }
+
+    /// The projections adapted in any layer.
+    pub fn targets(&self) -> std::collections::BTreeSet<Target> {
+        self.layers.iter().flat_map(|l| l.keys().copied()).collect()
+    }
+}
+
+/// An adapter's files read into host memory: what a server keeps of an
+/// adapter that is not resident in the device pool (loaded again from these
+/// bytes, not the disk, when a row needs it). Plain bytes, so any thread may
+/// read them; [`parse`](Self::parse) makes the arrays.
+#[derive(Debug, Clone)]
+pub struct AdapterFiles {
+    pub dir: PathBuf,
+    pub format: AdapterFormat,
+    config_path: PathBuf,
+    config: Value,
+    tensors_path: PathBuf,
+    tensors: std::sync::Arc<[u8]>,
+}
+
+impl AdapterFiles {
+    /// Reads `dir`'s `adapter_config.json` and its safetensors file
+    /// (`adapters.safetensors`: mlx-lm, else `adapter_model.safetensors`:
+    /// PEFT). Nothing is checked against a model yet.
+    pub fn read(dir: &Path) -> Result<Self> {
         let config_path = dir.join("adapter_config.json");
         let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::Io {
             path: config_path.clone(),
@@ -137,25 +165,44 @@ impl Adapter {
         })?;
         let mlx = dir.join("adapters.safetensors");
         let peft = dir.join("adapter_model.safetensors");
-        if mlx.exists() {
-            let spec = MlxSpec::parse(&config, &config_path, base)?;
-            let tensors = read_safetensors(&mlx)?;
-            build(dir, AdapterFormat::MlxLm, &spec.common, tensors, base)
+        let (format, tensors_path) = if mlx.exists() {
+            (AdapterFormat::MlxLm, mlx)
         } else if peft.exists() {
-            let spec = PeftSpec::parse(&config, &config_path)?;
-            let tensors = read_safetensors(&peft)?;
-            build(dir, AdapterFormat::Peft, &spec.common, tensors, base)
+            (AdapterFormat::Peft, peft)
         } else {
-            Err(ModelError::Weights(format!(
+            return Err(ModelError::Weights(format!(
                 "{}: neither adapters.safetensors (mlx-lm) nor adapter_model.safetensors (PEFT)",
                 dir.display()
-            )))
-        }
+            )));
+        };
+        let tensors = std::fs::read(&tensors_path).map_err(|e| ModelError::Io {
+            path: tensors_path.clone(),
+            source: e,
+        })?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            format,
+            config_path,
+            config,
+            tensors_path,
+            tensors: tensors.into(),
+        })
     }
 
-    /// The projections adapted in any layer.
-    pub fn targets(&self) -> std::collections::BTreeSet<Target> {
-        self.layers.iter().flat_map(|l| l.keys().copied()).collect()
+    /// Host bytes held (the tensors file).
+    pub fn bytes(&self) -> u64 {
+        self.tensors.len() as u64
+    }
+
+    /// The adapter's arrays, checked against the base model `base` (an
+    /// error names the tensor).
+    pub fn parse(&self, base: &ModelConfig) -> Result<Adapter> {
+        let common = match self.format {
+            AdapterFormat::MlxLm => MlxSpec::parse(&self.config, &self.config_path, base)?.common,
+            AdapterFormat::Peft => PeftSpec::parse(&self.config, &self.config_path)?.common,
+        };
+        let tensors = read_safetensors(&self.tensors_path, &self.tensors)?;
+        build(&self.dir, self.format, &common, tensors, base)
     }
 }
 
@@ -365,19 +412,9 @@ fn rank_of(v: Option<&Value>, what: &str) -> std::result::Result<usize, String> 
     Ok(r as usize)
 }
 
-/// Every tensor of one safetensors file.
-fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Array>> {
-    let file = std::fs::File::open(path).map_err(|e| ModelError::Io {
-        path: path.to_path_buf(),
-        source: e,
-    })?;
-    // SAFETY: the map is read-only and dropped before returning; arrays copy
-    // their bytes out of it.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::Io {
-        path: path.to_path_buf(),
-        source: e,
-    })?;
-    let st = safetensors::SafeTensors::deserialize(&map)
+/// Every tensor of one safetensors file (`bytes`, read from `path`).
+fn read_safetensors(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, Array>> {
+    let st = safetensors::SafeTensors::deserialize(bytes)
         .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {

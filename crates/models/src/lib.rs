@@ -27,7 +27,7 @@ pub mod sampler;
 pub mod tokenizer;
 pub mod weights;
 
-pub use adapter::{Adapter, AdapterFormat, Target};
+pub use adapter::{Adapter, AdapterFiles, AdapterFormat, Target};
 pub use config::{Arch, ModelConfig};
 pub use cpu_kernels::Kernels;
 pub use error::ModelError;
@@ -36,7 +36,7 @@ pub use lanes::Lanes;
 pub use linear::WeightPolicy;
 pub use llama::{compile_traces, LlamaModel};
 pub use loader::{load, Device, LoadOptions, LoadedModel};
-pub use lora::{AdapterId, AdapterPool, AdapterPoolConfig, LoraStep};
+pub use lora::{AdapterCounters, AdapterId, AdapterPool, AdapterPoolConfig, LoraStep};
 pub use runner::{
     BatchRunner, RowId, RowStep, StepLogits, StepPicks, StepTiming, DEFAULT_BLOCK_SIZE,
 };

@@ -91,6 +91,21 @@ pub struct AdapterPool {
     stacks: Stacks,
     /// Who holds each slot (index 0 is never held).
     resident: Vec<Option<AdapterId>>,
+    /// Per slot, the [`make_resident`](Self::make_resident) call that last
+    /// named its adapter (the eviction order: least recently used first).
+    last_used: Vec<u64>,
+    /// Calls of [`make_resident`](Self::make_resident) so far.
+    tick: u64,
+    counters: AdapterCounters,
+}
+
+/// What a pool has done since it was made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdapterCounters {
+    /// Adapters made resident (copied into a slot).
+    pub loads: u64,
+    /// Resident adapters whose slot another adapter took.
+    pub evictions: u64,
 }
 
 impl AdapterPool {
@@ -139,6 +154,9 @@ impl AdapterPool {
         }
         let pool = Self {
             resident: vec![None; config.slots + 1],
+            last_used: vec![0; config.slots + 1],
+            tick: 0,
+            counters: AdapterCounters::default(),
             config,
             dtype,
             dims,
@@ -189,20 +207,17 @@ impl AdapterPool {
             .filter_map(|(s, r)| r.map(|id| (s as u32, id)))
     }
 
-    /// Makes `adapter` resident as `id`; returns its slot. Refused (nothing
-    /// changed) when `id` is resident already, the pool is full, or the
-    /// adapter does not fit the pool (rank, targets, layers).
-    pub fn insert(&mut self, id: AdapterId, adapter: &Adapter) -> Result<u32> {
-        if self.slot_of(id).is_some() {
-            return Err(ModelError::Invalid(format!(
-                "adapter {} is resident already",
-                id.0
-            )));
-        }
+    /// What the pool has loaded and evicted so far.
+    pub fn counters(&self) -> AdapterCounters {
+        self.counters
+    }
+
+    /// Whether `adapter` fits the pool (rank, targets, layers); the error
+    /// says why not, naming it `name`.
+    pub fn check(&self, name: &str, adapter: &Adapter) -> Result<()> {
         if adapter.rank > self.config.max_rank {
             return Err(ModelError::Invalid(format!(
-                "adapter {} ({}) has rank {}, the pool at most {}",
-                id.0,
+                "adapter {name} ({}) has rank {}, the pool at most {}",
                 adapter.path.display(),
                 adapter.rank,
                 self.config.max_rank
@@ -214,20 +229,73 @@ impl AdapterPool {
             .find(|t| !self.config.targets.contains(t))
         {
             return Err(ModelError::Invalid(format!(
-                "adapter {} ({}) adapts {}, which the pool does not",
-                id.0,
+                "adapter {name} ({}) adapts {}, which the pool does not",
                 adapter.path.display(),
                 t.module()
             )));
         }
         if adapter.layers.len() != self.stacks.len() {
             return Err(ModelError::Invalid(format!(
-                "adapter {} is for {} layers, the model has {}",
-                id.0,
+                "adapter {name} is for {} layers, the model has {}",
                 adapter.layers.len(),
                 self.stacks.len()
             )));
         }
+        Ok(())
+    }
+
+    /// Makes every adapter in `ids` resident: each that is not gets a free
+    /// slot or, when none is free, the slot of the least recently used
+    /// resident adapter `ids` does not name (evicted), filled from
+    /// `load(id)`. Refused (nothing evicted) when `ids` names more adapters
+    /// than the pool has slots. The stacks are new arrays, never written in
+    /// place, so a step already built keeps the adapters it was built with.
+    pub fn make_resident(
+        &mut self,
+        ids: &BTreeSet<AdapterId>,
+        load: &mut dyn FnMut(AdapterId) -> Result<Adapter>,
+    ) -> Result<()> {
+        if ids.len() > self.config.slots {
+            return Err(ModelError::Invalid(format!(
+                "a step with {} adapters, the pool holds {} at once",
+                ids.len(),
+                self.config.slots
+            )));
+        }
+        self.tick += 1;
+        for &id in ids {
+            if self.slot_of(id).is_none() {
+                if !self.resident.iter().skip(1).any(Option::is_none) {
+                    let victim = (1..self.resident.len())
+                        .filter(|&s| self.resident[s].is_some_and(|r| !ids.contains(&r)))
+                        .min_by_key(|&s| self.last_used[s])
+                        .and_then(|s| self.resident[s]);
+                    if let Some(v) = victim {
+                        self.remove(v)?;
+                        self.counters.evictions += 1;
+                    }
+                }
+                let adapter = load(id)?;
+                self.insert(id, &adapter)?;
+            }
+            if let Some(s) = self.slot_of(id) {
+                self.last_used[s as usize] = self.tick;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `adapter` resident as `id`; returns its slot. Refused (nothing
+    /// changed) when `id` is resident already, the pool is full, or the
+    /// adapter does not fit the pool (rank, targets, layers).
+    pub fn insert(&mut self, id: AdapterId, adapter: &Adapter) -> Result<u32> {
+        if self.slot_of(id).is_some() {
+            return Err(ModelError::Invalid(format!(
+                "adapter {} is resident already",
+                id.0
+            )));
+        }
+        self.check(&id.0.to_string(), adapter)?;
         let slot = (1..self.resident.len())
             .find(|&s| self.resident[s].is_none())
             .ok_or_else(|| {
@@ -278,6 +346,8 @@ impl AdapterPool {
             return Err(e);
         }
         self.resident[slot] = Some(id);
+        self.last_used[slot] = self.tick;
+        self.counters.loads += 1;
         Ok(slot as u32)
     }
 

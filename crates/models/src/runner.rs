@@ -144,6 +144,9 @@ pub struct BatchRunner {
     census: Option<std::collections::BTreeMap<String, usize>>,
     /// The LoRA adapters rows may run with, when set up.
     adapters: Option<AdapterPool>,
+    /// Registered adapters' files in host memory: a row may name any of
+    /// them, and each forward makes its rows' adapters resident from here.
+    adapter_files: std::collections::BTreeMap<AdapterId, crate::adapter::AdapterFiles>,
 }
 
 /// Where the last forward's wall time went: building the graph on the host
@@ -188,6 +191,7 @@ impl BatchRunner {
             census_next: false,
             census: None,
             adapters: None,
+            adapter_files: Default::default(),
         }
     }
 
@@ -231,6 +235,80 @@ impl BatchRunner {
             .as_mut()
             .ok_or_else(|| ModelError::Invalid("no adapter pool set up".into()))?
             .insert(id, adapter)
+    }
+
+    /// Registers an adapter rows may name as `id`: its files stay in host
+    /// memory and it becomes resident in the pool when a forward's row names
+    /// it, evicting the least recently used adapter that forward does not
+    /// need when every slot is taken (see [`AdapterPool::make_resident`]).
+    /// Checked now against the model and the pool (an error names the
+    /// tensor, or the rank or projection the pool lacks); returns the parsed
+    /// adapter (what it is: rank, scale, targets). Refused for an `id`
+    /// registered already, or without a pool.
+    pub fn register_adapter(
+        &mut self,
+        id: AdapterId,
+        files: crate::adapter::AdapterFiles,
+    ) -> Result<crate::adapter::Adapter> {
+        let pool = self
+            .adapters
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("no adapter pool set up".into()))?;
+        if self.adapter_files.contains_key(&id) {
+            return Err(ModelError::Invalid(format!(
+                "adapter {} is registered already",
+                id.0
+            )));
+        }
+        let adapter = files.parse(&self.model.config)?;
+        pool.check(&files.dir.display().to_string(), &adapter)?;
+        self.adapter_files.insert(id, files);
+        Ok(adapter)
+    }
+
+    /// Forgets a registered adapter: its host files go, and its slot when it
+    /// is resident. Returns whether it was registered. Rows must no longer
+    /// name it; a step already built keeps the arrays it was built with.
+    pub fn forget_adapter(&mut self, id: AdapterId) -> Result<bool> {
+        let known = self.adapter_files.remove(&id).is_some();
+        if let Some(p) = self.adapters.as_mut() {
+            p.remove(id)?;
+        }
+        Ok(known)
+    }
+
+    /// What the adapter pool has loaded and evicted (zeros without a pool).
+    pub fn adapter_counters(&self) -> crate::lora::AdapterCounters {
+        self.adapters
+            .as_ref()
+            .map(AdapterPool::counters)
+            .unwrap_or_default()
+    }
+
+    /// Host bytes of the registered adapters' files.
+    pub fn adapter_host_bytes(&self) -> u64 {
+        self.adapter_files.values().map(|f| f.bytes()).sum()
+    }
+
+    /// Makes the registered adapters `ids` resident now (at most the
+    /// pool's slots), e.g. before serving.
+    pub fn preload_adapters(&mut self, ids: &[AdapterId]) -> Result<()> {
+        let ids: std::collections::BTreeSet<AdapterId> = ids.iter().copied().collect();
+        self.make_resident(&ids)
+    }
+
+    fn make_resident(&mut self, ids: &std::collections::BTreeSet<AdapterId>) -> Result<()> {
+        let Some(pool) = self.adapters.as_mut() else {
+            return Ok(());
+        };
+        let files = &self.adapter_files;
+        let base = &self.model.config;
+        pool.make_resident(ids, &mut |id| {
+            files
+                .get(&id)
+                .ok_or_else(|| ModelError::Invalid(format!("adapter {} is not registered", id.0)))?
+                .parse(base)
+        })
     }
 
     /// Frees `id`'s slot; returns whether it was resident. Refused while a
@@ -692,6 +770,11 @@ impl BatchRunner {
         follow: Option<Follow<'_>>,
     ) -> Result<Wanted> {
         let groups_needed = self.kv.groups().groups.len();
+        let ids: std::collections::BTreeSet<AdapterId> =
+            steps.iter().filter_map(|s| s.adapter).collect();
+        if !ids.is_empty() {
+            self.make_resident(&ids)?;
+        }
         let mut seen = HashSet::new();
         for s in steps {
             if !seen.insert(s.row) {

@@ -78,6 +78,7 @@ fn setup(
         step_cost: None,
         // `Timed` forwards one step at a time.
         defer_sampling: false,
+        adapter_slots: 0,
     };
     let cfg = SchedulerConfig {
         max_batch_rows: rows,

@@ -18,7 +18,7 @@ use tracing::{debug, error, info};
 use crate::admission::Admission;
 use crate::chan;
 use crate::config::SchedulerConfig;
-use crate::model::{Detokenizer, Model, ModelInfo};
+use crate::model::{Detokenizer, Model, ModelError, ModelInfo};
 use crate::request::{
     EventStream, FinishReason, Finished, Msg, Request, RequestKey, SubmitError, Usage,
 };
@@ -52,7 +52,26 @@ enum Command {
         tenant: String,
         request_id: String,
     },
+    AddAdapter {
+        id: u32,
+        source: crate::model::AdapterSource,
+        reply: flume::Sender<Result<crate::model::AdapterDesc, ModelError>>,
+    },
+    RemoveAdapter {
+        id: u32,
+        reply: flume::Sender<usize>,
+    },
     Shutdown,
+}
+
+/// Why an adapter call to the engine did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterCallError {
+    /// The model refused it (the message says why).
+    #[error("{0}")]
+    Refused(ModelError),
+    #[error("the engine has stopped")]
+    Stopped,
 }
 
 struct Shared {
@@ -113,6 +132,34 @@ impl EngineHandle {
                 request_id: request_id.to_string(),
             })
             .is_ok()
+    }
+
+    /// Registers LoRA adapter `id` with the model between two steps
+    /// ([`Scheduler::add_adapter`]): from then on requests may name it.
+    pub async fn add_adapter(
+        &self,
+        id: u32,
+        source: crate::model::AdapterSource,
+    ) -> Result<crate::model::AdapterDesc, AdapterCallError> {
+        let (reply, rx) = flume::bounded(1);
+        self.tx
+            .send(Command::AddAdapter { id, source, reply })
+            .map_err(|_| AdapterCallError::Stopped)?;
+        match rx.recv_async().await {
+            Ok(r) => r.map_err(AdapterCallError::Refused),
+            Err(_) => Err(AdapterCallError::Stopped),
+        }
+    }
+
+    /// Removes LoRA adapter `id` ([`Scheduler::remove_adapter`]): its live requests
+    /// finish with it, later ones naming it fail. Returns how many live requests
+    /// still name it.
+    pub async fn remove_adapter(&self, id: u32) -> Result<usize, AdapterCallError> {
+        let (reply, rx) = flume::bounded(1);
+        self.tx
+            .send(Command::RemoveAdapter { id, reply })
+            .map_err(|_| AdapterCallError::Stopped)?;
+        rx.recv_async().await.map_err(|_| AdapterCallError::Stopped)
     }
 
     /// The snapshot published after the latest step (waiting/running include requests
@@ -457,6 +504,12 @@ fn handle<M: Model>(sched: &mut Scheduler<M>, cmd: Command) -> bool {
         } => sched.enqueue(key, *req, tx, arrival),
         Command::Cancel { tenant, request_id } => {
             sched.cancel(&tenant, &request_id, Instant::now());
+        }
+        Command::AddAdapter { id, source, reply } => {
+            let _ = reply.send(sched.add_adapter(id, source));
+        }
+        Command::RemoveAdapter { id, reply } => {
+            let _ = reply.send(sched.remove_adapter(id));
         }
         Command::Shutdown => return false,
     }

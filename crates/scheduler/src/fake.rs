@@ -73,6 +73,11 @@ pub struct FakeConfig {
     /// ([`Model::defers_sampling`]); without it a pipelined scheduler runs rows with
     /// penalties or a constraint one step at a time.
     pub defer_sampling: bool,
+    /// LoRA adapters resident at once ([`ModelInfo::adapter_slots`]; 0: none served).
+    /// With slots, every adapter a row names must be registered
+    /// ([`Model::add_adapter`]) and a forward may name at most this many; residency is
+    /// simulated (least recently used evicted) for [`Model::adapter_counters`].
+    pub adapter_slots: usize,
 }
 
 /// Seconds a fake forward "takes": `base + per_decode_row * rows feeding one token +
@@ -135,6 +140,7 @@ impl Default for FakeConfig {
             verify_kv: true,
             step_cost: None,
             defer_sampling: true,
+            adapter_slots: 0,
         }
     }
 }
@@ -241,6 +247,8 @@ pub struct FakeStats {
     pub verified_slots: u64,
     /// Every adapter a row of a forward named (None: a row without one).
     pub adapters: std::collections::BTreeSet<Option<u32>>,
+    /// Most distinct adapters in one forward.
+    pub max_step_adapters: usize,
 }
 
 #[derive(Debug)]
@@ -268,6 +276,10 @@ pub struct FakeModel {
     /// Every successful forward's and collect's (decoding rows, other tokens,
     /// simulated seconds) under [`FakeConfig::step_cost`], in the order returned.
     step_costs: Vec<(usize, usize, f64)>,
+    /// Registered adapters, and the resident ones with the forward that last used each.
+    adapters: std::collections::BTreeSet<u32>,
+    resident: Vec<(u32, u64)>,
+    adapter_counters: crate::model::AdapterCounters,
 }
 
 /// Packs (group, block, offset) into one map key: offsets stay below the block size
@@ -299,6 +311,9 @@ impl FakeModel {
             last_logits: Vec::new(),
             last_oom_rows: None,
             step_costs: Vec::new(),
+            adapters: Default::default(),
+            resident: Vec::new(),
+            adapter_counters: Default::default(),
         }
     }
 
@@ -322,6 +337,11 @@ impl FakeModel {
         self.rows.len()
     }
 
+    /// The adapters registered and not removed.
+    pub fn registered_adapters(&self) -> Vec<u32> {
+        self.adapters.iter().copied().collect()
+    }
+
     pub fn has_staged(&self) -> bool {
         !self.staged.is_empty()
     }
@@ -335,6 +355,48 @@ impl FakeModel {
         let mut out = vec![0.0; self.cfg.vocab_size];
         self.fill(h, history.last().copied().unwrap_or(0), &mut out);
         out
+    }
+
+    /// Checks the batch's adapters against the slots and simulates their residency.
+    fn make_resident(&mut self, batch: &[RowInput], call: u64) -> Result<(), ModelError> {
+        let named: std::collections::BTreeSet<u32> =
+            batch.iter().filter_map(|r| r.adapter).collect();
+        self.stats.max_step_adapters = self.stats.max_step_adapters.max(named.len());
+        if self.cfg.adapter_slots == 0 {
+            return Ok(());
+        }
+        if named.len() > self.cfg.adapter_slots {
+            return Err(self.violation(format!(
+                "a forward names {} adapters, {} are resident at once",
+                named.len(),
+                self.cfg.adapter_slots
+            )));
+        }
+        if let Some(a) = named.iter().find(|a| !self.adapters.contains(a)) {
+            return Err(self.violation(format!("adapter {a} is not registered")));
+        }
+        for &a in &named {
+            if let Some(r) = self.resident.iter_mut().find(|r| r.0 == a) {
+                r.1 = call;
+                continue;
+            }
+            if self.resident.len() == self.cfg.adapter_slots {
+                let victim = self
+                    .resident
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| !named.contains(&r.0))
+                    .min_by_key(|(_, r)| r.1)
+                    .map(|(i, _)| i);
+                if let Some(i) = victim {
+                    self.resident.swap_remove(i);
+                    self.adapter_counters.evictions += 1;
+                }
+            }
+            self.resident.push((a, call));
+            self.adapter_counters.loads += 1;
+        }
+        Ok(())
     }
 
     fn violation(&mut self, msg: String) -> ModelError {
@@ -571,6 +633,7 @@ impl FakeModel {
     ) -> Result<StepOutput, ModelError> {
         self.stats.forwards += 1;
         let call = self.stats.forwards;
+        self.make_resident(batch, call)?;
         self.apply_ops(ops)?;
         let mut staged: HashMap<RowId, RowState> = HashMap::with_capacity(batch.len());
         let mut heads = Vec::with_capacity(batch.len());
@@ -795,7 +858,40 @@ impl Model for FakeModel {
                     .full(self.cfg.kv_blocks)
                     .sliding(w, self.blocks_in(1)),
             },
+            adapter_slots: self.cfg.adapter_slots,
         }
+    }
+
+    fn add_adapter(
+        &mut self,
+        id: u32,
+        _source: crate::model::AdapterSource,
+    ) -> Result<crate::model::AdapterDesc, ModelError> {
+        if self.cfg.adapter_slots == 0 {
+            return Err(ModelError::Contract("this model serves no adapters".into()));
+        }
+        if !self.adapters.insert(id) {
+            return Err(self.violation(format!("adapter {id} registered twice")));
+        }
+        Ok(crate::model::AdapterDesc {
+            rank: 8,
+            scale: 1.0,
+            targets: vec!["q_proj".into(), "v_proj".into()],
+            format: "fake".into(),
+            host_bytes: 0,
+        })
+    }
+
+    fn remove_adapter(&mut self, id: u32) -> Result<(), ModelError> {
+        if !self.adapters.remove(&id) {
+            return Err(self.violation(format!("adapter {id} removed but not registered")));
+        }
+        self.resident.retain(|r| r.0 != id);
+        Ok(())
+    }
+
+    fn adapter_counters(&self) -> crate::model::AdapterCounters {
+        self.adapter_counters
     }
 
     fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {

@@ -99,11 +99,12 @@ mod util;
 
 pub use config::{ItlTarget, SchedulerConfig, TenantLimits, VtcWeights};
 pub use constraint::{Constraint, ConstraintSpec, Grammars};
-pub use engine::{Engine, EngineError, EngineHandle, FailureHook};
+pub use engine::{AdapterCallError, Engine, EngineError, EngineHandle, FailureHook};
 pub use fault::{FaultPlan, FaultPoint};
 pub use model::{
-    Detokenizer, KvGroups, Model, ModelError, ModelInfo, RowBlocks, RowId, RowInput, RowSampling,
-    SeenToken, StepOutput, StorageOp, TokenMask,
+    AdapterCounters, AdapterDesc, AdapterSource, Detokenizer, KvGroups, Model, ModelError,
+    ModelInfo, RowBlocks, RowId, RowInput, RowSampling, SeenToken, StepOutput, StorageOp,
+    TokenMask,
 };
 pub use request::{
     Event, EventStream, FinishReason, Finished, Request, RequestKey, SamplingParams, StopMatch,

@@ -157,7 +157,39 @@ pub struct ModelInfo {
     /// block count, SSM state slots. The scheduler's pool mirrors it exactly, so every
     /// block it accounts for exists.
     pub kv: KvGroups,
+    /// Distinct LoRA adapters the running rows may use at once (the model's resident
+    /// adapter slots; 0: the model serves none). The scheduler admits a request whose
+    /// adapter is not running yet only while fewer than this many are; the model makes
+    /// each step's adapters resident, evicting one no running row uses.
+    pub adapter_slots: usize,
 }
+
+/// What a model says of an adapter it registered ([`Model::add_adapter`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterDesc {
+    pub rank: u32,
+    /// Multiplier of the low-rank product.
+    pub scale: f32,
+    /// The projections it adapts ("q_proj", ...).
+    pub targets: Vec<String>,
+    /// Its file layout ("mlx-lm", "peft").
+    pub format: String,
+    /// Host bytes it keeps while not resident.
+    pub host_bytes: u64,
+}
+
+/// What a model's adapter residency has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdapterCounters {
+    /// Adapters copied into a resident slot.
+    pub loads: u64,
+    /// Resident adapters whose slot another adapter took.
+    pub evictions: u64,
+}
+
+/// An adapter's source in the model's own terms (for the MLX model, its files read
+/// into host memory), handed through the engine to [`Model::add_adapter`].
+pub type AdapterSource = Box<dyn std::any::Any + Send>;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ModelError {
@@ -263,6 +295,21 @@ pub trait Model {
     /// simulated cost); `None`, the default, has the scheduler time the call.
     fn last_step_seconds(&self) -> Option<f64> {
         None
+    }
+    /// Registers a LoRA adapter rows may name as `id` from then on (`source` in the
+    /// model's own terms; a source of another kind is refused). Checked against the
+    /// model now: an error says what does not fit. Called between steps, never for an
+    /// `id` registered already.
+    fn add_adapter(&mut self, _id: u32, _source: AdapterSource) -> Result<AdapterDesc, ModelError> {
+        Err(ModelError::Contract("this model serves no adapters".into()))
+    }
+    /// Forgets adapter `id`; no row names it any more.
+    fn remove_adapter(&mut self, _id: u32) -> Result<(), ModelError> {
+        Ok(())
+    }
+    /// What the model's adapter residency has done.
+    fn adapter_counters(&self) -> AdapterCounters {
+        AdapterCounters::default()
     }
 }
 

@@ -12,7 +12,7 @@
 
 use std::cmp::Reverse;
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -78,6 +78,9 @@ pub struct Stats {
     pub tenants: Vec<TenantStats>,
     /// Live requests per adapter, by adapter id (adapters without any left out).
     pub adapters: Vec<AdapterStats>,
+    /// What the model's adapter residency has done ([`Model::adapter_counters`]).
+    pub adapter_loads: u64,
+    pub adapter_evictions: u64,
     /// KV blocks of the pool (one full-attention group): `used` are referenced by a
     /// running row, `free` hold nothing, `cached` hold a finished or preempted row's
     /// full blocks for prefix reuse and are evicted (LRU) when `free` runs out.
@@ -646,6 +649,12 @@ pub struct Scheduler<M: Model> {
     /// Sequences released while a pool step was open, with the number of steps open
     /// then: rolling that step back undoes the release, so it is done again.
     released_open: Vec<(usize, Resident)>,
+    /// Adapters removed while live requests still named them: the model forgets
+    /// each once its last request has ended.
+    retiring: BTreeSet<u32>,
+    /// Adapters removed (ids are never reused): a request naming one that arrives
+    /// after its removal fails at once.
+    removed: BTreeSet<u32>,
 }
 
 impl<M: Model> Scheduler<M> {
@@ -751,6 +760,8 @@ impl<M: Model> Scheduler<M> {
             kind_metrics,
             inflight: None,
             released_open: Vec::new(),
+            retiring: BTreeSet::new(),
+            removed: BTreeSet::new(),
         };
         // The pool's gauges from the start, before any step.
         s.publish();
@@ -852,6 +863,71 @@ impl<M: Model> Scheduler<M> {
             },
         );
         self.push_waiting(key);
+        if let Some(a) = self.reqs.get(&key).and_then(|r| r.r.adapter) {
+            if self.removed.contains(&a) {
+                let msg = format!("adapter {a} was unloaded before the request reached the engine");
+                self.finish(key, FinishReason::Error, None, Some(msg), arrival);
+            }
+        }
+    }
+
+    /// Registers adapter `id` with the model (see [`Model::add_adapter`]); ids are
+    /// never reused, so an id removed before is refused.
+    pub fn add_adapter(
+        &mut self,
+        id: u32,
+        source: crate::model::AdapterSource,
+    ) -> Result<crate::model::AdapterDesc, ModelError> {
+        if self.removed.contains(&id) {
+            return Err(ModelError::Contract(format!(
+                "adapter id {id} was removed and is not reused"
+            )));
+        }
+        self.model.add_adapter(id, source)
+    }
+
+    /// Removes adapter `id`: requests already queued or running with it finish with
+    /// it, a request naming it that arrives from now on fails, and the model forgets
+    /// it once the last of them has ended. Returns how many live requests still name
+    /// it.
+    pub fn remove_adapter(&mut self, id: u32) -> usize {
+        self.removed.insert(id);
+        let live = self
+            .reqs
+            .values()
+            .filter(|r| r.r.adapter == Some(id))
+            .count();
+        self.retiring.insert(id);
+        self.retire_adapters();
+        live
+    }
+
+    /// Has the model forget every retiring adapter no live request names any more.
+    fn retire_adapters(&mut self) {
+        if self.retiring.is_empty() {
+            return;
+        }
+        let named: BTreeSet<u32> = self.reqs.values().filter_map(|r| r.r.adapter).collect();
+        let done: Vec<u32> = self
+            .retiring
+            .iter()
+            .copied()
+            .filter(|a| !named.contains(a))
+            .collect();
+        for a in done {
+            self.retiring.remove(&a);
+            if let Err(e) = self.model.remove_adapter(a) {
+                warn!(adapter = a, error = %e, "the model could not forget an adapter");
+            }
+        }
+    }
+
+    /// The adapters of the running rows.
+    fn running_adapters(&self) -> BTreeSet<u32> {
+        self.running
+            .iter()
+            .filter_map(|rs| self.reqs.at(rs.slot).and_then(|r| r.r.adapter))
+            .collect()
     }
 
     fn tenant_index(&mut self, name: &str, weight: f64) -> usize {
@@ -1017,6 +1093,7 @@ impl<M: Model> Scheduler<M> {
                 .record(wall.elapsed().as_secs_f64());
             self.metrics.batch_size.record(report.rows as f64);
         }
+        self.retire_adapters();
         self.publish();
         report
     }
@@ -1538,10 +1615,15 @@ impl<M: Model> Scheduler<M> {
     }
 
     fn pick_tenant(&self) -> Option<usize> {
+        self.pick_tenant_except(&[])
+    }
+
+    /// [`pick_tenant`](Self::pick_tenant) among the tenants not in `skip`.
+    fn pick_tenant_except(&self, skip: &[usize]) -> Option<usize> {
         self.tenants
             .iter()
             .enumerate()
-            .filter(|(_, t)| !t.queue.is_empty() && t.running < t.max_running)
+            .filter(|(i, t)| !t.queue.is_empty() && t.running < t.max_running && !skip.contains(i))
             .min_by(|a, b| {
                 a.1.counter
                     .total_cmp(&b.1.counter)
@@ -1580,6 +1662,18 @@ impl<M: Model> Scheduler<M> {
     ) {
         let mut prefilling = rows.iter().any(|r| r.n > 1);
         let mut toks = std::mem::take(&mut self.bufs.joiner);
+        // Adapter slots: a joiner whose adapter no running row uses needs one of its
+        // own. Once a tenant's next request waits for a slot, no joiner with an
+        // adapter is admitted this step (requests of the running adapters would keep
+        // their slots busy for ever), only base-model ones.
+        let slots = self.info.adapter_slots;
+        let mut active = if slots > 0 {
+            self.running_adapters()
+        } else {
+            BTreeSet::new()
+        };
+        let mut slot_blocked = false;
+        let mut skipped: Vec<usize> = Vec::new();
         while self.running.len() < self.cfg.max_batch_rows && *budget > 0 && !fit.full {
             let watermark = if self.running.is_empty() {
                 0
@@ -1596,11 +1690,22 @@ impl<M: Model> Scheduler<M> {
             if !self.need(0, 1).plus(watermark).fits(*free) {
                 break;
             }
-            let Some(t) = self.pick_tenant() else { break };
+            let Some(t) = self.pick_tenant_except(&skipped) else {
+                break;
+            };
             let Some((&(Reverse(priority), _), &k)) = self.tenants[t].queue.first_key_value()
             else {
                 break;
             };
+            if slots > 0 {
+                if let Some(a) = self.reqs.get(&k).and_then(|r| r.r.adapter) {
+                    if slot_blocked || (!active.contains(&a) && active.len() >= slots) {
+                        slot_blocked = true;
+                        skipped.push(t);
+                        continue;
+                    }
+                }
+            }
             if let Some((bt, bkey)) = ahead_of {
                 // A tenant's own requests wait for its running rows.
                 if bt == t || self.prefill_key(t, priority) >= bkey {
@@ -1681,6 +1786,9 @@ impl<M: Model> Scheduler<M> {
                 .min(*budget)
                 .min(n);
             fit.take(cached, n, wanted);
+            if let (true, Some(a)) = (slots > 0, adapter) {
+                active.insert(a);
+            }
             *free = free.minus(revived.plus(self.need(cached, n)).plus(pinned));
             *budget -= n;
             prefilling |= n > 1;
@@ -2821,23 +2929,29 @@ impl<M: Model> Scheduler<M> {
                 virtual_counter: t.counter,
             })
             .collect();
+        let c = self.model.adapter_counters();
+        s.adapter_loads = c.loads;
+        s.adapter_evictions = c.evictions;
         let mut by: std::collections::BTreeMap<u32, AdapterStats> = Default::default();
-        for r in self.reqs.values() {
-            if let Some(a) = r.r.adapter {
-                by.entry(a)
-                    .or_insert(AdapterStats {
-                        adapter: a,
-                        running: 0,
-                        waiting: 0,
-                    })
-                    .waiting += 1;
+        // Only a model with adapter slots runs requests with adapters.
+        if self.info.adapter_slots > 0 {
+            for r in self.reqs.values() {
+                if let Some(a) = r.r.adapter {
+                    by.entry(a)
+                        .or_insert(AdapterStats {
+                            adapter: a,
+                            running: 0,
+                            waiting: 0,
+                        })
+                        .waiting += 1;
+                }
             }
-        }
-        for rs in &self.running {
-            if let Some(a) = self.reqs.at(rs.slot).and_then(|r| r.r.adapter) {
-                if let Some(e) = by.get_mut(&a) {
-                    e.running += 1;
-                    e.waiting -= 1;
+            for rs in &self.running {
+                if let Some(a) = self.reqs.at(rs.slot).and_then(|r| r.r.adapter) {
+                    if let Some(e) = by.get_mut(&a) {
+                        e.running += 1;
+                        e.waiting -= 1;
+                    }
                 }
             }
         }

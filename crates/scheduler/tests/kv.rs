@@ -249,6 +249,7 @@ fn unsupported_kv_layouts_are_typed_errors() {
                 max_context: 64,
                 eos_token_ids: vec![],
                 kv: self.0.clone(),
+                adapter_slots: 0,
             }
         }
         fn forward(&mut self, _: &[StorageOp], _: &[RowInput]) -> Result<StepOutput, ModelError> {

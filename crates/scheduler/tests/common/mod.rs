@@ -244,9 +244,32 @@ pub fn run_detok(
     detok: Arc<dyn Detokenizer>,
     mut on_step: impl FnMut(u64, &Scheduler<FakeModel>, &[Outcome]),
 ) -> Run {
+    run_full(
+        cfg,
+        fake,
+        faults,
+        specs,
+        detok,
+        |_| {},
+        |step, s: &mut Scheduler<FakeModel>, o: &[Outcome]| on_step(step, s, o),
+    )
+}
+
+/// [`run_detok`] with `setup` called on the new scheduler before the first
+/// request, and `on_step` given the scheduler mutably (after each step).
+pub fn run_full(
+    cfg: SchedulerConfig,
+    fake: FakeConfig,
+    faults: FakeFaults,
+    specs: &[Spec],
+    detok: Arc<dyn Detokenizer>,
+    setup: impl FnOnce(&mut Scheduler<FakeModel>),
+    mut on_step: impl FnMut(u64, &mut Scheduler<FakeModel>, &[Outcome]),
+) -> Run {
     let max_waiting = cfg.max_waiting;
     let model = FakeModel::with_faults(fake, faults);
     let mut sched = Scheduler::new(cfg, model, detok).expect("config");
+    setup(&mut sched);
     let base = Instant::now();
     let mut outcomes: Vec<Outcome> = vec![Outcome::default(); specs.len()];
     let mut streams: Vec<Option<EventStream>> = (0..specs.len()).map(|_| None).collect();
@@ -319,7 +342,7 @@ pub fn run_detok(
             st.kv_blocks_used + st.kv_blocks_free + st.kv_blocks_cached,
             st.kv_blocks_total
         );
-        on_step(step, &sched, &outcomes);
+        on_step(step, &mut sched, &outcomes);
         step += 1;
         if next == order.len() && by_step.is_empty() && !sched.has_work() {
             break;
