@@ -1,6 +1,7 @@
 //! Weft's front end: the `weft.v1` gRPC services, tenants and limits, the
 //! metrics endpoint, and the subcommands of the `weft` binary.
 
+pub mod adapters;
 pub mod bench;
 pub mod blas;
 pub mod codec;

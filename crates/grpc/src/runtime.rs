@@ -4,6 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use anyhow::Context as _;
+
+pub use crate::adapters::{AdapterPoolSpec, AdapterSpec, ServedAdapter};
+use crate::adapters::{AdapterCatalog, StartedAdapters};
 use weft_models::{
     BatchRunner, KvMemory, LoadOptions, RowBlocks, RowStep, SampleRow, StorageOp, Tokenizer,
 };
@@ -401,7 +405,7 @@ impl Model for MlxModel {
 }
 
 /// What an adapter is, as the scheduler's contract says it.
-fn describe(a: &weft_models::Adapter, host_bytes: u64) -> weft_scheduler::AdapterDesc {
+pub(crate) fn describe(a: &weft_models::Adapter, host_bytes: u64) -> weft_scheduler::AdapterDesc {
     weft_scheduler::AdapterDesc {
         rank: a.rank as u32,
         scale: a.scale,
@@ -520,95 +524,15 @@ pub struct ServedModel {
     /// What the server plans to hold (set once the engine has started).
     pub memory: crate::memory_plan::MemoryPlan,
     /// The LoRA adapters served beside the model (set once the engine has
-    /// started), in id order.
-    pub adapters: Vec<ServedAdapter>,
-}
-
-/// A LoRA adapter to serve beside the model (`weft serve --adapter NAME=DIR`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AdapterSpec {
-    pub name: String,
-    pub dir: PathBuf,
-}
-
-/// A LoRA adapter the engine holds: requests name it (`GenerateRequest.adapter`,
-/// or `model` on the OpenAI API), rows run with its id.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ServedAdapter {
-    pub name: String,
-    /// The scheduler's and the model's id for it (1, 2, ...).
-    pub id: u32,
-    pub rank: u32,
-    pub scale: f32,
-    /// The projections it adapts ("q_proj", ...).
-    pub targets: Vec<String>,
-    /// "mlx-lm" or "peft".
-    pub format: String,
+    /// started; mounted and unmounted at run time).
+    pub adapters: Arc<AdapterCatalog>,
 }
 
 impl ServedModel {
     /// The served adapter called `name`.
-    pub fn adapter(&self, name: &str) -> Option<&ServedAdapter> {
-        self.adapters.iter().find(|a| a.name == name)
+    pub fn adapter(&self, name: &str) -> Option<ServedAdapter> {
+        self.adapters.get(name)
     }
-}
-
-/// Loads `specs` (checked against the base model: an error names the adapter
-/// and the tensor) and makes them all resident in a pool of as many slots,
-/// ids 1..=n in order.
-fn load_adapters(
-    runner: &mut BatchRunner,
-    base: &weft_models::ModelConfig,
-    specs: &[AdapterSpec],
-) -> anyhow::Result<Vec<ServedAdapter>> {
-    use anyhow::Context as _;
-    if specs.is_empty() {
-        return Ok(Vec::new());
-    }
-    let loaded = specs
-        .iter()
-        .map(|s| {
-            weft_models::Adapter::load(&s.dir, base)
-                .with_context(|| format!("adapter {:?} ({})", s.name, s.dir.display()))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let config = weft_models::AdapterPoolConfig {
-        slots: loaded.len(),
-        max_rank: loaded.iter().map(|a| a.rank).max().unwrap_or(1),
-        targets: loaded.iter().flat_map(|a| a.targets()).collect(),
-    };
-    runner.set_adapter_pool(Some(config))?;
-    let mut out = Vec::with_capacity(specs.len());
-    for (i, (spec, a)) in specs.iter().zip(&loaded).enumerate() {
-        let id = i as u32 + 1;
-        runner
-            .load_adapter(weft_models::AdapterId(u64::from(id)), a)
-            .with_context(|| format!("adapter {:?}", spec.name))?;
-        let served = ServedAdapter {
-            name: spec.name.clone(),
-            id,
-            rank: a.rank as u32,
-            scale: a.scale,
-            targets: a.targets().iter().map(|t| t.short().to_string()).collect(),
-            format: match a.format {
-                weft_models::AdapterFormat::MlxLm => "mlx-lm",
-                weft_models::AdapterFormat::Peft => "peft",
-            }
-            .to_string(),
-        };
-        tracing::info!(
-            adapter = %served.name,
-            id,
-            rank = served.rank,
-            scale = served.scale,
-            targets = %served.targets.join(","),
-            format = %served.format,
-            dir = %spec.dir.display(),
-            "LoRA adapter resident"
-        );
-        out.push(served);
-    }
-    Ok(out)
 }
 
 /// The names `--model` and `weft pull` accept (`weft_gguf::KNOWN_MODELS`,
@@ -659,7 +583,15 @@ pub fn start_engine(
     config: SchedulerConfig,
     kv: KvSpec,
 ) -> anyhow::Result<(Engine, Arc<Tokenizer>, ServedModel)> {
-    start_engine_with(dir, opts, config, kv, ModelFaults::default(), &[])
+    start_engine_with(
+        dir,
+        opts,
+        config,
+        kv,
+        ModelFaults::default(),
+        &[],
+        &AdapterPoolSpec::default(),
+    )
 }
 
 /// [`start_engine`] with test-only model faults.
@@ -670,8 +602,16 @@ pub fn start_engine_with(
     kv: KvSpec,
     faults: ModelFaults,
     adapters: &[AdapterSpec],
+    adapter_pool: &AdapterPoolSpec,
 ) -> anyhow::Result<(Engine, Arc<Tokenizer>, ServedModel)> {
     config.pipeline &= pipeline_from_env()?;
+    let root = match &adapter_pool.root {
+        Some(r) => Some(
+            r.canonicalize()
+                .with_context(|| format!("--adapter-root {}", r.display()))?,
+        ),
+        None => None,
+    };
     let tokenizer = Arc::new(Tokenizer::load(dir)?);
     let model_config = weft_models::ModelConfig::load(dir)?;
     let mut eos = model_config.eos_token_ids.clone();
@@ -720,7 +660,7 @@ pub fn start_engine_with(
             .collect(),
         eos_token_ids: eos.clone(),
         memory: Default::default(),
-        adapters: Vec::new(),
+        adapters: Default::default(),
     };
     let dir_owned = dir.to_path_buf();
     // What the scheduler will hold at most: a sliding-window group (Gemma 3's
@@ -734,7 +674,8 @@ pub fn start_engine_with(
     let planned = Arc::new(std::sync::Mutex::new(None));
     let plan_out = planned.clone();
     let adapter_specs = adapters.to_vec();
-    let served_adapters = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let pool_spec = adapter_pool.clone();
+    let served_adapters = Arc::new(std::sync::Mutex::new(StartedAdapters::default()));
     let adapters_out = served_adapters.clone();
     let engine = Engine::start(
         config,
@@ -748,7 +689,8 @@ pub fn start_engine_with(
                 BatchRunner::with_memory_use(loaded.model, kv.block_size, kv.memory, Some(usage))?;
             runner.set_lanes(opts.lanes());
             // Before the memory plan, which counts the adapter pool.
-            let resident = load_adapters(&mut runner, &model_config, &adapter_specs)?;
+            let resident =
+                crate::adapters::start(&mut runner, &model_config, &adapter_specs, &pool_spec)?;
             if let Ok(mut a) = adapters_out.lock() {
                 *a = resident;
             }
@@ -799,9 +741,11 @@ pub fn start_engine_with(
     if let Some(plan) = planned.lock().ok().and_then(|p| *p) {
         served.memory = plan;
     }
-    if let Ok(mut a) = served_adapters.lock() {
-        served.adapters = std::mem::take(&mut *a);
-    }
+    let started = served_adapters
+        .lock()
+        .map(|mut a| std::mem::take(&mut *a))
+        .unwrap_or_default();
+    served.adapters = Arc::new(AdapterCatalog::new(started, root));
     Ok((engine, tokenizer, served))
 }
 

@@ -299,18 +299,25 @@ fn served() -> ServedModel {
         layer_kinds: vec!["full_attention".into(); 2],
         eos_token_ids: vec![0],
         memory: Default::default(),
-        adapters: ["sql", "chat"]
-            .iter()
-            .enumerate()
-            .map(|(i, n)| weft_grpc::runtime::ServedAdapter {
-                name: n.to_string(),
-                id: i as u32 + 1,
-                rank: 8,
-                scale: 1.0,
-                targets: vec!["q_proj".into()],
-                format: "peft".into(),
-            })
-            .collect(),
+        adapters: std::sync::Arc::new(weft_grpc::adapters::AdapterCatalog::new(
+            weft_grpc::adapters::StartedAdapters {
+                served: ["sql", "chat"]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| weft_grpc::runtime::ServedAdapter {
+                        name: n.to_string(),
+                        id: i as u32 + 1,
+                        rank: 8,
+                        scale: 1.0,
+                        targets: vec!["q_proj".into()],
+                        format: "peft".into(),
+                    })
+                    .collect(),
+                slots: 2,
+                max_rank: 8,
+            },
+            None,
+        )),
     }
 }
 
@@ -328,6 +335,7 @@ fn tenant(max_tokens: Option<usize>, max_prompt: Option<usize>) -> Tenant {
         max_waiting: None,
         // Of the served "sql" and "chat", this tenant may use "sql".
         adapters: Some(vec!["sql".into()]),
+        manage_adapters: false,
         in_flight: AtomicUsize::new(0),
     }
 }

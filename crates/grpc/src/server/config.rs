@@ -174,10 +174,24 @@ pub struct ServeArgs {
     /// holding mlx-lm's `adapters.safetensors` or PEFT's
     /// `adapter_model.safetensors` with its `adapter_config.json`. Requests run
     /// with it by naming it (`GenerateRequest.adapter`, or `model` on the
-    /// OpenAI API); rows with different adapters share a batch. All stay
-    /// resident. The config file's `[adapters]` table adds more (NAME = "DIR").
+    /// OpenAI API); rows with different adapters share a batch. The config
+    /// file's `[adapters]` table adds more (NAME = "DIR").
     #[arg(long = "adapter", value_name = "NAME=DIR")]
     pub adapters: Vec<String>,
+    /// LoRA adapters resident on the device at once: the running rows use at
+    /// most this many different ones; the others wait in host memory and one
+    /// no running row uses is evicted (least recently used) to load another
+    /// [default: the --adapter count, at least 1].
+    #[arg(long, env = "WEFT_MAX_LORAS", value_name = "N")]
+    pub max_loras: Option<usize>,
+    /// Largest LoRA rank served; the device pool is sized for it [default: the
+    /// largest --adapter's, at least 16 with --adapter-root].
+    #[arg(long, env = "WEFT_MAX_LORA_RANK", value_name = "RANK")]
+    pub max_lora_rank: Option<usize>,
+    /// Turns on run-time adapter loading (the Admin service's LoadAdapter /
+    /// UnloadAdapter): mounted directories must lie under DIR. Off without it.
+    #[arg(long, env = "WEFT_ADAPTER_ROOT", value_name = "DIR")]
+    pub adapter_root: Option<PathBuf>,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -215,6 +229,9 @@ struct FileConfig {
     /// LoRA adapters: NAME = "DIR" (relative to the file).
     #[serde(default)]
     adapters: std::collections::BTreeMap<String, PathBuf>,
+    max_loras: Option<usize>,
+    max_lora_rank: Option<usize>,
+    adapter_root: Option<PathBuf>,
 }
 
 /// `--itl-target-ms` / `itl_target_ms`: milliseconds, `auto` or `off` (the file
@@ -295,8 +312,6 @@ pub fn parse_kv_memory(s: &str) -> anyhow::Result<KvSize> {
     }
 }
 
-/// Most adapters one server serves (each is a slot of the device pool).
-pub const MAX_ADAPTERS: usize = 64;
 
 /// `--adapter NAME=DIR` flags, then the file's `[adapters]` (DIR relative to
 /// the file): names are 1-64 of `A-Z a-z 0-9 . _ -`, unique.
@@ -314,12 +329,7 @@ fn adapter_specs(
     let from_file = file.iter().map(|(n, d)| Ok((n.clone(), base.join(d))));
     for spec in from_flags.chain(from_file) {
         let (name, dir) = spec?;
-        let ok = !name.is_empty()
-            && name.len() <= 64
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-        if !ok {
+        if !crate::adapters::valid_name(&name) {
             bail!("adapter name {name:?}: expected 1-64 characters of A-Z a-z 0-9 . _ -");
         }
         if out.iter().any(|a| a.name == name) {
@@ -330,10 +340,11 @@ fn adapter_specs(
         }
         out.push(crate::runtime::AdapterSpec { name, dir });
     }
-    if out.len() > MAX_ADAPTERS {
+    if out.len() > crate::adapters::MAX_ADAPTERS {
         bail!(
-            "{} adapters given, at most {MAX_ADAPTERS} are served at once",
-            out.len()
+            "{} adapters given, at most {} are served at once",
+            out.len(),
+            crate::adapters::MAX_ADAPTERS
         );
     }
     Ok(out)
@@ -366,6 +377,8 @@ pub struct Settings {
     pub compute: ComputeArgs,
     /// LoRA adapters to serve, in id order (flags first, then the file's).
     pub adapters: Vec<crate::runtime::AdapterSpec>,
+    /// How the adapter pool is sized; run-time loading.
+    pub adapter_pool: crate::adapters::AdapterPoolSpec,
 }
 
 impl Settings {
@@ -526,6 +539,13 @@ impl Settings {
                 .unwrap_or(DEFAULT_COALESCE),
             compute,
             adapters: adapter_specs(&args.adapters, &file.adapters, &base)?,
+            adapter_pool: crate::adapters::AdapterPoolSpec {
+                slots: args.max_loras.or(file.max_loras),
+                max_rank: args.max_lora_rank.or(file.max_lora_rank),
+                root: args
+                    .adapter_root
+                    .or(file.adapter_root.map(|p| base.join(p))),
+            },
         };
         s.check()?;
         Ok(s)
@@ -554,6 +574,22 @@ impl Settings {
                 self.max_step_tokens,
                 self.max_batch_rows
             );
+        }
+        if self.adapter_pool.slots == Some(0) {
+            bail!("--max-loras must be at least 1");
+        }
+        if let Some(r) = self.adapter_pool.max_rank {
+            if r == 0 || r > weft_models::adapter::MAX_RANK {
+                bail!(
+                    "--max-lora-rank {r}: 1..={} are served",
+                    weft_models::adapter::MAX_RANK
+                );
+            }
+        }
+        if let Some(root) = &self.adapter_pool.root {
+            if !root.is_dir() {
+                bail!("--adapter-root {}: not a directory", root.display());
+            }
         }
         if let KvSize::Blocks(0) | KvSize::Bytes(0) = self.kv_size {
             bail!("the KV cache must be larger than 0 (--kv-blocks / --kv-memory)");

@@ -38,6 +38,10 @@ pub const ADAPTER_REQUESTS: &str = "weft_adapter_requests";
 /// last refreshed. The series of the last adapter set is set to 0 when the set
 /// changes, so the current one is the newest.
 pub const LORA_INFO: &str = "weft_lora_requests_info";
+/// Adapters copied into the device pool, and resident adapters evicted to make
+/// room (`--max-loras` fewer than the adapters in use).
+pub const ADAPTER_LOADS: &str = "weft_adapter_loads_total";
+pub const ADAPTER_EVICTIONS: &str = "weft_adapter_evictions_total";
 pub const VLLM_LORA_INFO: &str = "vllm:lora_requests_info";
 
 /// Extra names for the gateway gauges (`--metrics-aliases`).
@@ -79,19 +83,35 @@ pub fn set_load(waiting: usize, running: usize, kv_used: usize, kv_total: usize,
     }
 }
 
-/// The per-adapter gauges and the gateway's LoRA info gauge from one engine
-/// snapshot (`live`, by adapter id) and the served adapters (ids 1..=n).
+/// The per-adapter gauges, the adapter pool's load and eviction counters and
+/// the gateway's LoRA info gauge from one engine snapshot and the adapters
+/// served now.
 pub fn set_adapters(
-    live: &[weft_scheduler::AdapterStats],
-    served: &[crate::runtime::ServedAdapter],
+    stats: &weft_scheduler::Stats,
+    catalog: &crate::adapters::AdapterCatalog,
     aliases: Aliases,
 ) {
-    if served.is_empty() {
+    if catalog.slots == 0 {
         return;
+    }
+    counter!(ADAPTER_LOADS).absolute(stats.adapter_loads);
+    counter!(ADAPTER_EVICTIONS).absolute(stats.adapter_evictions);
+    let served = catalog.list();
+    let live = &stats.adapters;
+    // Adapters unmounted since the last refresh drop to 0.
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    {
+        let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+        for gone in seen.iter().filter(|n| !served.iter().any(|a| &a.name == *n)) {
+            for state in ["running", "waiting"] {
+                gauge!(ADAPTER_REQUESTS, "adapter" => gone.clone(), "state" => state).set(0.0);
+            }
+        }
+        *seen = served.iter().map(|a| a.name.clone()).collect();
     }
     let mut running = Vec::new();
     let mut waiting = Vec::new();
-    for a in served {
+    for a in &served {
         let s = live.iter().find(|s| s.adapter == a.id);
         let (r, w) = s.map_or((0, 0), |s| (s.running, s.waiting));
         gauge!(ADAPTER_REQUESTS, "adapter" => a.name.clone(), "state" => "running").set(r as f64);
@@ -106,7 +126,7 @@ pub fn set_adapters(
     let labels = (
         running.join(","),
         waiting.join(","),
-        served.len().to_string(),
+        catalog.slots.to_string(),
     );
     static LAST: std::sync::Mutex<Option<(String, String, String)>> = std::sync::Mutex::new(None);
     let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
@@ -209,6 +229,14 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     describe_gauge!(
         ADAPTER_REQUESTS,
         "Live requests per LoRA adapter (adapter), running or waiting (state); refreshed at each scrape"
+    );
+    describe_counter!(
+        ADAPTER_LOADS,
+        "LoRA adapters copied into the device pool (at start, and each time a step needs one that is not resident)"
+    );
+    describe_counter!(
+        ADAPTER_EVICTIONS,
+        "Resident LoRA adapters evicted (least recently used) to load another: more adapters in use than --max-loras"
     );
     describe_gauge!(
         LORA_INFO,

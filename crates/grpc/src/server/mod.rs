@@ -28,6 +28,7 @@
 // helpers that build its answers; boxing it would only move the allocation.
 #![allow(clippy::result_large_err)]
 
+pub mod admin;
 pub mod config;
 pub mod metrics;
 pub mod openai;
@@ -149,7 +150,7 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
                     s.kv_blocks_total,
                     aliases,
                 );
-                metrics::set_adapters(&s.adapters, &r.model.adapters, aliases);
+                metrics::set_adapters(&s, &r.model.adapters, aliases);
             }
         });
         tokio::spawn(metrics::serve(ml, prom.clone(), refresh, stop_rx.clone()));
@@ -221,7 +222,10 @@ async fn serve(settings: Settings, tenants: Tenants) -> anyhow::Result<()> {
         .add_service(health_svc)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(GenerationServer::new(GenerationService::new(state.clone())));
+        .add_service(GenerationServer::new(GenerationService::new(state.clone())))
+        .add_service(crate::pb::admin_server::AdminServer::new(
+            admin::AdminService::new(state.clone()),
+        ));
     let server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async move {
         let _ = grpc_stop.wait_for(|s| *s).await;
     }));
@@ -385,7 +389,8 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
             );
         }
     }
-    for t in tenants {
+    // With run-time loading a tenant's list may name adapters mounted later.
+    for t in tenants.iter().filter(|_| s.adapter_pool.root.is_none()) {
         for name in t.adapters.iter().flatten() {
             if !s.adapters.iter().any(|a| &a.name == name) {
                 anyhow::bail!(
@@ -433,6 +438,7 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
         },
         model_faults,
         &s.adapters,
+        &s.adapter_pool,
     )?;
     let t = std::time::Instant::now();
     let grammars = match crate::constraints::grammars(&tokenizer, &model) {

@@ -133,11 +133,33 @@ impl State {
         )
     }
 
-    fn ready(&self) -> Result<&Ready, Status> {
+    pub(crate) fn ready(&self) -> Result<&Ready, Status> {
         self.ready
             .get()
             .ok_or_else(|| Status::unavailable("the model is still loading; retry shortly"))
     }
+}
+
+/// The tenant a call's `authorization: Bearer <key>` names (the open tenant
+/// without a tenant file); UNAUTHENTICATED otherwise.
+pub(crate) fn authenticate<T>(state: &State, req: &Request<T>) -> Result<Arc<Tenant>, Status> {
+    let header = req
+        .metadata()
+        .get("authorization")
+        .map(|v| v.to_str().map_err(|_| ()));
+    let value = match header {
+        None => None,
+        Some(Ok(v)) => Some(v),
+        Some(Err(())) => {
+            return Err(Status::unauthenticated(
+                "malformed authorization header: expected `Bearer <key>`",
+            ))
+        }
+    };
+    state
+        .tenants
+        .authenticate(value)
+        .map_err(|e| Status::unauthenticated(e.message()))
 }
 
 /// One generation call in flight (for draining).
@@ -164,23 +186,7 @@ impl GenerationService {
     }
 
     fn authenticate<T>(&self, req: &Request<T>) -> Result<Arc<Tenant>, Status> {
-        let header = req
-            .metadata()
-            .get("authorization")
-            .map(|v| v.to_str().map_err(|_| ()));
-        let value = match header {
-            None => None,
-            Some(Ok(v)) => Some(v),
-            Some(Err(())) => {
-                return Err(Status::unauthenticated(
-                    "malformed authorization header: expected `Bearer <key>`",
-                ))
-            }
-        };
-        self.state
-            .tenants
-            .authenticate(value)
-            .map_err(|e| Status::unauthenticated(e.message()))
+        authenticate(&self.state, req)
     }
 
     /// Authenticates, runs `f`, and counts the call (unless `f` returns a
@@ -823,6 +829,7 @@ fn model_info(ready: &Ready) -> pb::ModelInfo {
             .collect(),
         adapters: m
             .adapters
+            .list()
             .iter()
             .map(|a| pb::AdapterInfo {
                 name: a.name.clone(),

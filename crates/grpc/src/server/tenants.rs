@@ -50,6 +50,8 @@ pub struct Tenant {
     pub max_waiting: Option<usize>,
     /// The LoRA adapters this tenant may run with (None: every served one).
     pub adapters: Option<Vec<String>>,
+    /// May mount and unmount adapters (the Admin service).
+    pub manage_adapters: bool,
     /// Requests of this tenant admitted and not yet finished.
     pub in_flight: AtomicUsize,
 }
@@ -76,6 +78,8 @@ impl Tenant {
             max_running: None,
             max_waiting: None,
             adapters: None,
+            // Open mode binds loopback only: whoever reaches it is local.
+            manage_adapters: true,
             in_flight: AtomicUsize::new(0),
         }
     }
@@ -230,6 +234,7 @@ impl Tenants {
                     max_running: as_usize(positive("max_running", t.max_running)?),
                     max_waiting: as_usize(positive("max_waiting", t.max_waiting)?),
                     adapters: t.adapters,
+                    manage_adapters: t.manage_adapters.unwrap_or(false),
                     in_flight: AtomicUsize::new(0),
                     name,
                 }),
@@ -326,6 +331,8 @@ struct TenantEntry {
     max_waiting: Option<u64>,
     /// LoRA adapters (by served name) the tenant may run with; absent: all.
     adapters: Option<Vec<String>>,
+    /// Whether the tenant may mount and unmount adapters (Admin service).
+    manage_adapters: Option<bool>,
 }
 
 #[cfg(test)]

@@ -86,12 +86,7 @@ pub fn check_model(field: &str, name: &str, model: &ServedModel) -> Result<(), S
 }
 
 fn adapter_names(model: &ServedModel) -> String {
-    model
-        .adapters
-        .iter()
-        .map(|a| format!("{:?}", a.name))
-        .collect::<Vec<_>>()
-        .join(", ")
+    model.adapters.names()
 }
 
 /// The adapter a request runs with: `adapter`, else the adapter `model` names
