@@ -742,3 +742,96 @@ fn the_runner_refuses_unknown_and_oversized_adapters() {
     r.commit().unwrap();
     kv.commit();
 }
+
+/// More adapters registered than the pool holds: each forward makes its
+/// rows' adapters resident from their host files, evicting the least
+/// recently used; rows get the oracle's logits in every phase — adapters 1
+/// and 2, then 3 and 4 (both evicted), then 1 and 2 again (loaded back) —
+/// and a forward naming more adapters than slots is refused.
+#[test]
+fn adapters_beyond_the_slots_load_on_use_and_evict_the_least_recent() {
+    let f = Fixture::new(false);
+    let mut r = runner(f.load(DENSE_F32), 64);
+    r.set_adapter_pool(Some(AdapterPoolConfig::new(2, 16)))
+        .unwrap();
+    for (i, p) in f.adapters.iter().enumerate() {
+        let files = weft_models::AdapterFiles::read(p).unwrap();
+        let a = r.register_adapter(AdapterId(i as u64 + 1), files).unwrap();
+        assert_eq!(a.rank, ADAPTERS[i].1);
+    }
+    assert!(
+        r.register_adapter(
+            AdapterId(1),
+            weft_models::AdapterFiles::read(&f.adapters[0]).unwrap()
+        )
+        .is_err(),
+        "an id registered twice"
+    );
+    let rs = rows();
+    let pick = |x: u64, y: u64| -> Vec<Option<AdapterId>> {
+        [
+            Some(x),
+            None,
+            Some(y),
+            Some(x),
+            Some(y),
+            Some(x),
+            None,
+            Some(y),
+        ]
+        .iter()
+        .map(|a| a.map(AdapterId))
+        .collect()
+    };
+    let (first, second) = (pick(1, 2), pick(3, 4));
+    let want_first = expected(&f, &rs, &first);
+    let want_second = expected(&f, &rs, &second);
+    let got = drive_adapters(&mut r, &rs, &first, |_| false, |_, _| {});
+    assert_matches("adapters 1 and 2", &got, &want_first);
+    assert_eq!(r.adapter_counters().loads, 2);
+    assert_eq!(r.adapter_counters().evictions, 0);
+    let got = drive_adapters(&mut r, &rs, &second, |_| false, |_, _| {});
+    assert_matches("adapters 3 and 4", &got, &want_second);
+    assert_eq!(r.adapter_counters().evictions, 2);
+    let resident: Vec<u64> = r
+        .adapters()
+        .unwrap()
+        .resident()
+        .map(|(_, id)| id.0)
+        .collect();
+    assert_eq!(resident.len(), 2);
+    assert!(resident.contains(&3) && resident.contains(&4));
+    let got = drive_adapters(&mut r, &rs, &first, |_| false, |_, _| {});
+    assert_matches("adapters 1 and 2 again", &got, &want_first);
+    assert_eq!(r.adapter_counters().loads, 6);
+
+    // Three adapters in one forward with two slots: refused, nothing opened.
+    let mut kv = Kv::for_runner(&r);
+    let mut steps: Vec<RowStep> = (0..3)
+        .map(|i| RowStep {
+            row: i,
+            tokens: vec![1, 2, 3],
+            want_logits: true,
+            adapter: Some(AdapterId(i + 1)),
+            ..Default::default()
+        })
+        .collect();
+    let ops = kv.plan(&mut steps);
+    let e = r.forward(&ops, &steps).unwrap_err().to_string();
+    assert!(e.contains("3 adapters"), "{e}");
+    kv.rollback();
+    // Forgotten: its slot and files go; rows may no longer name it.
+    assert!(r.forget_adapter(AdapterId(1)).unwrap());
+    assert!(r.adapters().unwrap().slot_of(AdapterId(1)).is_none());
+    let mut one = vec![RowStep {
+        row: 9,
+        tokens: vec![1, 2, 3],
+        want_logits: true,
+        adapter: Some(AdapterId(1)),
+        ..Default::default()
+    }];
+    let ops = kv.plan(&mut one);
+    let e = r.forward(&ops, &one).unwrap_err().to_string();
+    assert!(e.contains("not registered"), "{e}");
+    kv.rollback();
+}
