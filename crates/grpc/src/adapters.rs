@@ -121,11 +121,7 @@ pub fn start(
         None if runtime => largest.max(DEFAULT_MAX_RANK),
         None => largest,
     };
-    let slots = pool
-        .slots
-        .unwrap_or(specs.len())
-        .max(1)
-        .min(MAX_ADAPTERS);
+    let slots = pool.slots.unwrap_or(specs.len()).max(1).min(MAX_ADAPTERS);
     let targets = if runtime {
         weft_models::Target::ALL.into_iter().collect()
     } else {
@@ -290,11 +286,10 @@ impl AdapterCatalog {
             )));
         }
         let read_dir = dir.clone();
-        let files =
-            tokio::task::spawn_blocking(move || weft_models::AdapterFiles::read(&read_dir))
-                .await
-                .map_err(|e| Status::internal(format!("reading the adapter: {e}")))?
-                .map_err(|e| Status::invalid_argument(format!("path {path:?}: {e}")))?;
+        let files = tokio::task::spawn_blocking(move || weft_models::AdapterFiles::read(&read_dir))
+            .await
+            .map_err(|e| Status::internal(format!("reading the adapter: {e}")))?
+            .map_err(|e| Status::invalid_argument(format!("path {path:?}: {e}")))?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let d = engine
             .add_adapter(id, Box::new(files))
@@ -332,9 +327,10 @@ impl AdapterCatalog {
         let _one = self.ops.lock().await;
         let removed = {
             let mut s = self.served.write().unwrap_or_else(|p| p.into_inner());
-            let i = s.iter().position(|a| a.name == name).ok_or_else(|| {
-                Status::not_found(format!("no adapter {name:?} is mounted"))
-            })?;
+            let i = s
+                .iter()
+                .position(|a| a.name == name)
+                .ok_or_else(|| Status::not_found(format!("no adapter {name:?} is mounted")))?;
             s.remove(i)
         };
         let live = engine

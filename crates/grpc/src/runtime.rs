@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 
-pub use crate::adapters::{AdapterPoolSpec, AdapterSpec, ServedAdapter};
 use crate::adapters::{AdapterCatalog, StartedAdapters};
+pub use crate::adapters::{AdapterPoolSpec, AdapterSpec, ServedAdapter};
 use weft_models::{
     BatchRunner, KvMemory, LoadOptions, RowBlocks, RowStep, SampleRow, StorageOp, Tokenizer,
 };

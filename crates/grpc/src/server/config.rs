@@ -312,7 +312,6 @@ pub fn parse_kv_memory(s: &str) -> anyhow::Result<KvSize> {
     }
 }
 
-
 /// `--adapter NAME=DIR` flags, then the file's `[adapters]` (DIR relative to
 /// the file): names are 1-64 of `A-Z a-z 0-9 . _ -`, unique.
 fn adapter_specs(

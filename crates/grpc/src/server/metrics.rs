@@ -102,7 +102,10 @@ pub fn set_adapters(
     static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     {
         let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
-        for gone in seen.iter().filter(|n| !served.iter().any(|a| &a.name == *n)) {
+        for gone in seen
+            .iter()
+            .filter(|n| !served.iter().any(|a| &a.name == *n))
+        {
             for state in ["running", "waiting"] {
                 gauge!(ADAPTER_REQUESTS, "adapter" => gone.clone(), "state" => state).set(0.0);
             }
