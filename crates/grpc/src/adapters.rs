@@ -10,6 +10,9 @@
 //! once. The [`AdapterCatalog`] maps names to the engine's ids (never reused)
 //! for validation, `ListModels` and the metrics.
 
+// tonic's Status is the error of every call here, as in the server.
+#![allow(clippy::result_large_err)]
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::RwLock;
@@ -121,7 +124,7 @@ pub fn start(
         None if runtime => largest.max(DEFAULT_MAX_RANK),
         None => largest,
     };
-    let slots = pool.slots.unwrap_or(specs.len()).max(1).min(MAX_ADAPTERS);
+    let slots = pool.slots.unwrap_or(specs.len()).clamp(1, MAX_ADAPTERS);
     let targets = if runtime {
         weft_models::Target::ALL.into_iter().collect()
     } else {
