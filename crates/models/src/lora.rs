@@ -265,6 +265,9 @@ impl AdapterPool {
         self.tick += 1;
         for &id in ids {
             if self.slot_of(id).is_none() {
+                // Read before anything is evicted: an adapter that cannot be
+                // loaded leaves the pool as it was.
+                let adapter = load(id)?;
                 if !self.resident.iter().skip(1).any(Option::is_none) {
                     let victim = (1..self.resident.len())
                         .filter(|&s| self.resident[s].is_some_and(|r| !ids.contains(&r)))
@@ -275,7 +278,6 @@ impl AdapterPool {
                         self.counters.evictions += 1;
                     }
                 }
-                let adapter = load(id)?;
                 self.insert(id, &adapter)?;
             }
             if let Some(s) = self.slot_of(id) {
