@@ -165,12 +165,7 @@ impl Server {
     }
 
     pub async fn channel(&self) -> Channel {
-        Endpoint::from_shared(self.url())
-            .unwrap()
-            .connect_timeout(Duration::from_secs(5))
-            .connect()
-            .await
-            .expect("connecting to weft serve")
+        channel_at(self.url()).await
     }
 
     pub async fn client(&self) -> GenerationClient<Channel> {
@@ -299,6 +294,22 @@ pub async fn wait_metric(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A channel to the server at `url` (`Server::url`), for tasks that cannot
+/// borrow the `Server`.
+pub async fn channel_at(url: String) -> Channel {
+    Endpoint::from_shared(url)
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .expect("connecting to weft serve")
+}
+
+/// A generation client of the server at `url`.
+pub async fn client_at(url: String) -> GenerationClient<Channel> {
+    GenerationClient::new(channel_at(url).await)
 }
 
 pub fn text_req(prompt: &str, max_tokens: u32) -> pb::GenerateRequest {
