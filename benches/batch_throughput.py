@@ -11,7 +11,10 @@ has Weft write 8 random mlx-lm adapters into D/adapter-1 ... D/adapter-8 and
 spread the streams over them; `--adapter D/adapter-1` has mlx-lm load one of
 them (mlx_lm.tuner.utils.load_adapters: LoRALinear layers, every row with that
 adapter, mlx-lm serving one adapter at a time). Weft runs first at each stream
-count, so D is written before mlx-lm reads it.
+count, so D is written before mlx-lm reads it. Where mlx_lm.tuner does not
+import (its package imports the trainer, whose UI needs `rich`, which mlx-lm
+does not declare), a local copy of LoRALinear's forward applies the same
+tensors (BENCH_LOCAL_LORA=1 forces it); the table says which loaded them.
 
 Both sides get N distinct prompts at once, ignore EOS, and report
   generation tok/s = all generated tokens / wall time (prefill included)
@@ -29,7 +32,7 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 HERE = Path(__file__).resolve().parent
 
 MLX_CHILD = r'''
-import sys, time, json
+import os, sys, time, json
 sys.path.insert(0, sys.argv[1])
 import mlx.core as mx
 from pathlib import Path
@@ -43,12 +46,55 @@ adapter = sys.argv[8] if len(sys.argv) > 8 and sys.argv[8] else None
 model, _ = load_model(model_dir)
 if not native:
     dequantize_modules(model)
+def local_load_adapters(model, path):
+    # mlx-lm's LoRALinear forward, for a machine where mlx_lm.tuner does not
+    # import (its package imports the trainer, whose UI needs `rich`).
+    import json as js
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+    class LoRA(nn.Module):
+        def __init__(self, linear, a, b, scale):
+            super().__init__()
+            self.linear, self.lora_a, self.lora_b, self.scale = linear, a, b, scale
+        def __call__(self, x):
+            return self.linear(x) + (self.scale * ((x @ self.lora_a) @ self.lora_b)).astype(x.dtype)
+    cfg = js.load(open(Path(path) / "adapter_config.json"))
+    lp = cfg["lora_parameters"]
+    weights = mx.load(str(Path(path) / "adapters.safetensors"))
+    layers = model.layers
+    # mlx-lm adapts layers[-max(num_layers, 0):]: the last num_layers, or all.
+    first = max(len(layers) - cfg["num_layers"], 0) if cfg["num_layers"] > 0 else 0
+    if not lp.get("keys"):
+        raise ValueError(f"{path}: no lora_parameters.keys (the local loader needs them)")
+    used = 0
+    for i in range(first, len(layers)):
+        new = []
+        for key in lp["keys"]:
+            name = f"model.layers.{i}.{key}"
+            if name + ".lora_a" not in weights:
+                continue
+            m = layers[i]
+            for part in key.split("."):
+                m = getattr(m, part)
+            new.append((key, LoRA(m, weights[name + ".lora_a"], weights[name + ".lora_b"], lp["scale"])))
+            used += 2
+        if new:
+            layers[i].update_modules(tree_unflatten(new))
+    if used != len(weights):
+        raise ValueError(f"{path}: {len(weights) - used} adapter tensors not applied")
 if adapter:
     # As mlx_lm.load(..., adapter_path=) does: LoRALinear layers, then eval mode.
-    from mlx_lm.tuner.utils import load_adapters
+    try:
+        if os.environ.get("BENCH_LOCAL_LORA"):
+            raise ImportError("BENCH_LOCAL_LORA set")
+        from mlx_lm.tuner.utils import load_adapters
+        loader = "mlx_lm.tuner.utils.load_adapters"
+    except ImportError as e:
+        load_adapters = local_load_adapters
+        loader = f"a local copy of mlx-lm's LoRALinear (mlx_lm.tuner: {e})"
     load_adapters(model, adapter)
     model.eval()
-    print(f"mlx-lm: adapter {adapter} loaded", file=sys.stderr)
+    print(f"mlx-lm: adapter {adapter} loaded by {loader}", file=sys.stderr)
 if not native:
     model.set_dtype(mx.float32)
 vocab = model.args.vocab_size
@@ -73,7 +119,7 @@ for _ in range(rounds):  # the last round is reported
 end = max(times); last_first = max(firsts.values())
 steady = sum(1 for t in times if t > last_first)
 ttft = sorted((f - start) * 1e3 for f in firsts.values())
-print(json.dumps({"wall_seconds": end - start, "generation_tok_per_s": len(times) / (end - start),
+print(json.dumps({"adapter_loader": loader if adapter else None, "wall_seconds": end - start, "generation_tok_per_s": len(times) / (end - start),
                   "steady_decode_tok_per_s": steady / max(end - last_first, 1e-9),
                   "ttft_p50_ms": ttft[len(ttft) // 2], "ttft_max_ms": ttft[-1]}))
 '''
@@ -133,6 +179,8 @@ def main():
         for side, d in ((weft_side, w), (mlx_side, m)):
             print(f"| {n} | {side} | {d['generation_tok_per_s']:.1f} | {d['steady_decode_tok_per_s']:.1f} "
                   f"| {d['ttft_p50_ms']:.0f} | {d['ttft_max_ms']:.0f} |")
+        if m.get("adapter_loader"):
+            print(f"| {n} | mlx-lm adapter loaded by {m['adapter_loader']} | | | | |")
         if "steps" in w:
             print(f"| {n} | weft per step: {w['steps']} steps, {w['step_ms']:.2f} ms wall, forward {w['forward_ms']:.2f} ms "
                   f"(build {w['build_ms']:.2f}, eval wait {w['eval_ms']:.2f}) | | | | |")
