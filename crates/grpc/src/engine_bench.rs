@@ -85,13 +85,13 @@ pub struct EngineBenchArgs {
     pub adapter_rank: usize,
     /// Where the `--adapters` are written (DIR/adapter-1 ... DIR/adapter-N) and
     /// kept, e.g. for mlx-lm to load the same files [default: a temporary
-    /// directory, removed at exit].
+    /// directory, removed once the engine has loaded them].
     #[arg(long, value_name = "DIR")]
     pub adapter_dir: Option<std::path::PathBuf>,
     /// The `--adapters`' stored dtype. bf16 (the default): an mlx-lm
-    /// `LoRALinear` loading them computes its low-rank product in the model's
-    /// bf16, as Weft does (Weft casts any adapter to the model's dtype); f32 is
-    /// what mlx-lm's trainer saves.
+    /// `LoRALinear` loading them into a bf16 model computes its low-rank
+    /// product in bf16, as Weft does (Weft casts any adapter to the model's
+    /// compute dtype); f32 (what mlx-lm's trainer saves) makes mlx-lm's in f32.
     #[arg(long, value_enum, default_value_t = AdapterDtype::Bf16)]
     pub adapter_dtype: AdapterDtype,
     #[command(flatten)]
