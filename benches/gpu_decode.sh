@@ -30,6 +30,12 @@
 #           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase);
 #           soak: weft bench --scenario soak for SOAK_DURATION (default 300s);
 #           constrained: benches/constrained.sh on the 1.2B model (C_STREAMS, default 32);
+#           lora: LoRA throughput (issue 18 item 5) at LORA_STREAMS (default 64), prompt 128, gen 128:
+#           weft bench-engine with no adapter and with 8 random rank-16 adapters on all seven
+#           projections (rows round-robin; files kept in /root/lora8), mlx-lm BatchGenerator with
+#           no adapter and with /root/lora8/adapter-1 on every row (load_adapters: mlx-lm serving
+#           one adapter at a time); prints Weft 8 adapters / none (target >= 0.8x) and
+#           Weft 8 adapters / mlx-lm one adapter;
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
@@ -170,6 +176,28 @@ fi
 if [[ $S == *constrained* ]]; then
   echo "== constrained output: 32 streams, half JSON-schema constrained vs none (benches/constrained.sh)" | tee -a $R
   WEFT=/root/weft MODEL=$M STREAMS=${C_STREAMS:-32} bash benches/constrained.sh 2>&1 | tee -a $R
+fi
+if [[ $S == *lora* ]]; then
+  echo "== LoRA: ${LORA_STREAMS:-64} rows over 8 random rank-16 adapters (all projections) vs none; mlx-lm BatchGenerator with one of them on every row; 1.2B bf16, prompt 128, gen 128" | tee -a $R
+  rm -f $O/lora-none.json $O/lora-8.json
+  python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
+    --streams ${LORA_STREAMS:-64} --gen-tokens 128 --json $O/lora-none.json 2>&1 | tee -a $R
+  python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
+    --streams ${LORA_STREAMS:-64} --gen-tokens 128 --json $O/lora-8.json \
+    --weft-args "--adapters 8 --adapter-rank 16 --adapter-dir /root/lora8" --adapter /root/lora8/adapter-1 2>&1 | tee -a $R
+  python3 - $O/lora-none.json $O/lora-8.json <<'PY' | tee -a $R
+import json, sys
+none, lora = (json.load(open(f)) for f in sys.argv[1:3])
+for a, b in zip(none, lora):
+    w0, wn, m0, m1 = a["weft"], b["weft"], a["mlx"], b["mlx"]
+    n = wn.get("adapters")
+    assert n and not w0.get("adapters") and b["mlx_adapter"] and not a["mlx_adapter"], "runs with and without adapters mixed up"
+    r = lambda x, y, k: x[k] / y[k]
+    for k, what in (("generation_tok_per_s", "gen tok/s (incl. prefill)"), ("steady_decode_tok_per_s", "steady decode tok/s")):
+        print(f"{a['streams']} rows, {what}: weft none {w0[k]:.1f}, weft {n} adapters {wn[k]:.1f} "
+              f"({r(wn, w0, k):.2f}x of none; target >= 0.8x); mlx-lm none {m0[k]:.1f}, mlx-lm one adapter {m1[k]:.1f} "
+              f"({r(m1, m0, k):.2f}x of none); weft {n} adapters / mlx-lm one adapter {r(wn, m1, k):.2f}x")
+PY
 fi
 if [[ $S == *long* ]]; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R

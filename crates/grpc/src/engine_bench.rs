@@ -74,8 +74,69 @@ pub struct EngineBenchArgs {
     /// objects, so no stream can complete it before `--gen-tokens`].
     #[arg(long)]
     pub json_schema: Option<std::path::PathBuf>,
+    /// LoRA adapters served (the adapter benchmark of issue 18): this many
+    /// random mlx-lm adapters are written (`--adapter-rank`, on all seven
+    /// projections of every layer, seeds 1..=N) and loaded, and stream `i` runs
+    /// with adapter `i % N + 1`. 0: no adapters.
+    #[arg(long, default_value_t = 0)]
+    pub adapters: usize,
+    /// Rank of the `--adapters`.
+    #[arg(long, default_value_t = 16)]
+    pub adapter_rank: usize,
+    /// Where the `--adapters` are written (DIR/adapter-1 ... DIR/adapter-N) and
+    /// kept, e.g. for mlx-lm to load the same files [default: a temporary
+    /// directory, removed once the engine has loaded them].
+    #[arg(long, value_name = "DIR")]
+    pub adapter_dir: Option<std::path::PathBuf>,
+    /// The `--adapters`' stored dtype. bf16 (the default): an mlx-lm
+    /// `LoRALinear` loading them into a bf16 model computes its low-rank
+    /// product in bf16, as Weft does (Weft casts any adapter to the model's
+    /// compute dtype); f32 (what mlx-lm's trainer saves) makes mlx-lm's in f32.
+    #[arg(long, value_enum, default_value_t = AdapterDtype::Bf16)]
+    pub adapter_dtype: AdapterDtype,
     #[command(flatten)]
     pub compute: ComputeArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AdapterDtype {
+    Bf16,
+    F32,
+}
+
+/// `lora_parameters.scale` of the benchmark's adapters. Their values are
+/// uniform in [-0.5, 0.5) (see [`weft_models::write_random_mlx_lm`]); at rank
+/// 16 over the 1.2B model's 2048 inputs this makes a projection's LoRA delta
+/// about as large as its base output, so activations stay in range.
+pub const BENCH_ADAPTER_SCALE: f32 = 0.05;
+
+/// Writes `n` random adapters of rank `rank` (all seven projections, seeds
+/// 1..=n) for `model_dir`'s model into `dir/adapter-1` ... `dir/adapter-n`.
+pub fn write_bench_adapters(
+    model_dir: &std::path::Path,
+    dir: &std::path::Path,
+    n: usize,
+    rank: usize,
+    dtype: AdapterDtype,
+) -> anyhow::Result<Vec<runtime::AdapterSpec>> {
+    use anyhow::Context as _;
+    let base = weft_models::ModelConfig::load(model_dir)?;
+    (1..=n)
+        .map(|i| {
+            let name = format!("adapter-{i}");
+            let path = dir.join(&name);
+            let spec = weft_models::RandomAdapter {
+                rank,
+                targets: weft_models::Target::ALL.to_vec(),
+                scale: BENCH_ADAPTER_SCALE,
+                seed: i as u64,
+                bf16: dtype == AdapterDtype::Bf16,
+            };
+            weft_models::write_random_mlx_lm(&path, &base, &spec)
+                .with_context(|| format!("writing adapter {}", path.display()))?;
+            Ok(runtime::AdapterSpec { name, dir: path })
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -132,6 +193,10 @@ pub struct EngineBenchReport {
     pub mask_ms_per_step: f64,
     pub mask_us_per_row: f64,
     pub constrained_tokens: usize,
+    /// LoRA adapters served, the streams spread over them round-robin (0: none),
+    /// and their rank.
+    pub adapters: usize,
+    pub adapter_rank: Option<usize>,
 }
 
 /// The default schema of `--constrained`: records in an array of at least 64, so a
@@ -145,6 +210,10 @@ pub const BENCH_SCHEMA: &str = r#"{"type": "object",
  "required": ["records"], "additionalProperties": false}"#;
 
 pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.adapters == 0 || args.scenario == Scenario::Throughput,
+        "--adapters is measured by the throughput scenario only"
+    );
     match args.scenario {
         Scenario::Throughput => throughput(args).map(|_| ()),
         Scenario::LongPrompts => crate::engine_bench_long::run(args).map(|_| ()),
@@ -176,7 +245,41 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
     // one partial), as the peer's dense cache has.
     let per_row = (args.prompt_tokens + args.gen_tokens).div_ceil(16) + 1;
     let blocks = args.streams.max(1) * per_row + 64;
-    let (engine, tok, served) = runtime::start_engine(
+    // The adapters' files: kept in --adapter-dir, else in a temporary directory
+    // that lives until the engine has loaded them.
+    let mut adapter_tmp = None;
+    let adapters = if args.adapters > 0 {
+        let root = match &args.adapter_dir {
+            Some(d) => d.clone(),
+            None => adapter_tmp
+                .insert(
+                    tempfile::Builder::new()
+                        .prefix("weft-bench-adapters")
+                        .tempdir()?,
+                )
+                .path()
+                .to_path_buf(),
+        };
+        let t = Instant::now();
+        let specs = write_bench_adapters(
+            &dir,
+            &root,
+            args.adapters,
+            args.adapter_rank,
+            args.adapter_dtype,
+        )?;
+        eprintln!(
+            "{} random adapters of rank {} written to {} in {} ms",
+            args.adapters,
+            args.adapter_rank,
+            root.display(),
+            t.elapsed().as_millis()
+        );
+        specs
+    } else {
+        Vec::new()
+    };
+    let (engine, tok, served) = runtime::start_engine_with(
         &dir,
         opts,
         config,
@@ -186,7 +289,17 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             max_batch_rows: args.streams,
             cache_limit: crate::memory_plan::CacheLimit::Auto,
         },
+        Default::default(),
+        &adapters,
+        &Default::default(),
     )?;
+    drop(adapter_tmp);
+    let registered = served.adapters.list().len();
+    anyhow::ensure!(
+        registered == args.adapters,
+        "{} adapters written, {registered} registered",
+        args.adapters,
+    );
     let constraint = if args.constrained > 0 {
         anyhow::ensure!(
             args.constrained <= args.streams,
@@ -226,6 +339,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
     if let Some(p) = prompts.first() {
         let mut r = Request::new("warmup", p.clone(), 4);
         r.ignore_eos = true;
+        r.adapter = (args.adapters > 0).then_some(1);
         let mut s = engine.submit(r)?;
         while let Some(ev) = s.blocking_recv() {
             if let Event::Finished(f) = ev {
@@ -248,6 +362,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             args.gen_tokens,
             &format!("bench-{round}"),
             constraint.as_ref().map(|c| (c, args.constrained)),
+            args.adapters,
         )?);
     }
     let Some(Round {
@@ -294,6 +409,8 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         mask_us_per_row: (after.constraint_mask_seconds - before.constraint_mask_seconds) * 1e6
             / (after.constraint_masks - before.constraint_masks).max(1) as f64,
         constrained_tokens,
+        adapters: args.adapters,
+        adapter_rank: (args.adapters > 0).then_some(args.adapter_rank),
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(report)
@@ -309,19 +426,24 @@ struct Round {
     constrained_tokens: usize,
 }
 
-/// Submits every prompt at once and times the streams until all finish.
+/// Submits every prompt at once and times the streams until all finish;
+/// with `adapters` > 0, stream `i` runs with adapter `i % adapters + 1`.
 fn one_round(
     engine: &Engine,
     prompts: &[Vec<u32>],
     gen_tokens: usize,
     tenant: &str,
     constrained: Option<(&weft_scheduler::Constraint, usize)>,
+    adapters: usize,
 ) -> anyhow::Result<Round> {
     let start = Instant::now();
     let mut streams = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let mut r = Request::new(tenant, p.clone(), gen_tokens);
         r.ignore_eos = true;
+        if adapters > 0 {
+            r.adapter = Some(u32::try_from(i % adapters + 1)?);
+        }
         // `n` of the streams, spread evenly through the batch (half: every other).
         if let Some((c, n)) = constrained {
             if (i * n) % prompts.len() < n {

@@ -22,50 +22,15 @@ const PROMPT: &str = "The three most useful things to know about rivers are";
 /// An mlx-lm adapter of rank 8 on q_proj and v_proj of every layer, values from
 /// a fixed pseudo-random sequence seeded by `seed`.
 fn write_adapter(dir: &Path, model: &weft_models::ModelConfig, seed: u64) {
-    std::fs::create_dir_all(dir).unwrap();
-    let rank = 8usize;
-    let config = serde_json::json!({
-        "fine_tune_type": "lora",
-        "num_layers": model.num_layers,
-        "lora_parameters": {"rank": rank, "scale": 2.0, "dropout": 0.0,
-                            "keys": ["self_attn.q_proj", "self_attn.v_proj"]}
-    });
-    std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
-    let hidden = model.hidden_size as usize;
-    let head_dim = model.head_dim as usize;
-    let outs = [
-        ("q_proj", model.num_heads as usize * head_dim),
-        ("v_proj", model.num_kv_heads as usize * head_dim),
-    ];
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        ((state >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32
+    use weft_models::Target;
+    let spec = weft_models::RandomAdapter {
+        rank: 8,
+        targets: vec![Target::Q, Target::V],
+        scale: 2.0,
+        seed,
+        bf16: false,
     };
-    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for l in 0..model.num_layers as usize {
-        for (name, out) in outs {
-            let base = format!("model.layers.{l}.self_attn.{name}");
-            for (suffix, shape) in [("lora_a", vec![hidden, rank]), ("lora_b", vec![rank, out])] {
-                let n: usize = shape.iter().product();
-                let bytes = (0..n).flat_map(|_| next().to_le_bytes()).collect();
-                data.push((format!("{base}.{suffix}"), shape, bytes));
-            }
-        }
-    }
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                    .unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &dir.join("adapters.safetensors")).unwrap();
+    weft_models::write_random_mlx_lm(dir, model, &spec).unwrap();
 }
 
 fn req(adapter: &str, model: &str) -> pb::GenerateRequest {
@@ -185,13 +150,9 @@ async fn adapters_are_served_mixed_in_one_batch() {
         let s_url = s.url();
         let r = req(adapter, model);
         tasks.push(tokio::spawn(async move {
-            let ch = tonic::transport::Endpoint::from_shared(s_url)
-                .unwrap()
-                .connect()
+            client_at(s_url)
                 .await
-                .unwrap();
-            let mut c = pb::generation_client::GenerationClient::new(ch);
-            c.generate(with(r, Some(OPEN_KEY), None))
+                .generate(with(r, Some(OPEN_KEY), None))
                 .await
                 .map(|r| r.into_inner().ids)
         }));
@@ -223,13 +184,8 @@ async fn adapters_are_served_mixed_in_one_batch() {
     long.ignore_eos = true;
     let s_url = s.url();
     let running = tokio::spawn(async move {
-        let ch = tonic::transport::Endpoint::from_shared(s_url)
-            .unwrap()
-            .connect()
+        let mut st = client_at(s_url)
             .await
-            .unwrap();
-        let mut c = pb::generation_client::GenerationClient::new(ch);
-        let mut st = c
             .generate_stream(with(long, Some(OPEN_KEY), None))
             .await
             .unwrap()

@@ -206,6 +206,105 @@ impl AdapterFiles {
     }
 }
 
+/// A random mlx-lm adapter to write ([`write_random_mlx_lm`]): for tests and
+/// benchmarks, which need adapters of a given shape but no trained values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RandomAdapter {
+    pub rank: usize,
+    /// The projections adapted, in every layer; their tensors are written in
+    /// this order (a then b of each), layer by layer.
+    pub targets: Vec<Target>,
+    /// `lora_parameters.scale`, the multiplier of the low-rank product.
+    pub scale: f32,
+    /// Seeds the values: the same seed (and shape) writes the same files.
+    pub seed: u64,
+    /// Stores the tensors in bfloat16 instead of float32.
+    pub bf16: bool,
+}
+
+/// Writes `spec` as an mlx-lm adapter for `base` into `dir` (created if
+/// missing): `adapter_config.json` (`fine_tune_type` lora, `num_layers` all
+/// of `base`'s, `lora_parameters` rank, scale, dropout 0 and the targets'
+/// module paths as `keys`, what mlx-lm's `load_adapters` reads) and
+/// `adapters.safetensors` with `lora_a` `[in, rank]` and `lora_b` `[rank,
+/// out]` for every target in every layer.
+///
+/// Every value, of both halves, is uniform in [-0.5, 0.5) from a xorshift
+/// sequence seeded by `seed`: unlike a trained adapter's (or mlx-lm's
+/// initial, zero `lora_b`), the product is large enough that the adapter
+/// changes what a model generates; `scale` sizes it.
+pub fn write_random_mlx_lm(dir: &Path, base: &ModelConfig, spec: &RandomAdapter) -> Result<()> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| ModelError::Io { path, source }
+    };
+    if spec.rank == 0 || spec.rank > MAX_RANK {
+        return Err(ModelError::Invalid(format!(
+            "random adapter rank {}: ranks 1..={MAX_RANK} are served",
+            spec.rank
+        )));
+    }
+    if spec.targets.is_empty() {
+        return Err(ModelError::Invalid("random adapter with no targets".into()));
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let config = serde_json::json!({
+        "fine_tune_type": "lora",
+        "num_layers": base.num_layers,
+        "lora_parameters": {
+            "rank": spec.rank,
+            // As written (0.05, not 0.05000000074505806): f32's shortest form.
+            "scale": spec.scale.to_string().parse::<f64>().unwrap_or(f64::from(spec.scale)),
+            "dropout": 0.0,
+            "keys": spec.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+        }
+    });
+    let config_path = dir.join("adapter_config.json");
+    std::fs::write(&config_path, config.to_string()).map_err(io(&config_path))?;
+    let mut state = spec.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32
+    };
+    let dtype = if spec.bf16 {
+        safetensors::Dtype::BF16
+    } else {
+        safetensors::Dtype::F32
+    };
+    let r = spec.rank;
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for l in 0..base.num_layers.max(0) as usize {
+        for t in &spec.targets {
+            let (i, o) = t.dims(base);
+            let name = format!("model.layers.{l}.{}", t.module());
+            for (suffix, shape) in [("lora_a", [i as usize, r]), ("lora_b", [r, o as usize])] {
+                let n: usize = shape.iter().product();
+                let bytes: Vec<u8> = if spec.bf16 {
+                    (0..n)
+                        .flat_map(|_| half::bf16::from_f32(next()).to_le_bytes())
+                        .collect()
+                } else {
+                    (0..n).flat_map(|_| next().to_le_bytes()).collect()
+                };
+                data.push((format!("{name}.{suffix}"), shape.to_vec(), bytes));
+            }
+        }
+    }
+    let views = data
+        .iter()
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(dtype, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| ModelError::Weights(format!("{n}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let path = dir.join("adapters.safetensors");
+    safetensors::serialize_to_file(views, None, &path)
+        .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))
+}
+
 /// What both formats' configs decide.
 struct Common {
     rank: usize,
@@ -595,6 +694,64 @@ fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A small Llama: 2 layers, hidden 64, 4 / 2 heads of 16, FFN 96.
+    fn tiny_base() -> ModelConfig {
+        ModelConfig::parse(
+            r#"{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-5, "vocab_size": 256}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn random_adapters_load_with_their_rank_and_targets() {
+        let base = tiny_base();
+        let dir = tempfile::tempdir().unwrap();
+        for (bf16, targets) in [
+            (false, Target::ALL.to_vec()),
+            (true, vec![Target::Q, Target::V, Target::Down]),
+        ] {
+            let d = dir.path().join(format!("{bf16}"));
+            let spec = RandomAdapter {
+                rank: 16,
+                targets: targets.clone(),
+                scale: 0.5,
+                seed: 7,
+                bf16,
+            };
+            write_random_mlx_lm(&d, &base, &spec).unwrap();
+            let a = Adapter::load(&d, &base).unwrap();
+            assert_eq!(a.format, AdapterFormat::MlxLm);
+            assert_eq!((a.rank, a.scale), (16, 0.5));
+            let want: std::collections::BTreeSet<Target> = targets.iter().copied().collect();
+            assert_eq!(a.targets(), want);
+            assert_eq!(a.layers.len(), 2);
+            for l in &a.layers {
+                assert_eq!(
+                    l.keys().copied().collect::<std::collections::BTreeSet<_>>(),
+                    want
+                );
+                let p = &l[&Target::Down];
+                assert_eq!((p.a.shape(), p.b.shape()), (&[96, 16][..], &[16, 64][..]));
+                let dt = if bf16 {
+                    mlx_rs::Dtype::Bfloat16
+                } else {
+                    mlx_rs::Dtype::Float32
+                };
+                assert_eq!(p.a.dtype(), dt);
+            }
+            // Deterministic: the same seed writes the same bytes, another seed not.
+            let again = dir.path().join("again");
+            write_random_mlx_lm(&again, &base, &spec).unwrap();
+            let read = |d: &Path| std::fs::read(d.join("adapters.safetensors")).unwrap();
+            assert_eq!(read(&d), read(&again));
+            let other = RandomAdapter { seed: 8, ..spec };
+            write_random_mlx_lm(&again, &base, &other).unwrap();
+            assert_ne!(read(&d), read(&again));
+        }
+    }
 
     #[test]
     fn names_parse_in_both_formats() {

@@ -27,7 +27,9 @@ pub mod sampler;
 pub mod tokenizer;
 pub mod weights;
 
-pub use adapter::{Adapter, AdapterFiles, AdapterFormat, Target};
+pub use adapter::{
+    write_random_mlx_lm, Adapter, AdapterFiles, AdapterFormat, RandomAdapter, Target,
+};
 pub use config::{Arch, ModelConfig};
 pub use cpu_kernels::Kernels;
 pub use error::ModelError;
