@@ -36,6 +36,7 @@
 #           no adapter and with /root/lora8/adapter-1 on every row (load_adapters: mlx-lm serving
 #           one adapter at a time); prints Weft 8 adapters / none (target >= 0.8x) and
 #           Weft 8 adapters / mlx-lm one adapter;
+#           adapterpar: crates/models/tests/lora_parity.rs on the GPU (staged when its test binary is built);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
@@ -53,6 +54,13 @@ for b in weft examples/decode_timing examples/paged_attention_check examples/fus
   strip -o .gpustash/$n target/release/$b
   xz -T0 -6 -c .gpustash/$n > .gpustash/d1/$n.xz && rm .gpustash/$n
 done
+# The LoRA parity test (mlx-lm as the oracle) runs on the GPU too when built:
+# `cargo test -p weft-models --test lora_parity --no-run` first.
+LP=$(ls -t target/debug/deps/lora_parity-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
+if [ -n "$LP" ]; then
+  strip -o .gpustash/lora_parity "$LP"
+  xz -T0 -6 -c .gpustash/lora_parity > .gpustash/d1/lora_parity.xz && rm .gpustash/lora_parity
+fi
 cp "$M/tokenizer.json" .gpustash/d1/
 cat > .gpustash/d2/run.sh <<'EOS'
 #!/usr/bin/env bash
@@ -198,6 +206,14 @@ for a, b in zip(none, lora):
               f"({r(wn, w0, k):.2f}x of none; target >= 0.8x); mlx-lm none {m0[k]:.1f}, mlx-lm one adapter {m1[k]:.1f} "
               f"({r(m1, m0, k):.2f}x of none); weft {n} adapters / mlx-lm one adapter {r(wn, m1, k):.2f}x")
 PY
+fi
+if [[ $S == *adapterpar* ]]; then
+  # The test finds its oracle script under the path it was built at.
+  echo "== LoRA parity on the GPU: crates/models/tests/lora_parity.rs (mlx-lm with the adapter loaded as the oracle)" | tee -a $R
+  xz -d -c $W/lora_parity.xz > /root/lora_parity && chmod +x /root/lora_parity
+  [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
+  WEFT_PYTHON=$(command -v python3) timeout ${LP_TIMEOUT:-400} /root/lora_parity --test-threads 1 2>&1 \
+    | grep -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
 fi
 if [[ $S == *long* ]]; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R
