@@ -64,6 +64,8 @@ pub struct ServedAdapter {
     pub targets: Vec<String>,
     /// "mlx-lm" or "peft".
     pub format: String,
+    /// Host memory its files take (kept while it is registered).
+    pub host_bytes: u64,
 }
 
 /// Whether `name` may name an adapter: 1-64 of `A-Z a-z 0-9 . _ -`.
@@ -187,6 +189,7 @@ fn served_from(name: &str, id: u32, d: weft_scheduler::AdapterDesc) -> ServedAda
         scale: d.scale,
         targets: d.targets,
         format: d.format,
+        host_bytes: d.host_bytes,
     }
 }
 
@@ -225,6 +228,11 @@ impl AdapterCatalog {
     /// The served adapter called `name`.
     pub fn get(&self, name: &str) -> Option<ServedAdapter> {
         self.read().iter().find(|a| a.name == name).cloned()
+    }
+
+    /// Host bytes of every served adapter's files.
+    pub fn host_bytes(&self) -> u64 {
+        self.read().iter().map(|a| a.host_bytes).sum()
     }
 
     /// Every served adapter, in id order.

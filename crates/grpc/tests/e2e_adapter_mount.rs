@@ -5,7 +5,8 @@
 //! each bad input; with one resident slot, requests mixing two adapters and
 //! none each get what they get alone while the pool loads and evicts (counted
 //! on /metrics); an adapter unmounted while it streams lets that request
-//! finish, refuses new ones, and mounts again from its files.
+//! finish, refuses new ones, and mounts again from its files; vLLM's
+//! `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` do the same over HTTP.
 
 mod common;
 
@@ -190,6 +191,12 @@ async fn adapters_mount_and_unmount_at_run_time() {
     }
     let m = s.metrics().await;
     let evictions = metric(&m, "weft_adapter_evictions_total", &[]).unwrap_or(0.0);
+    // a and b in f32: 30 layers x (576 x 8 + 8 x 576 + 576 x 8 + 8 x 192) x 4 bytes each.
+    let host = metric(&m, "weft_adapter_host_bytes", &[]).unwrap_or(0.0);
+    assert!(
+        host > 2.0 * 1.0e6,
+        "two adapters' files in host memory: {host} bytes"
+    );
     let loads = metric(&m, "weft_adapter_loads_total", &[]).unwrap_or(0.0);
     assert!(
         evictions >= 2.0 && loads > evictions,
@@ -262,4 +269,49 @@ async fn adapters_mount_and_unmount_at_run_time() {
         .await
         .unwrap();
     assert_eq!(ids(&s, "a2").await, alone_a);
+
+    // vLLM's HTTP routes: the same service, statuses as HTTP codes.
+    let http = s.http_addr.clone().expect("http listener");
+    let client = reqwest::Client::new();
+    let post = |route: &str, key: &str, body: serde_json::Value| {
+        client
+            .post(format!("http://{http}/v1/{route}"))
+            .bearer_auth(key)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+    };
+    let a3 = serde_json::json!({"lora_name": "a3", "lora_path": "a"});
+    let r = post("load_lora_adapter", USER_KEY, a3.clone())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    let r = post("load_lora_adapter", ADMIN_KEY, a3.clone())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(
+        (v["name"].as_str(), v["rank"].as_u64()),
+        (Some("a3"), Some(8))
+    );
+    let r = post("load_lora_adapter", ADMIN_KEY, a3).await.unwrap();
+    assert_eq!(r.status(), 409);
+    let r = post(
+        "load_lora_adapter",
+        ADMIN_KEY,
+        serde_json::json!({"lora_name": "a4"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(ids(&s, "a3").await, alone_a);
+    let gone = serde_json::json!({"lora_name": "a3"});
+    let r = post("unload_lora_adapter", ADMIN_KEY, gone.clone())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = post("unload_lora_adapter", ADMIN_KEY, gone).await.unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(listed(&s).await, vec!["b".to_string(), "a2".into()]);
 }

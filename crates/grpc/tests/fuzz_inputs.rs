@@ -311,6 +311,7 @@ fn served() -> ServedModel {
                         scale: 1.0,
                         targets: vec!["q_proj".into()],
                         format: "peft".into(),
+                        host_bytes: 0,
                     })
                     .collect(),
                 slots: 2,

@@ -42,6 +42,9 @@ pub const LORA_INFO: &str = "weft_lora_requests_info";
 /// room (`--max-loras` fewer than the adapters in use).
 pub const ADAPTER_LOADS: &str = "weft_adapter_loads_total";
 pub const ADAPTER_EVICTIONS: &str = "weft_adapter_evictions_total";
+/// Host memory the registered adapters' files take (each stays in host memory
+/// while registered, resident or not).
+pub const ADAPTER_HOST_BYTES: &str = "weft_adapter_host_bytes";
 pub const VLLM_LORA_INFO: &str = "vllm:lora_requests_info";
 
 /// Extra names for the gateway gauges (`--metrics-aliases`).
@@ -96,6 +99,7 @@ pub fn set_adapters(
     }
     counter!(ADAPTER_LOADS).absolute(stats.adapter_loads);
     counter!(ADAPTER_EVICTIONS).absolute(stats.adapter_evictions);
+    gauge!(ADAPTER_HOST_BYTES).set(catalog.host_bytes() as f64);
     let served = catalog.list();
     let live = &stats.adapters;
     // Adapters unmounted since the last refresh drop to 0.
@@ -240,6 +244,10 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     describe_counter!(
         ADAPTER_EVICTIONS,
         "Resident LoRA adapters evicted (least recently used) to load another: more adapters in use than --max-loras"
+    );
+    describe_gauge!(
+        ADAPTER_HOST_BYTES,
+        "Host memory of the registered LoRA adapters' files (refreshed at each scrape)"
     );
     describe_gauge!(
         LORA_INFO,

@@ -38,6 +38,7 @@ const MAX_BODY_BYTES: usize = 8 << 20;
 #[derive(Clone)]
 struct Api {
     svc: GenerationService,
+    admin: Arc<super::admin::AdminService>,
     state: Arc<State>,
 }
 
@@ -45,12 +46,15 @@ struct Api {
 pub fn router(state: Arc<State>) -> Router {
     let api = Api {
         svc: GenerationService::new(state.clone()),
+        admin: Arc::new(super::admin::AdminService::new(state.clone())),
         state,
     };
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/health", get(health))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(api)
@@ -490,10 +494,7 @@ fn chat_request(b: &ChatBody) -> Result<pb::GenerateRequest, ApiError> {
 }
 
 /// The gRPC request: the body plus the caller's `Authorization` header.
-fn grpc_request(
-    headers: &HeaderMap,
-    body: pb::GenerateRequest,
-) -> Result<tonic::Request<pb::GenerateRequest>, ApiError> {
+fn grpc_request<T>(headers: &HeaderMap, body: T) -> Result<tonic::Request<T>, ApiError> {
     let mut req = tonic::Request::new(body);
     if let Some(v) = headers.get(header::AUTHORIZATION) {
         let v = v
@@ -908,6 +909,87 @@ async fn completions(AxState(api): AxState<Api>, headers: HeaderMap, body: Bytes
 
 async fn chat_completions(AxState(api): AxState<Api>, headers: HeaderMap, body: Bytes) -> Response {
     handle::<ChatBody>(api, headers, body).await
+}
+
+/// vLLM's run-time LoRA routes: `{"lora_name", "lora_path"}` (the path under
+/// `--adapter-root`), the Admin service's LoadAdapter / UnloadAdapter with its
+/// authorization and statuses.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoraBody {
+    lora_name: String,
+    #[serde(default)]
+    lora_path: Option<String>,
+}
+
+async fn load_lora_adapter(
+    AxState(api): AxState<Api>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    use pb::admin_server::Admin;
+    let b: LoraBody = match parse(&body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let Some(path) = b.lora_path else {
+        return ApiError::invalid(
+            "lora_path",
+            "lora_path: the adapter's directory is required",
+        )
+        .into_response();
+    };
+    let msg = pb::LoadAdapterRequest {
+        name: b.lora_name,
+        path,
+    };
+    let req = match grpc_request(&headers, msg) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    match api.admin.load_adapter(req).await {
+        Ok(r) => {
+            let a = r.into_inner();
+            Json(
+                json!({"object": "lora_adapter", "name": a.name, "rank": a.rank,
+                        "scale": a.scale, "targets": a.targets, "format": a.format}),
+            )
+            .into_response()
+        }
+        Err(s) => admin_error(&s).into_response(),
+    }
+}
+
+async fn unload_lora_adapter(
+    AxState(api): AxState<Api>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    use pb::admin_server::Admin;
+    let b: LoraBody = match parse(&body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let req = match grpc_request(&headers, pb::UnloadAdapterRequest { name: b.lora_name }) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    match api.admin.unload_adapter(req).await {
+        Ok(r) => Json(json!({"object": "lora_adapter", "unloaded": true,
+                             "live_requests": r.into_inner().live_requests}))
+        .into_response(),
+        Err(s) => admin_error(&s).into_response(),
+    }
+}
+
+/// An Admin status over HTTP: a name in use is a conflict (409).
+fn admin_error(s: &Status) -> ApiError {
+    let mut e = ApiError::from_status(s, false);
+    if s.code() == Code::AlreadyExists {
+        e.status = StatusCode::CONFLICT;
+        e.kind = "invalid_request_error";
+    }
+    e
 }
 
 async fn models(AxState(api): AxState<Api>, headers: HeaderMap) -> Response {
