@@ -68,6 +68,33 @@ pub struct ServedAdapter {
     pub host_bytes: u64,
 }
 
+impl ServedAdapter {
+    fn log(&self, dir: &Path, what: &str) {
+        tracing::info!(
+            adapter = %self.name,
+            id = self.id,
+            rank = self.rank,
+            scale = self.scale,
+            targets = %self.targets.join(","),
+            format = %self.format,
+            host_bytes = self.host_bytes,
+            dir = %dir.display(),
+            "{what}"
+        );
+    }
+
+    /// What `ListModels` and `LoadAdapter` say of it.
+    pub fn info(&self) -> crate::pb::AdapterInfo {
+        crate::pb::AdapterInfo {
+            name: self.name.clone(),
+            rank: self.rank,
+            scale: self.scale,
+            targets: self.targets.clone(),
+            format: self.format.clone(),
+        }
+    }
+}
+
 /// Whether `name` may name an adapter: 1-64 of `A-Z a-z 0-9 . _ -`.
 pub fn valid_name(name: &str) -> bool {
     !name.is_empty()
@@ -144,18 +171,8 @@ pub fn start(
         let a = runner
             .register_adapter(weft_models::AdapterId(u64::from(id)), f)
             .with_context(|| format!("adapter {:?}", spec.name))?;
-        let d = crate::runtime::describe(&a, host);
-        let s = served_from(&spec.name, id, d);
-        tracing::info!(
-            adapter = %s.name,
-            id,
-            rank = s.rank,
-            scale = s.scale,
-            targets = %s.targets.join(","),
-            format = %s.format,
-            dir = %spec.dir.display(),
-            "LoRA adapter registered"
-        );
+        let s = served_from(&spec.name, id, crate::runtime::describe(&a, host));
+        s.log(&spec.dir, "LoRA adapter registered");
         served.push(s);
     }
     let first: Vec<weft_models::AdapterId> = (1..=served.len().min(slots) as u64)
@@ -311,19 +328,8 @@ impl AdapterCatalog {
                 ) => Status::invalid_argument(format!("adapter {name:?} ({path}): {m}")),
                 AdapterCallError::Stopped => Status::unavailable("the engine has stopped"),
             })?;
-        let host = d.host_bytes;
         let served = served_from(name, id, d);
-        tracing::info!(
-            adapter = %served.name,
-            id,
-            rank = served.rank,
-            scale = served.scale,
-            targets = %served.targets.join(","),
-            format = %served.format,
-            host_bytes = host,
-            dir = %dir.display(),
-            "LoRA adapter mounted"
-        );
+        served.log(&dir, "LoRA adapter mounted");
         self.served
             .write()
             .unwrap_or_else(|p| p.into_inner())

@@ -73,13 +73,7 @@ impl pb::admin_server::Admin for AdminService {
                 .adapters
                 .mount(&ready.engine, &ready.model.name, &r.name, &r.path)
                 .await?;
-            Ok(pb::AdapterInfo {
-                name: a.name,
-                rank: a.rank,
-                scale: a.scale,
-                targets: a.targets,
-                format: a.format,
-            })
+            Ok(a.info())
         })
         .await
     }

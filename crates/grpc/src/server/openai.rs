@@ -922,32 +922,39 @@ struct LoraBody {
     lora_path: Option<String>,
 }
 
+/// The Admin call a LoRA route's body and headers make (`make` builds its
+/// message from the body).
+fn lora_call<T>(
+    headers: &HeaderMap,
+    body: &Bytes,
+    make: impl FnOnce(LoraBody) -> Result<T, ApiError>,
+) -> Result<tonic::Request<T>, ApiError> {
+    grpc_request(headers, make(parse(body)?)?)
+}
+
 async fn load_lora_adapter(
     AxState(api): AxState<Api>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     use pb::admin_server::Admin;
-    let b: LoraBody = match parse(&body) {
-        Ok(b) => b,
+    let req = lora_call(&headers, &body, |b| {
+        let path = b.lora_path.ok_or_else(|| {
+            ApiError::invalid(
+                "lora_path",
+                "lora_path: the adapter's directory is required",
+            )
+        })?;
+        Ok(pb::LoadAdapterRequest {
+            name: b.lora_name,
+            path,
+        })
+    });
+    let out = match req {
+        Ok(r) => api.admin.load_adapter(r).await,
         Err(e) => return e.into_response(),
     };
-    let Some(path) = b.lora_path else {
-        return ApiError::invalid(
-            "lora_path",
-            "lora_path: the adapter's directory is required",
-        )
-        .into_response();
-    };
-    let msg = pb::LoadAdapterRequest {
-        name: b.lora_name,
-        path,
-    };
-    let req = match grpc_request(&headers, msg) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
-    match api.admin.load_adapter(req).await {
+    match out {
         Ok(r) => {
             let a = r.into_inner();
             Json(
@@ -966,15 +973,14 @@ async fn unload_lora_adapter(
     body: Bytes,
 ) -> Response {
     use pb::admin_server::Admin;
-    let b: LoraBody = match parse(&body) {
-        Ok(b) => b,
+    let req = lora_call(&headers, &body, |b| {
+        Ok(pb::UnloadAdapterRequest { name: b.lora_name })
+    });
+    let out = match req {
+        Ok(r) => api.admin.unload_adapter(r).await,
         Err(e) => return e.into_response(),
     };
-    let req = match grpc_request(&headers, pb::UnloadAdapterRequest { name: b.lora_name }) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
-    match api.admin.unload_adapter(req).await {
+    match out {
         Ok(r) => Json(json!({"object": "lora_adapter", "unloaded": true,
                              "live_requests": r.into_inner().live_requests}))
         .into_response(),

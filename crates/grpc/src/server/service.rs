@@ -827,18 +827,7 @@ fn model_info(ready: &Ready) -> pb::ModelInfo {
                 blocks: g.num_blocks,
             })
             .collect(),
-        adapters: m
-            .adapters
-            .list()
-            .iter()
-            .map(|a| pb::AdapterInfo {
-                name: a.name.clone(),
-                rank: a.rank,
-                scale: a.scale,
-                targets: a.targets.clone(),
-                format: a.format.clone(),
-            })
-            .collect(),
+        adapters: m.adapters.list().iter().map(|a| a.info()).collect(),
     }
 }
 
