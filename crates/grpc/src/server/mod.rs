@@ -391,7 +391,7 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
     }
     // With run-time loading a tenant's list may name adapters mounted later.
     for t in tenants.iter().filter(|_| s.adapter_pool.root.is_none()) {
-        for name in t.adapters.iter().flatten() {
+        for name in t.adapters.iter().flatten().filter(|n| !n.ends_with('*')) {
             if !s.adapters.iter().any(|a| &a.name == name) {
                 anyhow::bail!(
                     "tenant {:?} may use adapter {name:?}, which is not served (--adapter NAME=DIR)",

@@ -48,7 +48,9 @@ pub struct Tenant {
     pub max_tokens: Option<usize>,
     pub max_running: Option<usize>,
     pub max_waiting: Option<usize>,
-    /// The LoRA adapters this tenant may run with (None: every served one).
+    /// The LoRA adapters this tenant may run with (None: every served one); an
+    /// entry ending in `*` is a name prefix (`team-a-*`: adapters mounted later
+    /// under that prefix too).
     pub adapters: Option<Vec<String>>,
     /// May mount and unmount adapters (the Admin service).
     pub manage_adapters: bool,
@@ -59,9 +61,12 @@ pub struct Tenant {
 impl Tenant {
     /// Whether this tenant may run with the served adapter `name`.
     pub fn may_use_adapter(&self, name: &str) -> bool {
-        self.adapters
-            .as_ref()
-            .is_none_or(|allowed| allowed.iter().any(|a| a == name))
+        self.adapters.as_ref().is_none_or(|allowed| {
+            allowed.iter().any(|a| match a.strip_suffix('*') {
+                Some(prefix) => name.starts_with(prefix),
+                None => a == name,
+            })
+        })
     }
 
     /// The open-mode tenant: no limits but the server's.
@@ -439,6 +444,11 @@ mod tests {
         assert!(a.may_use_adapter("sql"));
         assert!(!a.may_use_adapter("chat"));
         assert!(b.may_use_adapter("chat"), "no list: every served adapter");
+        let t = Tenants::parse(&file("adapters = [\"sql\", \"team-a-*\"]")).unwrap();
+        let all = t.all();
+        let a = all.iter().find(|t| t.name == "a").unwrap();
+        assert!(a.may_use_adapter("team-a-v2") && a.may_use_adapter("team-a-"));
+        assert!(!a.may_use_adapter("team-b-v1") && !a.may_use_adapter("sq"));
         assert!(Tenant::open().may_use_adapter("anything"));
     }
 
