@@ -36,6 +36,7 @@
 #           no adapter and with /root/lora8/adapter-1 on every row (load_adapters: mlx-lm serving
 #           one adapter at a time); prints Weft 8 adapters / none (target >= 0.8x) and
 #           Weft 8 adapters / mlx-lm one adapter;
+#           LORA_GATHERED=1 adds Weft's 8-adapter run with WEFT_LORA_LAYOUT=gathered;
 #           adapterpar: crates/models/tests/lora_parity.rs on the GPU (staged when its test binary is built);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
@@ -206,6 +207,12 @@ for a, b in zip(none, lora):
               f"({r(wn, w0, k):.2f}x of none; target >= 0.8x); mlx-lm none {m0[k]:.1f}, mlx-lm one adapter {m1[k]:.1f} "
               f"({r(m1, m0, k):.2f}x of none); weft {n} adapters / mlx-lm one adapter {r(wn, m1, k):.2f}x")
 PY
+  if [ -n "${LORA_GATHERED:-}" ]; then
+    # The same 8-adapter run with the pool's gathered layout (gather_mm) instead of the dense one.
+    echo "== LoRA, WEFT_LORA_LAYOUT=gathered (weft only)" | tee -a $R
+    WEFT_LORA_LAYOUT=gathered /root/weft bench-engine --model $M --streams ${LORA_STREAMS:-64} --prompt-tokens 128 \
+      --gen-tokens 128 --rounds 2 --adapters 8 --adapter-rank 16 --adapter-dir /root/lora8 | tail -1 | tee -a $R
+  fi
 fi
 if [[ $S == *adapterpar* ]]; then
   # The test finds its oracle script under the path it was built at.
@@ -213,7 +220,7 @@ if [[ $S == *adapterpar* ]]; then
   xz -d -c $W/lora_parity.xz > /root/lora_parity && chmod +x /root/lora_parity
   [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
   WEFT_PYTHON=$(command -v python3) timeout ${LP_TIMEOUT:-400} /root/lora_parity --test-threads 1 2>&1 \
-    | grep -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
+    | grep --line-buffered -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
 fi
 if [[ $S == *long* ]]; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R

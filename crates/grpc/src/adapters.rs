@@ -163,6 +163,7 @@ pub fn start(
         slots,
         max_rank,
         targets,
+        layout: weft_models::StackLayout::Auto,
     }))?;
     let mut served = Vec::with_capacity(specs.len());
     for (i, (spec, (f, _, _))) in specs.iter().zip(files).enumerate() {

@@ -134,6 +134,66 @@ const SILU_MUL_SOURCE: &str = r#"
     out[idx] = static_cast<DT>(static_cast<float>(gs) * u);
 "#;
 
+/// The adapted parts (up to three) of a fused projection whose adapters a
+/// [`DecodeKernels::lora_add`] adds.
+pub const LORA_MAX_PARTS: usize = 3;
+
+/// `y + z[slot] @ b[slot]` over a fused projection's output `y` `[N, O]`:
+/// `z` `[N, P * S * R]` is every slot's shrink of the row's input (part,
+/// slot, rank order), `slots` `[B]` the slot of each of the `B` rows (`N / B`
+/// tokens each), `b{k}` `[S, R, W{k}]` part `k`'s expand, adding to columns
+/// `OFF{k} .. OFF{k} + W{k}`. One thread per output element; the delta is
+/// rounded to the dtype before the add, as a matmul's output then an add
+/// round it. Slot 0 (no adapter) copies `y`.
+pub fn lora_add_source(parts: usize) -> String {
+    let mut body = String::from(
+        r#"
+    const int N = y_shape[0];
+    const int O = y_shape[1];
+    const int B = slots_shape[0];
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)N * O) {
+        return;
+    }
+    const int n = (int)(idx / O);
+    const int j = (int)(idx % O);
+    const int s = (int)slots[n / (N / B)];
+    float acc = 0.f;
+    bool hit = false;
+"#,
+    );
+    for k in 0..parts {
+        body.push_str(&format!(
+            r#"
+    if (s != 0 && j >= OFF{k} && j < OFF{k} + W{k}) {{
+        const size_t zb = (size_t)n * (P * S * R) + (size_t)({k} * S + s) * R;
+        const size_t bb = (size_t)s * R * W{k} + (j - OFF{k});
+        #pragma unroll 8
+        for (int r = 0; r < R; ++r) {{
+            acc += static_cast<float>(z[zb + r]) * static_cast<float>(b{k}[bb + (size_t)r * W{k}]);
+        }}
+        hit = true;
+    }}
+"#
+        ));
+    }
+    body.push_str(
+        r#"
+    out[idx] = hit
+        ? static_cast<DT>(static_cast<float>(y[idx]) + static_cast<float>(static_cast<DT>(acc)))
+        : y[idx];
+"#,
+    );
+    body
+}
+
+/// Input names of the LoRA add kernel of `parts` parts.
+pub fn lora_add_inputs(parts: usize) -> Vec<String> {
+    let mut v: Vec<String> = ["y", "z", "slots"].iter().map(|s| s.to_string()).collect();
+    v.extend((0..parts).map(|k| format!("b{k}")));
+    v
+}
+
 const THREADS: i32 = 256;
 
 /// The fused decode kernels; live on the engine thread with the model.
@@ -141,6 +201,8 @@ pub struct DecodeKernels {
     add_norm: Kernel,
     rope_qkv: Kernel,
     silu_mul: Kernel,
+    /// LoRA shrink-and-expand add, by adapted parts (1..=3).
+    lora_add: Vec<Kernel>,
     gemv: Gemv,
 }
 
@@ -169,6 +231,18 @@ impl DecodeKernels {
                 ROPE_QKV_SOURCE,
             )?,
             silu_mul: Kernel::new("weft_silu_mul", &["gu"], &["out"], SILU_MUL_SOURCE)?,
+            lora_add: (1..=LORA_MAX_PARTS)
+                .map(|p| {
+                    let inputs = lora_add_inputs(p);
+                    let names: Vec<&str> = inputs.iter().map(String::as_str).collect();
+                    Kernel::new(
+                        &format!("weft_lora_add{p}"),
+                        &names,
+                        &["out"],
+                        &lora_add_source(p),
+                    )
+                })
+                .collect::<Result<_>>()?,
             gemv: Gemv::new()?,
         })
     }
@@ -317,6 +391,73 @@ impl DecodeKernels {
                 .apply(&[gu], &[(&[n, f], dt)], (grid, 1), THREADS, &[], ("DT", dt))?;
         out.pop()
             .ok_or_else(|| ModelError::Invalid("silu_mul: no output".into()))
+    }
+}
+
+impl DecodeKernels {
+    /// `y` `[N, O]` plus each row's adapter delta, `z[slot] @ b[slot]`, on
+    /// the columns `cols[k]` (offset, width) of part `k`: `z` `[N, P * S *
+    /// R]` is the dense shrink of the rows' input by every slot, `slots`
+    /// `[B]` uint32 each row's slot, `b[k]` `[S, R, width]`. One primitive.
+    pub(crate) fn lora_add(
+        &self,
+        y: &Array,
+        z: &Array,
+        slots: &Array,
+        b: &[Array],
+        cols: &[(i32, i32)],
+    ) -> Result<Array> {
+        let p = b.len();
+        let ys = y.shape();
+        let bad = |why: &str| {
+            Err(ModelError::Invalid(format!(
+                "lora_add: {why} (y {ys:?}, z {:?}, slots {:?}, {p} parts)",
+                z.shape(),
+                slots.shape()
+            )))
+        };
+        if p == 0 || p > LORA_MAX_PARTS || cols.len() != p {
+            return bad("parts");
+        }
+        let (s, r) = (b[0].dim(0), b[0].dim(1));
+        let (n, o) = (ys[0], ys[1]);
+        let rows = slots.dim(0);
+        if ys.len() != 2
+            || z.shape() != [n, p as i32 * s * r]
+            || rows == 0
+            || n % rows != 0
+            || slots.dtype() != Dtype::Uint32
+            || z.dtype() != y.dtype()
+        {
+            return bad("shapes");
+        }
+        for (bk, &(off, w)) in b.iter().zip(cols) {
+            if bk.shape() != [s, r, w] || bk.dtype() != y.dtype() || off < 0 || off + w > o {
+                return bad("expand stacks");
+            }
+        }
+        let mut ints: Vec<(String, i32)> =
+            vec![("P".into(), p as i32), ("S".into(), s), ("R".into(), r)];
+        for (k, &(off, w)) in cols.iter().enumerate() {
+            ints.push((format!("OFF{k}"), off));
+            ints.push((format!("W{k}"), w));
+        }
+        let ints: Vec<(&str, i32)> = ints.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let mut inputs: Vec<&Array> = vec![y, z, slots];
+        inputs.extend(b.iter());
+        let total = n * o;
+        let grid = (total + THREADS - 1) / THREADS * THREADS;
+        let dt = y.dtype();
+        let mut out = self.lora_add[p - 1].apply(
+            &inputs,
+            &[(ys, dt)],
+            (grid, 1),
+            THREADS,
+            &ints,
+            ("DT", dt),
+        )?;
+        out.pop()
+            .ok_or_else(|| ModelError::Invalid("lora_add: no output".into()))
     }
 }
 

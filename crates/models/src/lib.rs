@@ -38,7 +38,10 @@ pub use lanes::Lanes;
 pub use linear::WeightPolicy;
 pub use llama::{compile_traces, LlamaModel};
 pub use loader::{load, Device, LoadOptions, LoadedModel};
-pub use lora::{AdapterCounters, AdapterId, AdapterPool, AdapterPoolConfig, LoraStep};
+pub use lora::{
+    AdapterCounters, AdapterId, AdapterPool, AdapterPoolConfig, LoraStep, StackLayout,
+    DENSE_MAX_COLUMNS,
+};
 pub use runner::{
     BatchRunner, RowId, RowStep, StepLogits, StepPicks, StepTiming, DEFAULT_BLOCK_SIZE,
 };

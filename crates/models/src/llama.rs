@@ -699,12 +699,30 @@ impl LlamaModel {
         // Adapter deltas of a fused projection's whole output.
         let qd = c.num_heads * c.head_dim;
         let kvd = c.num_kv_heads * c.head_dim;
+        // A pool stacked densely adds them in one kernel after one shrink
+        // matmul; a gathered one through `gather_mm`s and an add.
         let plus = |y: Array, i: usize, g: Group, x: &Array, outs: &[i32]| -> Result<Array> {
-            match lora
-                .map(|l| l.fused_delta(i, g, x, outs))
-                .transpose()?
-                .flatten()
-            {
+            let Some(l) = lora else {
+                return Ok(y);
+            };
+            if let Some(d) = l.dense(i, g) {
+                let cast = |a: &Array| -> Result<Array> {
+                    Ok(if a.dtype() == y.dtype() {
+                        a.clone()
+                    } else {
+                        a.as_dtype(y.dtype())?
+                    })
+                };
+                let z = ops::matmul(&cast(x)?, &cast(d.a)?)?;
+                let b = d.b.iter().map(cast).collect::<Result<Vec<_>>>()?;
+                let cols: Vec<(i32, i32)> = d
+                    .parts
+                    .iter()
+                    .map(|&j| (outs[..j].iter().sum(), outs[j]))
+                    .collect();
+                return k.lora_add(&y, &z, l.slots(), &b, &cols);
+            }
+            match l.fused_delta(i, g, x, outs)? {
                 Some(d) => Ok(ops::add(&y, &d.as_dtype(y.dtype())?)?),
                 None => Ok(y),
             }

@@ -2,22 +2,35 @@
 //!
 //! An [`AdapterPool`] holds every resident adapter stacked per layer and
 //! projection group (the groups are Weft's fused projections: q/k/v, o,
-//! gate/up, down): `a` `[slots, in, parts * rank]` with each adapted part's
-//! `A` in its own zero-padded rank block, and per part `b` `[slots, rank,
-//! out]` with the adapter's scale folded in. Slot 0 is no adapter and stays
-//! zero, as does every free slot, so a row without an adapter adds an exact
-//! zero. A forward gets a [`LoraStep`]: the per-row slot index as a `[B]`
-//! uint32 array and the stacks; each group's delta is two gathered matmuls
-//! (`gather_mm`: row `i` multiplies by slot `slots[i]`'s matrices without
-//! copying them per row), `((x @ A[slot]) split per part) @ B_part[slot]`,
-//! added to the base projection's output (dense, quantized or packed alike).
-//! The pool's shapes are fixed when it is made (slots, rank, targets), so
-//! loading or unloading an adapter changes values only: a compiled decode
-//! step takes the stacks and the slot indices as inputs and never retraces
-//! for it.
+//! gate/up, down): per adapted part `b` `[slots, rank, out]` with the
+//! adapter's scale folded in, and the parts' `A`s, each zero-padded to the
+//! pool's rank, in one of two layouts ([`StackLayout`]):
+//!
+//! - **dense** `[in, parts * slots * rank]` (part, slot, rank order): the
+//!   shrink is one plain matmul of every row by every slot's `A`,
+//!   `z = x @ A`; row `i` then keeps its own slot's block of `z`. On the GPU
+//!   one kernel does that and the expand, `y + z[slot] @ B[slot]`, per
+//!   fused projection (`crate::decode_kernels`), so an adapted projection
+//!   costs two primitives; elsewhere `z` is masked to the row's slot and
+//!   multiplied by `B` viewed as `[slots * rank, out]`. The shrink's work
+//!   grows with the slots, so this is the layout of small pools.
+//! - **gathered** `[slots, in, parts * rank]`: each delta is two gathered
+//!   matmuls (`gather_mm`: row `i` multiplies by slot `slots[i]`'s matrices
+//!   without copying them per row), `((x @ A[slot]) split per part) @
+//!   B_part[slot]`, whose work does not grow with the slots.
+//!
+//! Slot 0 is no adapter and stays zero, as does every free slot, so a row
+//! without an adapter adds an exact zero. A forward gets a [`LoraStep`]: the
+//! per-row slot index as a `[B]` uint32 array and the stacks; the deltas are
+//! added to the base projection's output (dense, quantized or packed
+//! alike). The pool's shapes are fixed when it is made (slots, rank,
+//! targets, layout), so loading or unloading an adapter changes values
+//! only: a compiled decode step takes the stacks and the slot indices as
+//! inputs and never retraces for it.
 
 use std::collections::BTreeSet;
 
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::adapter::{Adapter, Target};
@@ -45,6 +58,40 @@ const GROUPS: [(Group, &[Target]); 4] = [
     (Group::Down, &[Target::Down]),
 ];
 
+/// How a pool lays out its `A` stacks (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StackLayout {
+    /// Dense while `(slots + 1) * max_rank` is at most
+    /// [`DENSE_MAX_COLUMNS`], gathered above; `WEFT_LORA_LAYOUT=dense` or
+    /// `gathered` overrides it.
+    #[default]
+    Auto,
+    Dense,
+    Gathered,
+}
+
+/// The widest per-part shrink (`(slots + 1) * rank` columns) an automatic
+/// pool computes densely: at 1024 the dense shrink of a 2048-wide model
+/// is half the size of its output projection, still small next to the
+/// whole layer.
+pub const DENSE_MAX_COLUMNS: usize = 1024;
+
+impl StackLayout {
+    /// Whether a pool of this layout and size stacks its `A`s densely.
+    fn dense(self, slots: usize, max_rank: usize) -> bool {
+        let auto = || (slots + 1) * max_rank <= DENSE_MAX_COLUMNS;
+        match self {
+            StackLayout::Dense => true,
+            StackLayout::Gathered => false,
+            StackLayout::Auto => match std::env::var("WEFT_LORA_LAYOUT").as_deref() {
+                Ok("dense") => true,
+                Ok("gathered") => false,
+                _ => auto(),
+            },
+        }
+    }
+}
+
 /// How big a pool is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdapterPoolConfig {
@@ -55,6 +102,8 @@ pub struct AdapterPoolConfig {
     pub max_rank: usize,
     /// Projections adapters may adapt.
     pub targets: BTreeSet<Target>,
+    /// How the `A` stacks are laid out.
+    pub layout: StackLayout,
 }
 
 impl AdapterPoolConfig {
@@ -64,6 +113,7 @@ impl AdapterPoolConfig {
             slots,
             max_rank,
             targets: Target::ALL.into_iter().collect(),
+            layout: StackLayout::Auto,
         }
     }
 }
@@ -71,12 +121,53 @@ impl AdapterPoolConfig {
 /// One projection group's stacks in one layer.
 #[derive(Debug, Clone)]
 pub(crate) struct GroupStack {
-    /// `[slots, in, parts.len() * rank]`.
+    /// Dense `[in, parts.len() * slots * rank]` or gathered `[slots, in,
+    /// parts.len() * rank]` (told apart by rank: 2 or 3 dimensions).
     a: Array,
     /// `[slots, rank, out]` of each adapted part, in `parts` order.
     b: Vec<Array>,
     /// Indices (into the group's targets) of the parts the pool adapts.
     parts: Vec<usize>,
+}
+
+impl GroupStack {
+    fn dense(&self) -> bool {
+        self.a.ndim() == 2
+    }
+
+    /// Slots, no-adapter slot 0 included.
+    fn slots(&self) -> i32 {
+        self.b[0].dim(0)
+    }
+
+    fn rank(&self) -> i32 {
+        self.b[0].dim(1)
+    }
+
+    fn input(&self) -> i32 {
+        if self.dense() {
+            self.a.dim(0)
+        } else {
+            self.a.dim(1)
+        }
+    }
+
+    /// `a` with slot `slot`'s `A`s set to `parts_a` `[in, parts * rank]`
+    /// (each part's block in order).
+    fn with_a(&self, slot: usize, parts_a: &Array) -> Result<Array> {
+        if !self.dense() {
+            return put_slot(&self.a, 0, slot, parts_a);
+        }
+        let (input, p, s, r) = (
+            self.input(),
+            self.parts.len() as i32,
+            self.slots(),
+            self.rank(),
+        );
+        let a = self.a.reshape(&[input, p, s, r])?;
+        let v = parts_a.reshape(&[input, p, r])?;
+        Ok(put_slot(&a, 2, slot, &v)?.reshape(&[input, p * s * r])?)
+    }
 }
 
 /// The arrays of a pool, per layer and group (None: the group is not adapted).
@@ -131,6 +222,7 @@ impl AdapterPool {
         let dim = |t: Target| t.dims(model);
         let s = (config.slots + 1) as i32;
         let r = config.max_rank as i32;
+        let dense = config.layout.dense(config.slots, config.max_rank);
         let mut stacks: Stacks = Vec::with_capacity(model.num_layers.max(0) as usize);
         for _ in 0..model.num_layers.max(0) {
             let mut layer: [Option<GroupStack>; 4] = Default::default();
@@ -142,8 +234,13 @@ impl AdapterPool {
                     continue;
                 }
                 let input = dim(targets[0]).0;
-                let a =
-                    Array::zeros::<f32>(&[s, input, parts.len() as i32 * r])?.as_dtype(dtype)?;
+                let p = parts.len() as i32;
+                let shape = if dense {
+                    vec![input, p * s * r]
+                } else {
+                    vec![s, input, p * r]
+                };
+                let a = Array::zeros::<f32>(&shape)?.as_dtype(dtype)?;
                 let b = parts
                     .iter()
                     .map(|&j| Ok(Array::zeros::<f32>(&[s, r, dim(targets[j]).1])?.as_dtype(dtype)?))
@@ -336,10 +433,9 @@ impl AdapterPool {
                         ),
                     };
                     a_blocks.push(a);
-                    st.b[k] = put_slot(&st.b[k], slot, &b)?;
+                    st.b[k] = put_slot(&st.b[k], 0, slot, &b)?;
                 }
-                let a = ops::concatenate(&a_blocks, 1)?;
-                st.a = put_slot(&st.a, slot, &a)?;
+                st.a = st.with_a(slot, &ops::concatenate(&a_blocks, 1)?)?;
             }
         }
         let old = std::mem::replace(&mut self.stacks, next);
@@ -361,9 +457,12 @@ impl AdapterPool {
         let slot = slot as usize;
         let mut next = self.stacks.clone();
         for st in next.iter_mut().flat_map(|l| l.iter_mut().flatten()) {
-            st.a = zero_slot(&st.a, slot)?;
+            let (input, width) = (st.input(), st.parts.len() as i32 * st.rank());
+            let zero = Array::zeros::<f32>(&[input, width])?.as_dtype(st.a.dtype())?;
+            st.a = st.with_a(slot, &zero)?;
             for b in &mut st.b {
-                *b = zero_slot(b, slot)?;
+                let z = Array::zeros::<f32>(&b.shape()[1..])?.as_dtype(b.dtype())?;
+                *b = put_slot(b, 0, slot, &z)?;
             }
         }
         let old = std::mem::replace(&mut self.stacks, next);
@@ -481,7 +580,20 @@ pub struct LoraStep {
     slots: Array,
     /// `[B]` uint32 `0..B`: each row's own input (gather_mm's lhs indices).
     rows: Array,
+    /// Dense stacks: `[B, 1, 1, slots * rank]`, 1 where a column of a
+    /// part's shrink belongs to the row's slot (in the stacks' dtype).
+    mask: Option<Array>,
     stacks: Stacks,
+}
+
+/// One dense group's stacks, for the GPU's fused shrink-and-expand.
+pub(crate) struct DenseGroup<'a> {
+    /// `[in, parts * slots * rank]`.
+    pub a: &'a Array,
+    /// `[slots, rank, out]` per adapted part.
+    pub b: &'a [Array],
+    /// Indices of the adapted parts among the group's projections.
+    pub parts: &'a [usize],
 }
 
 impl LoraStep {
@@ -493,10 +605,35 @@ impl LoraStep {
             slots.as_dtype(Dtype::Uint32)?
         };
         let rows = ops::arange::<_, u32>(0, b as u32, 1)?;
+        let dense = stacks
+            .iter()
+            .flat_map(|l| l.iter().flatten())
+            .find(|g| g.dense());
+        let mask = match dense {
+            Some(g) => {
+                let (s, r) = (g.slots(), g.rank());
+                let ids = ops::arange::<_, u32>(0, s as u32, 1)?.reshape(&[1, s, 1])?;
+                let hit = ops::eq(&slots.reshape(&[b, 1, 1])?, &ids)?;
+                let m = ops::broadcast_to(&hit, &[b, s, r])?.as_dtype(g.a.dtype())?;
+                Some(m.reshape(&[b, 1, 1, s * r])?)
+            }
+            None => None,
+        };
         Ok(Self {
             slots,
             rows,
+            mask,
             stacks,
+        })
+    }
+
+    /// Layer `layer`'s group `g` when the pool stacks it densely.
+    pub(crate) fn dense(&self, layer: usize, g: Group) -> Option<DenseGroup<'_>> {
+        let st = self.stacks.get(layer)?[g as usize].as_ref()?;
+        st.dense().then_some(DenseGroup {
+            a: &st.a,
+            b: &st.b,
+            parts: &st.parts,
         })
     }
 
@@ -550,6 +687,21 @@ impl LoraStep {
                 w.as_dtype(x.dtype())?
             })
         };
+        let group_parts = GROUPS[g as usize].1.len();
+        let mut out: Vec<Option<Array>> = vec![None; group_parts];
+        if let (true, Some(mask)) = (st.dense(), &self.mask) {
+            // Every slot's shrink, masked to the row's own, times `B` of
+            // every slot: the other slots' blocks add zeros.
+            let (p, sr) = (st.parts.len() as i32, st.slots() * st.rank());
+            let z = ops::matmul(x, &cast(&st.a)?)?.reshape(&[b, t, p, sr])?;
+            let z = ops::multiply(&z, &cast(mask)?)?;
+            for (k, (bm, &j)) in st.b.iter().zip(&st.parts).enumerate() {
+                let zk = z.index((.., .., k as i32, ..)).reshape(&[n, sr])?;
+                let bk = cast(bm)?.reshape(&[sr, -1])?;
+                out[j] = Some(ops::matmul(&zk, &bk)?);
+            }
+            return Ok(Some(out));
+        }
         let z = ops::gather_mm(&x3, &cast(&st.a)?, &self.rows, &self.slots, false)?;
         let r = z.dim(-1) / st.parts.len().max(1) as i32;
         let zs = if st.parts.len() > 1 {
@@ -558,8 +710,6 @@ impl LoraStep {
         } else {
             vec![z]
         };
-        let group_parts = GROUPS[g as usize].1.len();
-        let mut out: Vec<Option<Array>> = vec![None; group_parts];
         for ((z, bm), &j) in zs.iter().zip(&st.b).zip(&st.parts) {
             let d = ops::gather_mm(z, &cast(bm)?, &self.rows, &self.slots, false)?;
             out[j] = Some(d.reshape(&[n, -1])?);
@@ -608,20 +758,13 @@ fn pad(x: &Array, axis: i32, to: i32) -> Result<Array> {
     Ok(ops::concatenate(&[x.clone(), z], axis)?)
 }
 
-/// `stack` with slot `slot` (axis 0) replaced by `value`.
-fn put_slot(stack: &Array, slot: usize, value: &Array) -> Result<Array> {
-    let parts = stack.split_at_indices(&[slot as i32, slot as i32 + 1], 0)?;
-    let mut shape = vec![1];
-    shape.extend_from_slice(value.shape());
-    let v = value.reshape(&shape)?;
+/// `stack` with index `slot` of axis `axis` replaced by `value` (the
+/// stack's shape without that axis).
+fn put_slot(stack: &Array, axis: i32, slot: usize, value: &Array) -> Result<Array> {
+    let parts = stack.split_at_indices(&[slot as i32, slot as i32 + 1], axis)?;
+    let v = ops::expand_dims(value, axis)?;
     Ok(ops::concatenate(
         &[parts[0].clone(), v, parts[2].clone()],
-        0,
+        axis,
     )?)
-}
-
-fn zero_slot(stack: &Array, slot: usize) -> Result<Array> {
-    let shape = &stack.shape()[1..];
-    let z = Array::zeros::<f32>(shape)?.as_dtype(stack.dtype())?;
-    put_slot(stack, slot, &z)
 }

@@ -78,6 +78,44 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
             }
         }
     }
+    check(&spec);
+}
+
+/// The fused decode step's LoRA add (`decode_kernels::lora_add_source`) for
+/// one to three adapted parts of a fused projection, each dtype.
+#[test]
+fn the_lora_add_kernel_compiles_for_sm90_without_spills() {
+    use weft_models::decode_kernels::{lora_add_inputs, lora_add_source, LORA_MAX_PARTS};
+    let mut spec = Vec::new();
+    for parts in 1..=LORA_MAX_PARTS {
+        for dt in ["__nv_bfloat16", "__half", "float"] {
+            let inputs: Vec<_> = lora_add_inputs(parts)
+                .into_iter()
+                .map(|n| {
+                    let t = if n == "slots" { "uint32_t" } else { dt };
+                    json!([n, t])
+                })
+                .collect();
+            let mut consts = vec![json!(["P", parts]), json!(["S", 9]), json!(["R", 16])];
+            for k in 0..parts {
+                consts.push(json!([format!("OFF{k}"), k * 2048]));
+                consts.push(json!([format!("W{k}"), 2048]));
+            }
+            spec.push(json!({
+                "name": format!("weft_lora_add{parts}"),
+                "inputs": inputs,
+                "outputs": [["out", dt]],
+                "consts": consts,
+                "types": [["DT", dt]],
+                "source": lora_add_source(parts),
+            }));
+        }
+    }
+    check(&spec);
+}
+
+/// Runs `tests/cuda/nvrtc_check.py` over `spec`; fails on any failed variant.
+fn check(spec: &[serde_json::Value]) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("spec.json");
     std::fs::write(&path, serde_json::to_vec(&spec).expect("spec")).expect("write spec");

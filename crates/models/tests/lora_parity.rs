@@ -16,7 +16,7 @@ use common::*;
 use mlx_rs::Dtype;
 use weft_models::{
     Adapter, AdapterFormat, AdapterId, AdapterPoolConfig, BatchRunner, Kernels, LlamaModel,
-    ModelConfig, ModelError, RowStep, Target, WeightPolicy,
+    ModelConfig, ModelError, RowStep, StackLayout, Target, WeightPolicy,
 };
 
 /// Both sides run f32; differences are summation-order noise (the adapters
@@ -99,9 +99,17 @@ impl Fixture {
 
     /// A runner with every adapter resident, adapter `i` as id `i + 1`.
     fn runner(&self, policy: WeightPolicy) -> BatchRunner {
+        self.runner_laid_out(policy, StackLayout::Auto)
+    }
+
+    /// [`runner`](Self::runner) with the pool's `A` stacks in `layout`.
+    fn runner_laid_out(&self, policy: WeightPolicy, layout: StackLayout) -> BatchRunner {
         let mut r = runner(self.load(policy), 64);
-        r.set_adapter_pool(Some(AdapterPoolConfig::new(4, 16)))
-            .unwrap();
+        r.set_adapter_pool(Some(AdapterPoolConfig {
+            layout,
+            ..AdapterPoolConfig::new(4, 16)
+        }))
+        .unwrap();
         for (i, p) in self.adapters.iter().enumerate() {
             let a = Adapter::load(p, &self.config()).unwrap();
             r.load_adapter(AdapterId(i as u64 + 1), &a).unwrap();
@@ -245,7 +253,12 @@ fn a_batch_mixing_four_adapters_and_none_matches_each_alone() {
     let rs = rows();
     let assign = assignment();
     let want = expected(&f, &rs, &assign);
-    let mut r = f.runner(DENSE_F32);
+    // Both stack layouts: every slot's shrink masked to the row's, and
+    // gathered matmuls.
+    let mut g = f.runner_laid_out(DENSE_F32, StackLayout::Gathered);
+    let got = drive_adapters(&mut g, &rs, &assign, |_| false, |_, _| {});
+    assert_matches("gathered", &got, &want);
+    let mut r = f.runner_laid_out(DENSE_F32, StackLayout::Dense);
     let got = drive_adapters(&mut r, &rs, &assign, |_| false, |_, _| {});
     assert_matches("dense", &got, &want);
 
