@@ -37,7 +37,9 @@
 #           one adapter at a time); prints Weft 8 adapters / none (target >= 0.8x) and
 #           Weft 8 adapters / mlx-lm one adapter;
 #           LORA_GATHERED=1 adds Weft's 8-adapter run with WEFT_LORA_LAYOUT=gathered;
-#           adapterpar: crates/models/tests/lora_parity.rs on the GPU (staged when its test binary is built);
+#           adapterpar: crates/models/tests/lora_parity.rs on the GPU (staged when its test binary is built),
+#           the tests matching LP_FILTER (default compiled_decode: the fused decode layer's LoRA kernel;
+#           LP_FILTER= runs all, ~2 min each);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
@@ -219,7 +221,9 @@ if [[ $S == *adapterpar* ]]; then
   echo "== LoRA parity on the GPU: crates/models/tests/lora_parity.rs (mlx-lm with the adapter loaded as the oracle)" | tee -a $R
   xz -d -c $W/lora_parity.xz > /root/lora_parity && chmod +x /root/lora_parity
   [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
-  WEFT_PYTHON=$(command -v python3) timeout ${LP_TIMEOUT:-400} /root/lora_parity --test-threads 1 2>&1 \
+  # Each test makes its fixture and runs the oracle on the GPU (~2 min each): LP_FILTER picks them.
+  WEFT_PYTHON=$(command -v python3) timeout ${LP_TIMEOUT:-400} /root/lora_parity ${LP_FILTER-compiled_decode} \
+    --nocapture --test-threads 1 2>&1 \
     | grep --line-buffered -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
 fi
 if [[ $S == *long* ]]; then

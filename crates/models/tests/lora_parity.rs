@@ -21,7 +21,14 @@ use weft_models::{
 
 /// Both sides run f32; differences are summation-order noise (the adapters
 /// move logits by O(1), so a wrong or missing adapter is far outside it).
-const TOL: f32 = 2e-3;
+/// On a GPU both sides' f32 matmuls may run as TF32 (10-bit mantissas),
+/// which moves log-probs by a few 1e-3: measured 2.5e-3 on the H200.
+fn tol() -> f32 {
+    match weft_models::Device::detect() {
+        weft_models::Device::Gpu => 1e-2,
+        weft_models::Device::Cpu => 2e-3,
+    }
+}
 
 /// The four adapters: (seed, rank, scale, keys, num_layers).
 const ADAPTERS: [(u32, usize, f32, &str, i32); 4] = [
@@ -233,8 +240,9 @@ fn assert_matches(label: &str, got: &Trace, want: &Trace) {
         let d = row_diff(got, want, i);
         eprintln!("{label} row {i}: max |dlogprob| {d:.2e}");
         assert!(
-            d < TOL,
-            "{label} row {i}: log-probs differ by {d} (tolerance {TOL})"
+            d < tol(),
+            "{label} row {i}: log-probs differ by {d} (tolerance {})",
+            tol()
         );
         assert_eq!(got[i].0, want[i].0, "{label} row {i}: greedy tokens differ");
     }
@@ -278,7 +286,7 @@ fn a_batch_mixing_four_adapters_and_none_matches_each_alone() {
     for i in 0..rs.len() {
         let d = row_diff(&wrong, &want, i);
         assert!(
-            d > 50.0 * TOL,
+            d > 50.0 * tol(),
             "row {i}: another adapter moves its log-probs by only {d}"
         );
     }
