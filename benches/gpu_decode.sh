@@ -36,6 +36,9 @@
 #           no adapter and with /root/lora8/adapter-1 on every row (load_adapters: mlx-lm serving
 #           one adapter at a time); prints Weft 8 adapters / none (target >= 0.8x) and
 #           Weft 8 adapters / mlx-lm one adapter;
+#           lorasweep: Weft alone at LORA_STREAMS, no adapters then 8 under each of LORA_VARIANTS
+#           (env settings; default: as is, WEFT_LORA_KERNEL=onepass, MLX_MAX_MB_PER_BUFFER=1000000,
+#           WEFT_LORA_LAYOUT=gathered), ~30 s each;
 #           LORA_GATHERED=1 adds Weft's 8-adapter run with WEFT_LORA_LAYOUT=gathered;
 #           adapterpar: crates/models/tests/lora_parity.rs on the GPU (staged when its test binary is built),
 #           the tests matching LP_FILTER (default compiled_decode: the fused decode layer's LoRA kernel;
@@ -215,6 +218,19 @@ PY
     WEFT_LORA_LAYOUT=gathered /root/weft bench-engine --model $M --streams ${LORA_STREAMS:-64} --prompt-tokens 128 \
       --gen-tokens 128 --rounds 2 --adapters 8 --adapter-rank 16 --adapter-dir /root/lora8 | tail -1 | tee -a $R
   fi
+fi
+if [[ $S == *lorasweep* ]]; then
+  # Weft alone, the same 64-row (LORA_STREAMS) workload: no adapters, then 8 adapters under each variant.
+  echo "== LoRA variants, weft bench-engine only (steady tok/s, step ms, build ms, eval wait ms)" | tee -a $R
+  lw() { env "$@" /root/weft bench-engine --model $M --streams ${LORA_STREAMS:-64} --prompt-tokens 128 --gen-tokens 128 \
+    --rounds 2 ${LW_ARGS:-} | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); print('$*' or 'default', \
+    '${LW_ARGS:-none}', round(d['steady_decode_tok_per_s'], 1), round(d['step_ms'], 2), round(d['build_ms'], 2), round(d['eval_ms'], 2))" | tee -a $R; }
+  lw WEFT_X=0
+  LW_ARGS="--adapters 8 --adapter-rank 16 --adapter-dir /root/lora8"
+  for v in ${LORA_VARIANTS:-WEFT_X=0 WEFT_LORA_KERNEL=onepass MLX_MAX_MB_PER_BUFFER=1000000 WEFT_LORA_LAYOUT=gathered}; do
+    lw $v
+  done
+  LW_ARGS=""
 fi
 if [[ $S == *adapterpar* ]]; then
   # The test finds its oracle script under the path it was built at.

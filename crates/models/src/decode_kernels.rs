@@ -187,6 +187,119 @@ pub fn lora_add_source(parts: usize) -> String {
     body
 }
 
+/// [`lora_add_source`] with the shrink inside: `x` `[N, IN]` is the rows'
+/// input and `a` `[IN, P * S * R]` every slot's dense `A`. Thread block
+/// `(n, c)` computes row `n`'s shrink by its own slot's `A` (rounded to the
+/// dtype, as a matmul's output is), then the expand and add of its chunk
+/// `c` of `CHUNK` output columns. One primitive per adapted projection, at
+/// the price of the shrink once per chunk (`WEFT_LORA_KERNEL=onepass`).
+pub fn lora_onepass_source(parts: usize) -> String {
+    let mut body = String::from(
+        r#"
+    const int N = y_shape[0];
+    const int O = y_shape[1];
+    const int IN = x_shape[1];
+    const int B = slots_shape[0];
+    const int CH = (O + CHUNK - 1) / CHUNK;
+    const int n = blockIdx.x / CH;
+    const int c = blockIdx.x % CH;
+    if (n >= N) {
+        return;
+    }
+    const int s = (int)slots[n / (N / B)];
+    const int j0 = c * CHUNK;
+    const int j1 = min(O, j0 + CHUNK);
+    const size_t row = (size_t)n * O;
+    if (s == 0) {
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+            out[row + j] = y[row + j];
+        }
+        return;
+    }
+    constexpr int G = 256 / R;
+    __shared__ float red[G * P * R];
+    __shared__ float zs[P * R];
+    const int r = threadIdx.x % R;
+    const int g = threadIdx.x / R;
+    float acc[P];
+    #pragma unroll
+    for (int k = 0; k < P; ++k) {
+        acc[k] = 0.f;
+    }
+    if (g < G) {
+        for (int i = g; i < IN; i += G) {
+            const float xv = static_cast<float>(x[(size_t)n * IN + i]);
+            const size_t ab = (size_t)i * (P * S * R) + (size_t)s * R + r;
+            #pragma unroll
+            for (int k = 0; k < P; ++k) {
+                acc[k] += xv * static_cast<float>(a[ab + (size_t)k * S * R]);
+            }
+        }
+        #pragma unroll
+        for (int k = 0; k < P; ++k) {
+            red[(g * P + k) * R + r] = acc[k];
+        }
+    }
+    __syncthreads();
+    for (int q = threadIdx.x; q < P * R; q += blockDim.x) {
+        float t = 0.f;
+        for (int gg = 0; gg < G; ++gg) {
+            t += red[gg * P * R + q];
+        }
+        zs[q] = static_cast<float>(static_cast<DT>(t));
+    }
+    __syncthreads();
+    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+        float d = 0.f;
+        bool hit = false;
+"#,
+    );
+    for k in 0..parts {
+        body.push_str(&format!(
+            r#"
+        if (j >= OFF{k} && j < OFF{k} + W{k}) {{
+            const size_t bb = (size_t)s * R * W{k} + (j - OFF{k});
+            #pragma unroll 8
+            for (int rr = 0; rr < R; ++rr) {{
+                d += zs[{k} * R + rr] * static_cast<float>(b{k}[bb + (size_t)rr * W{k}]);
+            }}
+            hit = true;
+        }}
+"#
+        ));
+    }
+    body.push_str(
+        r#"
+        out[row + j] = hit
+            ? static_cast<DT>(static_cast<float>(y[row + j]) + static_cast<float>(static_cast<DT>(d)))
+            : y[row + j];
+    }
+"#,
+    );
+    body
+}
+
+/// Input names of [`lora_onepass_source`]'s kernel of `parts` parts.
+pub fn lora_onepass_inputs(parts: usize) -> Vec<String> {
+    let mut v: Vec<String> = ["y", "x", "slots", "a"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    v.extend((0..parts).map(|k| format!("b{k}")));
+    v
+}
+
+/// Output columns per thread block of the one-pass LoRA kernel.
+pub const LORA_CHUNK: i32 = 2048;
+
+/// Whether the fused decode layer adds LoRA deltas with the one-pass kernel
+/// (`WEFT_LORA_KERNEL=onepass`) rather than a shrink matmul and
+/// [`lora_add_source`]'s kernel.
+pub fn lora_onepass() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WEFT_LORA_KERNEL").is_ok_and(|v| v == "onepass"))
+}
+
 /// Input names of the LoRA add kernel of `parts` parts.
 pub fn lora_add_inputs(parts: usize) -> Vec<String> {
     let mut v: Vec<String> = ["y", "z", "slots"].iter().map(|s| s.to_string()).collect();
@@ -203,6 +316,8 @@ pub struct DecodeKernels {
     silu_mul: Kernel,
     /// LoRA shrink-and-expand add, by adapted parts (1..=3).
     lora_add: Vec<Kernel>,
+    /// The same with the shrink inside, by adapted parts.
+    lora_onepass: Vec<Kernel>,
     gemv: Gemv,
 }
 
@@ -240,6 +355,18 @@ impl DecodeKernels {
                         &names,
                         &["out"],
                         &lora_add_source(p),
+                    )
+                })
+                .collect::<Result<_>>()?,
+            lora_onepass: (1..=LORA_MAX_PARTS)
+                .map(|p| {
+                    let inputs = lora_onepass_inputs(p);
+                    let names: Vec<&str> = inputs.iter().map(String::as_str).collect();
+                    Kernel::new(
+                        &format!("weft_lora_onepass{p}"),
+                        &names,
+                        &["out"],
+                        &lora_onepass_source(p),
                     )
                 })
                 .collect::<Result<_>>()?,
@@ -394,15 +521,24 @@ impl DecodeKernels {
     }
 }
 
+/// Where a [`DecodeKernels::lora_add`] gets each row's shrink.
+pub(crate) enum Shrink<'a> {
+    /// `z` `[N, P * S * R]`: the rows' input times every slot's `A`, done.
+    Done(&'a Array),
+    /// In the kernel, from the rows' input `x` `[N, IN]` and the dense `A`
+    /// `[IN, P * S * R]` ([`lora_onepass`]).
+    Inside { x: &'a Array, a: &'a Array },
+}
+
 impl DecodeKernels {
     /// `y` `[N, O]` plus each row's adapter delta, `z[slot] @ b[slot]`, on
-    /// the columns `cols[k]` (offset, width) of part `k`: `z` `[N, P * S *
-    /// R]` is the dense shrink of the rows' input by every slot, `slots`
-    /// `[B]` uint32 each row's slot, `b[k]` `[S, R, width]`. One primitive.
+    /// the columns `cols[k]` (offset, width) of part `k`: `slots` `[B]`
+    /// uint32 is each row's slot, `b[k]` `[S, R, width]`, and `shrink` gives
+    /// `z`. One primitive.
     pub(crate) fn lora_add(
         &self,
         y: &Array,
-        z: &Array,
+        shrink: Shrink<'_>,
         slots: &Array,
         b: &[Array],
         cols: &[(i32, i32)],
@@ -411,24 +547,29 @@ impl DecodeKernels {
         let ys = y.shape();
         let bad = |why: &str| {
             Err(ModelError::Invalid(format!(
-                "lora_add: {why} (y {ys:?}, z {:?}, slots {:?}, {p} parts)",
-                z.shape(),
+                "lora_add: {why} (y {ys:?}, slots {:?}, {p} parts)",
                 slots.shape()
             )))
         };
-        if p == 0 || p > LORA_MAX_PARTS || cols.len() != p {
+        if p == 0 || p > LORA_MAX_PARTS || cols.len() != p || ys.len() != 2 {
             return bad("parts");
         }
         let (s, r) = (b[0].dim(0), b[0].dim(1));
         let (n, o) = (ys[0], ys[1]);
         let rows = slots.dim(0);
-        if ys.len() != 2
-            || z.shape() != [n, p as i32 * s * r]
-            || rows == 0
-            || n % rows != 0
-            || slots.dtype() != Dtype::Uint32
-            || z.dtype() != y.dtype()
-        {
+        let width = p as i32 * s * r;
+        let shrink_ok = match &shrink {
+            Shrink::Done(z) => z.shape() == [n, width] && z.dtype() == y.dtype(),
+            Shrink::Inside { x, a } => {
+                x.ndim() == 2
+                    && x.dim(0) == n
+                    && a.shape() == [x.dim(1), width]
+                    && x.dtype() == y.dtype()
+                    && a.dtype() == y.dtype()
+                    && r <= 256
+            }
+        };
+        if !shrink_ok || rows == 0 || n % rows != 0 || slots.dtype() != Dtype::Uint32 {
             return bad("shapes");
         }
         for (bk, &(off, w)) in b.iter().zip(cols) {
@@ -442,20 +583,29 @@ impl DecodeKernels {
             ints.push((format!("OFF{k}"), off));
             ints.push((format!("W{k}"), w));
         }
-        let ints: Vec<(&str, i32)> = ints.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        let mut inputs: Vec<&Array> = vec![y, z, slots];
-        inputs.extend(b.iter());
-        let total = n * o;
-        let grid = (total + THREADS - 1) / THREADS * THREADS;
         let dt = y.dtype();
-        let mut out = self.lora_add[p - 1].apply(
-            &inputs,
-            &[(ys, dt)],
-            (grid, 1),
-            THREADS,
-            &ints,
-            ("DT", dt),
-        )?;
+        let (kernel, mut inputs, grid) = match shrink {
+            Shrink::Done(z) => {
+                let total = n * o;
+                (
+                    &self.lora_add[p - 1],
+                    vec![y, z, slots],
+                    (total + THREADS - 1) / THREADS * THREADS,
+                )
+            }
+            Shrink::Inside { x, a } => {
+                ints.push(("CHUNK".into(), LORA_CHUNK));
+                let chunks = (o + LORA_CHUNK - 1) / LORA_CHUNK;
+                (
+                    &self.lora_onepass[p - 1],
+                    vec![y, x, slots, a],
+                    n * chunks * THREADS,
+                )
+            }
+        };
+        inputs.extend(b.iter());
+        let ints: Vec<(&str, i32)> = ints.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let mut out = kernel.apply(&inputs, &[(ys, dt)], (grid, 1), THREADS, &ints, ("DT", dt))?;
         out.pop()
             .ok_or_else(|| ModelError::Invalid("lora_add: no output".into()))
     }

@@ -11,7 +11,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::config::{Activation, Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
-use crate::decode_kernels::{self, DecodeKernels, QkvHeads};
+use crate::decode_kernels::{self, DecodeKernels, QkvHeads, Shrink};
 use crate::error::{ModelError, Result};
 use crate::gemv::{Post, Pre};
 use crate::kv::{self, KvShape, KvStep, LayerKv};
@@ -713,14 +713,19 @@ impl LlamaModel {
                         a.as_dtype(y.dtype())?
                     })
                 };
-                let z = ops::matmul(&cast(x)?, &cast(d.a)?)?;
+                let (x, a) = (cast(x)?, cast(d.a)?);
                 let b = d.b.iter().map(cast).collect::<Result<Vec<_>>>()?;
                 let cols: Vec<(i32, i32)> = d
                     .parts
                     .iter()
                     .map(|&j| (outs[..j].iter().sum(), outs[j]))
                     .collect();
-                return k.lora_add(&y, &z, l.slots(), &b, &cols);
+                if decode_kernels::lora_onepass() {
+                    let shrink = Shrink::Inside { x: &x, a: &a };
+                    return k.lora_add(&y, shrink, l.slots(), &b, &cols);
+                }
+                let z = ops::matmul(&x, &a)?;
+                return k.lora_add(&y, Shrink::Done(&z), l.slots(), &b, &cols);
             }
             match l.fused_delta(i, g, x, outs)? {
                 Some(d) => Ok(ops::add(&y, &d.as_dtype(y.dtype())?)?),

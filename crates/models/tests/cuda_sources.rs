@@ -81,34 +81,51 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
     check(&spec);
 }
 
-/// The fused decode step's LoRA add (`decode_kernels::lora_add_source`) for
-/// one to three adapted parts of a fused projection, each dtype.
+/// The fused decode step's LoRA adds (`decode_kernels::lora_add_source`,
+/// and `lora_onepass_source` with the shrink inside) for one to three
+/// adapted parts of a fused projection, each dtype, ranks 16, 12 and 64.
 #[test]
-fn the_lora_add_kernel_compiles_for_sm90_without_spills() {
-    use weft_models::decode_kernels::{lora_add_inputs, lora_add_source, LORA_MAX_PARTS};
+fn the_lora_add_kernels_compile_for_sm90_without_spills() {
+    use weft_models::decode_kernels::*;
     let mut spec = Vec::new();
-    for parts in 1..=LORA_MAX_PARTS {
-        for dt in ["__nv_bfloat16", "__half", "float"] {
-            let inputs: Vec<_> = lora_add_inputs(parts)
-                .into_iter()
-                .map(|n| {
-                    let t = if n == "slots" { "uint32_t" } else { dt };
-                    json!([n, t])
-                })
-                .collect();
-            let mut consts = vec![json!(["P", parts]), json!(["S", 9]), json!(["R", 16])];
-            for k in 0..parts {
-                consts.push(json!([format!("OFF{k}"), k * 2048]));
-                consts.push(json!([format!("W{k}"), 2048]));
+    for onepass in [false, true] {
+        for parts in 1..=LORA_MAX_PARTS {
+            for (dt, rank) in [("__nv_bfloat16", 16), ("__half", 12), ("float", 64)] {
+                let names = if onepass {
+                    lora_onepass_inputs(parts)
+                } else {
+                    lora_add_inputs(parts)
+                };
+                let inputs: Vec<_> = names
+                    .into_iter()
+                    .map(|n| {
+                        let t = if n == "slots" { "uint32_t" } else { dt };
+                        json!([n, t])
+                    })
+                    .collect();
+                let mut consts = vec![json!(["P", parts]), json!(["S", 9]), json!(["R", rank])];
+                for k in 0..parts {
+                    consts.push(json!([format!("OFF{k}"), k * 2048]));
+                    consts.push(json!([format!("W{k}"), 2048]));
+                }
+                let (name, source) = if onepass {
+                    consts.push(json!(["CHUNK", LORA_CHUNK]));
+                    (
+                        format!("weft_lora_onepass{parts}"),
+                        lora_onepass_source(parts),
+                    )
+                } else {
+                    (format!("weft_lora_add{parts}"), lora_add_source(parts))
+                };
+                spec.push(json!({
+                    "name": name,
+                    "inputs": inputs,
+                    "outputs": [["out", dt]],
+                    "consts": consts,
+                    "types": [["DT", dt]],
+                    "source": source,
+                }));
             }
-            spec.push(json!({
-                "name": format!("weft_lora_add{parts}"),
-                "inputs": inputs,
-                "outputs": [["out", dt]],
-                "consts": consts,
-                "types": [["DT", dt]],
-                "source": lora_add_source(parts),
-            }));
         }
     }
     check(&spec);
