@@ -365,17 +365,23 @@ impl AdapterPool {
                 // Read before anything is evicted: an adapter that cannot be
                 // loaded leaves the pool as it was.
                 let adapter = load(id)?;
-                if !self.resident.iter().skip(1).any(Option::is_none) {
-                    let victim = (1..self.resident.len())
+                let victim = match self.resident.iter().skip(1).any(Option::is_none) {
+                    true => None,
+                    false => (1..self.resident.len())
                         .filter(|&s| self.resident[s].is_some_and(|r| !ids.contains(&r)))
-                        .min_by_key(|&s| self.last_used[s])
-                        .and_then(|s| self.resident[s]);
-                    if let Some(v) = victim {
-                        self.remove(v)?;
+                        .min_by_key(|&s| self.last_used[s]),
+                };
+                match victim {
+                    // The victim's slot is overwritten in one pass.
+                    Some(slot) => {
+                        self.check(&id.0.to_string(), &adapter)?;
+                        self.write(slot, id, &adapter, true)?;
                         self.counters.evictions += 1;
                     }
+                    None => {
+                        self.insert(id, &adapter)?;
+                    }
                 }
-                self.insert(id, &adapter)?;
             }
             if let Some(s) = self.slot_of(id) {
                 self.last_used[s as usize] = self.tick;
@@ -403,6 +409,15 @@ impl AdapterPool {
                     self.config.slots
                 ))
             })?;
+        self.write(slot, id, adapter, false)?;
+        Ok(slot as u32)
+    }
+
+    /// Writes `adapter` into slot `slot` as `id` (checked against the pool
+    /// already). `held`: the slot holds another adapter, whose groups this
+    /// one does not adapt are zeroed too; a free slot's are zero already.
+    /// All or nothing: the stacks change only when they evaluate.
+    fn write(&mut self, slot: usize, id: AdapterId, adapter: &Adapter, held: bool) -> Result<()> {
         let r = self.config.max_rank as i32;
         let dt = self.dtype;
         let mut next = self.stacks.clone();
@@ -412,8 +427,7 @@ impl AdapterPool {
                 let Some(st) = groups[g as usize].as_mut() else {
                     continue;
                 };
-                if !st.parts.iter().any(|&j| pairs.contains_key(&targets[j])) {
-                    // A free slot is zero already.
+                if !held && !st.parts.iter().any(|&j| pairs.contains_key(&targets[j])) {
                     continue;
                 }
                 let mut a_blocks = Vec::with_capacity(st.parts.len());
@@ -446,7 +460,7 @@ impl AdapterPool {
         self.resident[slot] = Some(id);
         self.last_used[slot] = self.tick;
         self.counters.loads += 1;
-        Ok(slot as u32)
+        Ok(())
     }
 
     /// Makes `id`'s slot free (zero) again. Returns whether it was resident.

@@ -5,10 +5,9 @@
 
 use std::sync::Arc;
 
-use tonic::{Code, Request, Response, Status};
+use tonic::{Request, Response, Status};
 
-use super::metrics::record;
-use super::service::{authenticate, State};
+use super::service::{counted_call, Refusals, State};
 use crate::pb;
 
 pub struct AdminService {
@@ -31,31 +30,20 @@ impl AdminService {
         F: FnOnce(&'static str, T) -> Fut,
         Fut: std::future::Future<Output = Result<R, Status>>,
     {
-        let tenant = match authenticate(&self.state, &req) {
-            Ok(t) => t,
-            Err(s) => {
-                record(method, s.code(), "none");
-                return Err(s);
+        let draining = self.state.is_draining();
+        counted_call(&self.state, method, req, Refusals::Info, |tenant, req| async move {
+            if !tenant.manage_adapters {
+                Err(Status::permission_denied(format!(
+                    "tenant {:?} may not manage adapters (manage_adapters = true in the tenant file grants it)",
+                    tenant.name
+                )))
+            } else if draining {
+                Err(Status::unavailable("the server is shutting down"))
+            } else {
+                f(method, req.into_inner()).await
             }
-        };
-        let out = if !tenant.manage_adapters {
-            Err(Status::permission_denied(format!(
-                "tenant {:?} may not manage adapters (manage_adapters = true in the tenant file grants it)",
-                tenant.name
-            )))
-        } else if self.state.is_draining() {
-            Err(Status::unavailable("the server is shutting down"))
-        } else {
-            f(method, req.into_inner()).await
-        };
-        match &out {
-            Ok(_) => record(method, Code::Ok, &tenant.name),
-            Err(s) => {
-                tracing::info!(method, tenant = %tenant.name, code = ?s.code(), message = s.message(), "admin call refused");
-                record(method, s.code(), &tenant.name)
-            }
-        }
-        out.map(Response::new)
+        })
+        .await
     }
 }
 

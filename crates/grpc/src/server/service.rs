@@ -142,6 +142,56 @@ impl State {
 
 /// The tenant a call's `authorization: Bearer <key>` names (the open tenant
 /// without a tenant file); UNAUTHENTICATED otherwise.
+/// At which level [`counted_call`] logs a refused call.
+#[derive(Clone, Copy)]
+pub(crate) enum Refusals {
+    /// Generation calls: refusals are the client's business.
+    Debug,
+    /// Admin calls: an operator wants to see them.
+    Info,
+}
+
+/// Authenticates `req`, runs `f` for its tenant, and counts the call in
+/// `weft_grpc_requests_total` under `method` (tenant `none` when the
+/// caller is not known), logging a refusal at `refusals`' level.
+pub(crate) async fn counted_call<T, R, F, Fut>(
+    state: &State,
+    method: &'static str,
+    req: Request<T>,
+    refusals: Refusals,
+    f: F,
+) -> Result<Response<R>, Status>
+where
+    F: FnOnce(Arc<Tenant>, Request<T>) -> Fut,
+    Fut: std::future::Future<Output = Result<R, Status>>,
+{
+    let tenant = match authenticate(state, &req) {
+        Ok(t) => t,
+        Err(s) => {
+            record(method, s.code(), "none");
+            return Err(s);
+        }
+    };
+    let name = tenant.name.clone();
+    let out = f(tenant, req).await;
+    match &out {
+        Ok(_) => record(method, Code::Ok, &name),
+        Err(s) => {
+            let (code, message) = (s.code(), s.message());
+            match refusals {
+                Refusals::Debug => {
+                    debug!(method, tenant = %name, ?code, message, "call refused")
+                }
+                Refusals::Info => {
+                    tracing::info!(method, tenant = %name, ?code, message, "call refused")
+                }
+            }
+            record(method, code, &name)
+        }
+    }
+    out.map(Response::new)
+}
+
 pub(crate) fn authenticate<T>(state: &State, req: &Request<T>) -> Result<Arc<Tenant>, Status> {
     let header = req
         .metadata()
@@ -201,23 +251,7 @@ impl GenerationService {
         F: FnOnce(Arc<Tenant>, Request<T>) -> Fut,
         Fut: std::future::Future<Output = Result<R, Status>>,
     {
-        let tenant = match self.authenticate(&req) {
-            Ok(t) => t,
-            Err(s) => {
-                record(method, s.code(), "none");
-                return Err(s);
-            }
-        };
-        let name = tenant.name.clone();
-        let out = f(tenant, req).await;
-        match &out {
-            Ok(_) => record(method, Code::Ok, &name),
-            Err(s) => {
-                debug!(method, tenant = %name, code = ?s.code(), message = s.message(), "call refused");
-                record(method, s.code(), &name)
-            }
-        }
-        out.map(Response::new)
+        counted_call(&self.state, method, req, Refusals::Debug, f).await
     }
 
     /// A streamed generation, counted in `weft_grpc_requests_total` under
