@@ -238,7 +238,8 @@ if [[ $S == *adapterpar* ]]; then
   xz -d -c $W/lora_parity.xz > /root/lora_parity && chmod +x /root/lora_parity
   [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
   # Each test makes its fixture and runs the oracle on the GPU (~2 min each): LP_FILTER picks them.
-  WEFT_PYTHON=$(command -v python3) timeout ${LP_TIMEOUT:-400} /root/lora_parity ${LP_FILTER-compiled_decode} \
+  # The oracle (mlx-lm) on the CPU: exact f32, no CUDA start per call; Weft's side runs on the GPU.
+  WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) timeout ${LP_TIMEOUT:-400} /root/lora_parity ${LP_FILTER-compiled_decode} \
     --nocapture --test-threads 1 2>&1 \
     | grep --line-buffered -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
 fi
