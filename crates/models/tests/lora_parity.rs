@@ -773,8 +773,13 @@ fn the_runner_refuses_unknown_and_oversized_adapters() {
 fn adapters_beyond_the_slots_load_on_use_and_evict_the_least_recent() {
     let f = Fixture::new(false);
     let mut r = runner(f.load(DENSE_F32), 64);
-    r.set_adapter_pool(Some(AdapterPoolConfig::new(2, 16)))
-        .unwrap();
+    // Dense: an evicting load overwrites the victim's blocks in place of
+    // the stacks' (the gathered layout's slot writes are covered above).
+    r.set_adapter_pool(Some(AdapterPoolConfig {
+        layout: StackLayout::Dense,
+        ..AdapterPoolConfig::new(2, 16)
+    }))
+    .unwrap();
     for (i, p) in f.adapters.iter().enumerate() {
         let files = weft_models::AdapterFiles::read(p).unwrap();
         let a = r.register_adapter(AdapterId(i as u64 + 1), files).unwrap();
