@@ -162,21 +162,9 @@ pub fn lora_add_source(parts: usize) -> String {
     bool hit = false;
 "#,
     );
-    for k in 0..parts {
-        body.push_str(&format!(
-            r#"
-    if (s != 0 && j >= OFF{k} && j < OFF{k} + W{k}) {{
-        const size_t zb = (size_t)n * (P * S * R) + (size_t)({k} * S + s) * R;
-        const size_t bb = (size_t)s * R * W{k} + (j - OFF{k});
-        #pragma unroll 8
-        for (int r = 0; r < R; ++r) {{
-            acc += static_cast<float>(z[zb + r]) * static_cast<float>(b{k}[bb + (size_t)r * W{k}]);
-        }}
-        hit = true;
-    }}
-"#
-        ));
-    }
+    body.push_str(&expand_parts(parts, "acc", "s != 0 && ", |k| {
+        format!("static_cast<float>(z[(size_t)n * (P * S * R) + (size_t)({k} * S + s) * R + r])")
+    }));
     body.push_str(
         r#"
     out[idx] = hit
@@ -254,20 +242,9 @@ pub fn lora_onepass_source(parts: usize) -> String {
         bool hit = false;
 "#,
     );
-    for k in 0..parts {
-        body.push_str(&format!(
-            r#"
-        if (j >= OFF{k} && j < OFF{k} + W{k}) {{
-            const size_t bb = (size_t)s * R * W{k} + (j - OFF{k});
-            #pragma unroll 8
-            for (int rr = 0; rr < R; ++rr) {{
-                d += zs[{k} * R + rr] * static_cast<float>(b{k}[bb + (size_t)rr * W{k}]);
-            }}
-            hit = true;
-        }}
-"#
-        ));
-    }
+    body.push_str(&expand_parts(parts, "d", "", |k| {
+        format!("zs[{k} * R + r]")
+    }));
     body.push_str(
         r#"
         out[row + j] = hit
@@ -281,12 +258,7 @@ pub fn lora_onepass_source(parts: usize) -> String {
 
 /// Input names of [`lora_onepass_source`]'s kernel of `parts` parts.
 pub fn lora_onepass_inputs(parts: usize) -> Vec<String> {
-    let mut v: Vec<String> = ["y", "x", "slots", "a"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    v.extend((0..parts).map(|k| format!("b{k}")));
-    v
+    lora_inputs(&["y", "x", "slots", "a"], parts)
 }
 
 /// Output columns per thread block of the one-pass LoRA kernel.
@@ -300,11 +272,55 @@ pub fn lora_onepass() -> bool {
     *ON.get_or_init(|| std::env::var("WEFT_LORA_KERNEL").is_ok_and(|v| v == "onepass"))
 }
 
+/// The expand of each part `k` at column `j` of slot `s`: `{acc} += z_k[r]
+/// * b{k}[s, r, j - OFF{k}]` over the rank, `hit` set where `j` is the
+/// part's (and `guard` holds); `z(k)` reads part `k`'s shrink at rank `r`.
+fn expand_parts(parts: usize, acc: &str, guard: &str, z: impl Fn(usize) -> String) -> String {
+    (0..parts)
+        .map(|k| {
+            let zk = z(k);
+            format!(
+                r#"
+    if ({guard}j >= OFF{k} && j < OFF{k} + W{k}) {{
+        const size_t bb = (size_t)s * R * W{k} + (j - OFF{k});
+        #pragma unroll 8
+        for (int r = 0; r < R; ++r) {{
+            {acc} += {zk} * static_cast<float>(b{k}[bb + (size_t)r * W{k}]);
+        }}
+        hit = true;
+    }}
+"#
+            )
+        })
+        .collect()
+}
+
 /// Input names of the LoRA add kernel of `parts` parts.
 pub fn lora_add_inputs(parts: usize) -> Vec<String> {
-    let mut v: Vec<String> = ["y", "z", "slots"].iter().map(|s| s.to_string()).collect();
+    lora_inputs(&["y", "z", "slots"], parts)
+}
+
+/// `first`, then one expand stack `b{k}` per part.
+fn lora_inputs(first: &[&str], parts: usize) -> Vec<String> {
+    let mut v: Vec<String> = first.iter().map(|s| s.to_string()).collect();
     v.extend((0..parts).map(|k| format!("b{k}")));
     v
+}
+
+/// One kernel object per number of adapted parts (1..=[`LORA_MAX_PARTS`]),
+/// named `{name}{parts}`.
+fn lora_kernels(
+    name: &str,
+    inputs: fn(usize) -> Vec<String>,
+    source: fn(usize) -> String,
+) -> Result<Vec<Kernel>> {
+    (1..=LORA_MAX_PARTS)
+        .map(|p| {
+            let ins = inputs(p);
+            let names: Vec<&str> = ins.iter().map(String::as_str).collect();
+            Kernel::new(&format!("{name}{p}"), &names, &["out"], &source(p))
+        })
+        .collect()
 }
 
 const THREADS: i32 = 256;
@@ -346,30 +362,12 @@ impl DecodeKernels {
                 ROPE_QKV_SOURCE,
             )?,
             silu_mul: Kernel::new("weft_silu_mul", &["gu"], &["out"], SILU_MUL_SOURCE)?,
-            lora_add: (1..=LORA_MAX_PARTS)
-                .map(|p| {
-                    let inputs = lora_add_inputs(p);
-                    let names: Vec<&str> = inputs.iter().map(String::as_str).collect();
-                    Kernel::new(
-                        &format!("weft_lora_add{p}"),
-                        &names,
-                        &["out"],
-                        &lora_add_source(p),
-                    )
-                })
-                .collect::<Result<_>>()?,
-            lora_onepass: (1..=LORA_MAX_PARTS)
-                .map(|p| {
-                    let inputs = lora_onepass_inputs(p);
-                    let names: Vec<&str> = inputs.iter().map(String::as_str).collect();
-                    Kernel::new(
-                        &format!("weft_lora_onepass{p}"),
-                        &names,
-                        &["out"],
-                        &lora_onepass_source(p),
-                    )
-                })
-                .collect::<Result<_>>()?,
+            lora_add: lora_kernels("weft_lora_add", lora_add_inputs, lora_add_source)?,
+            lora_onepass: lora_kernels(
+                "weft_lora_onepass",
+                lora_onepass_inputs,
+                lora_onepass_source,
+            )?,
             gemv: Gemv::new()?,
         })
     }
