@@ -371,11 +371,13 @@ impl AdapterPool {
                 // Read before anything is evicted: an adapter that cannot be
                 // loaded leaves the pool as it was.
                 let adapter = load(id)?;
-                let victim = match self.resident.iter().skip(1).any(Option::is_none) {
-                    true => None,
-                    false => (1..self.resident.len())
+                let full = self.resident.iter().skip(1).all(Option::is_some);
+                let victim = if full {
+                    (1..self.resident.len())
                         .filter(|&s| self.resident[s].is_some_and(|r| !ids.contains(&r)))
-                        .min_by_key(|&s| self.last_used[s]),
+                        .min_by_key(|&s| self.last_used[s])
+                } else {
+                    None
                 };
                 match victim {
                     // The victim's slot is overwritten in one pass.
