@@ -80,47 +80,48 @@ git log -1 --format='commit %h %s' 2>/dev/null | tee -a $R || true
 export WEFT_OPENBLAS=0 PYTHONUNBUFFERED=1
 M=/root/m12; Q=/root/m12q4
 S=${STEPS:-decode,engine}
+has() { [[ ,$S, == *,$1,* ]]; }
 [ -f $M/model.safetensors ] || python3 benches/make_model.py $M --tokenizer $W/tokenizer.json
-if [[ $S == *q4* ]] && [ ! -f $Q/model.safetensors ]; then
+if has q4 && [ ! -f $Q/model.safetensors ]; then
   python3 benches/make_model.py $Q --tokenizer $W/tokenizer.json --q-bits 4 --q-group 64
 fi
-if [[ $S == *kernel* ]]; then
+if has kernel; then
   echo "== paged kernel vs gather+SDPA (max abs error, times)" | tee -a $R
   /root/paged_attention_check 1,64,256 512,2048 20 2>&1 | tee -a $R
   HEADS=9,3,64 /root/paged_attention_check 1,64 512,2048 10 2>&1 | tee -a $R
   HEADS=16,8,128 DECODE_T=4 /root/paged_attention_check 1,64 512,2048 10 2>&1 | tee -a $R
 fi
-if [[ $S == *gemv* ]]; then
+if has gemv; then
   echo "== few-row matmuls: MLX's vs Weft's GEMV kernels (benches/gemv_probe.py)" | tee -a $R
   python3 benches/gemv_probe.py --rows ${GEMV_ROWS:-1,2,4,8} --cols ${GEMV_COLS:-1,2,4} 2>&1 | tee -a $R
 fi
-if [[ $S == *gemvstep* ]]; then
+if has gemvstep; then
   for b in ${GEMV_ROWS_STEP:-1 8}; do
     for g in 0 8; do
       echo "== runner decode step, $b rows, pipelined, compiled, WEFT_GEMV_MAX_ROWS=$g" | tee -a $R
       WEFT_GEMV_MAX_ROWS=$g CENSUS=1 PIPELINE=1 /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
-      if [[ $S == *q4* ]]; then
+      if has q4; then
         echo "== runner decode step, $b rows, 4-bit, pipelined, compiled, WEFT_GEMV_MAX_ROWS=$g" | tee -a $R
         WEFT_GEMV_MAX_ROWS=$g CENSUS=1 PIPELINE=1 /root/decode_timing $Q $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
       fi
     done
     echo "== compiled steps with the GEMV kernels (WEFT_GEMV_MAX_ROWS=8) vs op-by-op, $b rows" | tee -a $R
     WEFT_GEMV_MAX_ROWS=8 /root/fused_decode_check $M $b 120 24 2>&1 | tail -4 | tee -a $R
-    if [[ $S == *q4* ]]; then
+    if has q4; then
       WEFT_GEMV_MAX_ROWS=8 /root/fused_decode_check $Q $b 120 24 2>&1 | tail -3 | tee -a $R
     fi
   done
 fi
-if [[ $S == *check* ]]; then
+if has check; then
   echo "== compiled (fused kernels) vs op-by-op decode steps, same KV, lockstep" | tee -a $R
   for b in ${CHECK_ROWS:-1 8 64}; do
     /root/fused_decode_check $M $b 120 24 2>&1 | tail -4 | tee -a $R
   done
-  if [[ $S == *q4* ]]; then
+  if has q4; then
     /root/fused_decode_check $Q 8 120 24 2>&1 | tail -3 | tee -a $R
   fi
 fi
-if [[ $S == *decode* ]]; then
+if has decode; then
   for b in ${DECODE_ROWS:-1 64 128 256}; do
     echo "== runner decode step, $b rows, 1.2B bf16, device sampling, one step at a time" | tee -a $R
     /root/decode_timing $M $b 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
@@ -146,22 +147,22 @@ if [[ $S == *decode* ]]; then
   echo "== runner decode step, 128 rows, host sampling" | tee -a $R
   SAMPLE=host /root/decode_timing $M 128 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
 fi
-if [[ $S == *engine* ]]; then
+if has engine; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, prompt 128, gen 128" | tee -a $R
   python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
     --streams ${STREAMS:-1,8,32,64,128,256} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
-if [[ $S == *plain* ]]; then
+if has plain; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_PIPELINE=off (one step at a time)" | tee -a $R
   WEFT_PIPELINE=off python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
     --streams ${PLAIN_STREAMS:-1,8,64} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
-if [[ $S == *nocompile* ]]; then
+if has nocompile; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_COMPILE=off (op-by-op decode steps)" | tee -a $R
   WEFT_COMPILE=off python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
     --streams ${PLAIN_STREAMS:-1,8,64} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 fi
-if [[ $S == *q4* && -z "${SKIP_Q4_ENGINE:-}" ]]; then
+if has q4 && [[ -z "${SKIP_Q4_ENGINE:-}" ]]; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B 4-bit (affine g64), prompt 128, gen 128" | tee -a $R
   # One stream count per run, each bounded, so one slow count cannot take the call's time.
   for n in $(echo ${Q_STREAMS:-${STREAMS:-1,8,32,64,128,256}} | tr , ' '); do
@@ -173,7 +174,7 @@ for g in ${GEMV_SWEEP:-}; do
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, WEFT_GEMV_MAX_ROWS=$g (GEMV kernels up to $g rows; default: 1 row with 4-bit weights, off with dense)" | tee -a $R
   WEFT_GEMV_MAX_ROWS=$g python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
     --streams ${GEMV_STREAMS:-1,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
-  if [[ $S == *q4* ]]; then
+  if has q4; then
     WEFT_GEMV_MAX_ROWS=$g python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
       --streams ${GEMV_STREAMS:-1,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
   fi
@@ -183,15 +184,15 @@ for r in ${QMM_SWEEP:-}; do
   WEFT_QMM_MAX_ROWS=$r python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
     --streams ${Q_STREAMS:-1,2,4,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 done
-if [[ $S == *firstcall* ]]; then
+if has firstcall; then
   echo "== first call per prefill attention shape: SDPA vs matmul + softmax (benches/attention_first_call.py)" | tee -a $R
   python3 benches/attention_first_call.py 2>&1 | tee -a $R
 fi
-if [[ $S == *constrained* ]]; then
+if has constrained; then
   echo "== constrained output: 32 streams, half JSON-schema constrained vs none (benches/constrained.sh)" | tee -a $R
   WEFT=/root/weft MODEL=$M STREAMS=${C_STREAMS:-32} bash benches/constrained.sh 2>&1 | tee -a $R
 fi
-if [[ $S == *lora* ]]; then
+if has lora; then
   echo "== LoRA: ${LORA_STREAMS:-64} rows over 8 random rank-16 adapters (all projections) vs none; mlx-lm BatchGenerator with one of them on every row; 1.2B bf16, prompt 128, gen 128" | tee -a $R
   rm -f $O/lora-none.json $O/lora-8.json
   python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $M \
@@ -219,7 +220,7 @@ PY
       --gen-tokens 128 --rounds 2 --adapters 8 --adapter-rank 16 --adapter-dir /root/lora8 | tail -1 | tee -a $R
   fi
 fi
-if [[ $S == *lorasweep* ]]; then
+if has lorasweep; then
   # Weft alone, the same 64-row (LORA_STREAMS) workload: no adapters, then 8 adapters under each variant.
   echo "== LoRA variants, weft bench-engine only (steady tok/s, step ms, build ms, eval wait ms)" | tee -a $R
   lw() { env "$@" /root/weft bench-engine --model $M --streams ${LORA_STREAMS:-64} --prompt-tokens 128 --gen-tokens 128 \
@@ -232,7 +233,7 @@ if [[ $S == *lorasweep* ]]; then
   done
   LW_ARGS=""
 fi
-if [[ $S == *adapterpar* ]]; then
+if has adapterpar; then
   # The test finds its oracle script under the path it was built at.
   echo "== LoRA parity on the GPU: crates/models/tests/lora_parity.rs (mlx-lm with the adapter loaded as the oracle)" | tee -a $R
   xz -d -c $W/lora_parity.xz > /root/lora_parity && chmod +x /root/lora_parity
@@ -247,7 +248,7 @@ if [[ $S == *adapterpar* ]]; then
       | grep --line-buffered -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
   done
 fi
-if [[ $S == *long* ]]; then
+if has long; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R
   /root/weft bench-engine --scenario long-prompts --model $M 2>&1 | tail -4 | tee -a $R
 fi
@@ -261,7 +262,7 @@ for _ in range(240):
 sys.exit(1)
 PY
 }
-if [[ $S == *mix* ]]; then
+if has mix; then
   echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16" | tee -a $R
   /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off > $O/weft-mix.log 2>&1 &
   P=$!
@@ -271,7 +272,7 @@ if [[ $S == *mix* ]]; then
     --flood-streams ${MIX_FLOOD:-48} --phase-duration ${MIX_PHASE:-30s} --warmup 8 --quiet --json $O/mix.json 2>&1 | tee -a $R
   kill -TERM $P; wait $P || true
 fi
-if [[ $S == *soak* ]]; then
+if has soak; then
   echo "== soak: weft bench --scenario soak for ${SOAK_DURATION:-300s}, 1.2B bf16, 32 workers, two tenants" | tee -a $R
   RUST_LOG=info,weft_grpc::memory_plan=debug /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50571 --metrics-listen 127.0.0.1:50573 --http-listen off > $O/weft-soak.log 2>&1 &
   P=$!
@@ -284,7 +285,7 @@ if [[ $S == *soak* ]]; then
   kill -TERM $P; wait $P || true
   grep "peak grew" $O/weft-soak.log | cut -c1-400 | tee -a $R
 fi
-if [[ $S == *split64* ]]; then
+if has split64; then
   # Where the server's 64-stream gap to the engine goes: bench-engine at 64
   # streams, then one `weft serve` per variant (default; server and bench
   # client on separate cores; that plus TOKIO_WORKER_THREADS=4), each with the
@@ -323,7 +324,7 @@ PY
     kill -TERM $P; wait $P || true
   done
 fi
-if [[ $S == *server* ]]; then
+if has server; then
   echo "== weft serve vs mlx_lm.server, 1.2B bf16, prompt 128, 128 generated, 2 requests per stream" | tee -a $R
   A="--prompt-tokens 128 --max-tokens 128 --warmup 2 --quiet"
   for n in ${SERVER_STREAMS:-64 256}; do
