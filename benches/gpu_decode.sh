@@ -37,12 +37,12 @@
 #           one adapter at a time); prints Weft 8 adapters / none (target >= 0.8x) and
 #           Weft 8 adapters / mlx-lm one adapter;
 #           lorasweep: Weft alone at LORA_STREAMS, no adapters then 8 under each of LORA_VARIANTS
-#           (env settings; default: as is, WEFT_LORA_KERNEL=onepass, MLX_MAX_MB_PER_BUFFER=1000000,
-#           WEFT_LORA_LAYOUT=gathered), ~30 s each;
+#           (env settings; default: as is, MLX_MAX_MB_PER_BUFFER=1000000, WEFT_LORA_LAYOUT=gathered),
+#           ~30 s each;
 #           LORA_GATHERED=1 adds Weft's 8-adapter run with WEFT_LORA_LAYOUT=gathered;
 #           adapterpar: crates/models/tests/lora_parity.rs on the GPU (staged when its test binary is built),
-#           the tests matching LP_FILTER (default compiled_decode: the fused decode layer's LoRA kernel;
-#           LP_FILTER= runs all, ~2 min each), once per LoRA kernel in LP_KERNELS (twopass onepass);
+#           the tests matching LP_FILTER (default compiled_decode: the fused decode layer's LoRA expand;
+#           LP_FILTER= runs all, ~2 min each), the oracle on the CPU;
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
@@ -228,7 +228,7 @@ if has lorasweep; then
     '${LW_ARGS:-none}', round(d['steady_decode_tok_per_s'], 1), round(d['step_ms'], 2), round(d['build_ms'], 2), round(d['eval_ms'], 2))" | tee -a $R; }
   lw WEFT_X=0
   LW_ARGS="--adapters 8 --adapter-rank 16 --adapter-dir /root/lora8"
-  for v in ${LORA_VARIANTS:-WEFT_X=0 WEFT_LORA_KERNEL=onepass MLX_MAX_MB_PER_BUFFER=1000000 WEFT_LORA_LAYOUT=gathered}; do
+  for v in ${LORA_VARIANTS:-WEFT_X=0 MLX_MAX_MB_PER_BUFFER=1000000 WEFT_LORA_LAYOUT=gathered}; do
     lw $v
   done
   LW_ARGS=""
@@ -239,14 +239,10 @@ if has adapterpar; then
   xz -d -c $W/lora_parity.xz > /root/lora_parity && chmod +x /root/lora_parity
   [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
   # Each test makes its fixture and runs the oracle on the GPU (~2 min each): LP_FILTER picks them.
-  # The oracle (mlx-lm) on the CPU: exact f32, no CUDA start per call; Weft's side runs on the GPU,
-  # once per LoRA kernel of the fused decode layer in LP_KERNELS.
-  for k in ${LP_KERNELS:-twopass onepass}; do
-    echo "-- WEFT_LORA_KERNEL=$k" | tee -a $R
-    WEFT_LORA_KERNEL=$k WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
-      timeout ${LP_TIMEOUT:-400} /root/lora_parity ${LP_FILTER-compiled_decode} --nocapture --test-threads 1 2>&1 \
-      | grep --line-buffered -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
-  done
+  # The oracle (mlx-lm) on the CPU: exact f32, no CUDA start per call; Weft's side runs on the GPU.
+  WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
+    timeout ${LP_TIMEOUT:-400} /root/lora_parity ${LP_FILTER-compiled_decode} --nocapture --test-threads 1 2>&1 \
+    | grep --line-buffered -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
 fi
 if has long; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R

@@ -27,6 +27,7 @@ INCLUDE = pathlib.Path(nvidia.cuda_runtime.__path__[0]) / "include"
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 typedef unsigned int uint32_t;
+typedef int int32_t;
 struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };
 #define inf (__int_as_float(0x7f800000))
 """

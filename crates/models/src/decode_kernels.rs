@@ -15,6 +15,10 @@
 //! `add_rms_norm`, the gate/up matmul, `silu_mul` (read from the fused
 //! projection, no split), the down matmul.
 //!
+//! With adapters (a dense adapter pool) the three kernels that read a
+//! projection's output read its LoRA expand with it ([`lora_prelude`]), so
+//! an adapted projection adds one primitive, its shrink matmul.
+//!
 //! Each kernel rounds where MLX's own ops round (the residual sum to the
 //! model dtype before its norm; the norm's `x * rsqrt(mean(x^2) + eps)` to
 //! the dtype before the weight; RoPE in f32 with MLX's `exp2(-d * log2
@@ -43,8 +47,7 @@ const ADD_NORM_SOURCE: &str = r#"
     const size_t base = (size_t)row * H;
     float ss = 0.f;
     for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        const DT s = static_cast<DT>(
-            static_cast<float>(h[base + i]) + static_cast<float>(a[base + i]));
+        const DT s = static_cast<DT>(static_cast<float>(h[base + i]) + ld(a[base + i], row, i));
         sum[base + i] = s;
         const float f = static_cast<float>(s);
         ss += f * f;
@@ -92,8 +95,8 @@ const ROPE_QKV_SOURCE: &str = r#"
     const int b = idx / (HALF * NH);
     const size_t src = ((size_t)b * NH + h) * HD + i;
     if (h < HQ + KVH) {
-        const float x1 = static_cast<float>(qkv[src]);
-        const float x2 = static_cast<float>(qkv[src + HALF]);
+        const float x1 = ld(qkv[src], b, h * HD + i);
+        const float x2 = ld(qkv[src + HALF], b, h * HD + i + HALF);
         const float L = scale[0] * static_cast<float>(start[b]);
         const float theta = L * inv_freq[i];
         const float c = cos(theta);
@@ -111,8 +114,8 @@ const ROPE_QKV_SOURCE: &str = r#"
         }
     } else {
         const size_t dst = ((size_t)b * KVH + (h - HQ - KVH)) * HD + i;
-        v_out[dst] = qkv[src];
-        v_out[dst + HALF] = qkv[src + HALF];
+        v_out[dst] = static_cast<DT>(ld(qkv[src], b, h * HD + i));
+        v_out[dst + HALF] = static_cast<DT>(ld(qkv[src + HALF], b, h * HD + i + HALF));
     }
 "#;
 
@@ -127,213 +130,203 @@ const SILU_MUL_SOURCE: &str = r#"
     }
     const size_t n = idx / F;
     const size_t j = idx % F;
-    const float g = static_cast<float>(gu[n * 2 * F + j]);
-    const float u = static_cast<float>(gu[n * 2 * F + F + j]);
+    const float g = ld(gu[n * 2 * F + j], (int)n, (int)j);
+    const float u = ld(gu[n * 2 * F + F + j], (int)n, (int)(F + j));
     const DT sig = static_cast<DT>(1.f / (1.f + expf(-g)));
     const DT gs = static_cast<DT>(g * static_cast<float>(sig));
     out[idx] = static_cast<DT>(static_cast<float>(gs) * u);
 "#;
 
-/// The adapted parts (up to three) of a fused projection whose adapters a
-/// [`DecodeKernels::lora_add`] adds.
+/// The adapted parts (up to three) of one fused projection.
 pub const LORA_MAX_PARTS: usize = 3;
 
-/// `y + z[slot] @ b[slot]` over a fused projection's output `y` `[N, O]`:
-/// `z` `[N, P * S * R]` is every slot's shrink of the row's input (part,
-/// slot, rank order), `slots` `[B]` the slot of each of the `B` rows (`N / B`
-/// tokens each), `b{k}` `[S, R, W{k}]` part `k`'s expand, adding to columns
-/// `OFF{k} .. OFF{k} + W{k}`. One thread per output element; the delta is
-/// rounded to the dtype before the add, as a matmul's output then an add
-/// round it. Slot 0 (no adapter) copies `y`.
-pub fn lora_add_source(parts: usize) -> String {
+/// The start of a fused decode kernel that reads a projection's output:
+/// `ld(v, n, j)` reads element `v` of row `n`, column `j` as f32. With
+/// `parts` adapted parts (0: none) it adds the row's adapter delta
+/// `z[slot] @ b[slot]` first: `lz` `[N, LP * LS * LR]` is every slot's
+/// shrink of the projection's input (part, slot, rank order), `lslots`
+/// `[B]` the slot of each of the `B` rows (`N / B` tokens each), `lb{k}`
+/// `[LS, LR, LW{k}]` part `k`'s expand onto columns `LOFF{k} .. LOFF{k} +
+/// LW{k}`. The delta is rounded to the dtype and so is the sum, as a
+/// matmul's output and then an add round them; slot 0 (no adapter) and
+/// columns of no part read `v` unchanged. So the expand and add of an
+/// adapter cost no primitive of their own: they ride in the kernel that
+/// consumes the projection.
+pub fn lora_prelude(parts: usize) -> String {
+    if parts == 0 {
+        return "\n    auto ld = [](DT v, int, int) -> float { return static_cast<float>(v); };\n"
+            .into();
+    }
     let mut body = String::from(
         r#"
-    const int N = y_shape[0];
-    const int O = y_shape[1];
-    const int B = slots_shape[0];
-    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (size_t)N * O) {
-        return;
-    }
-    const int n = (int)(idx / O);
-    const int j = (int)(idx % O);
-    const int s = (int)slots[n / (N / B)];
-    float acc = 0.f;
-    bool hit = false;
-"#,
-    );
-    body.push_str(&expand_parts(parts, "acc", "s != 0 && ", |k| {
-        format!("static_cast<float>(z[(size_t)n * (P * S * R) + (size_t)({k} * S + s) * R + r])")
-    }));
-    body.push_str(
-        r#"
-    out[idx] = hit
-        ? static_cast<DT>(static_cast<float>(y[idx]) + static_cast<float>(static_cast<DT>(acc)))
-        : y[idx];
-"#,
-    );
-    body
-}
-
-/// [`lora_add_source`] with the shrink inside: `x` `[N, IN]` is the rows'
-/// input and `a` `[IN, P * S * R]` every slot's dense `A`. Thread block
-/// `(n, c)` computes row `n`'s shrink by its own slot's `A` (rounded to the
-/// dtype, as a matmul's output is), then the expand and add of its chunk
-/// `c` of `CHUNK` output columns. One primitive per adapted projection, at
-/// the price of the shrink once per chunk (`WEFT_LORA_KERNEL=onepass`).
-pub fn lora_onepass_source(parts: usize) -> String {
-    let mut body = String::from(
-        r#"
-    const int N = y_shape[0];
-    const int O = y_shape[1];
-    const int IN = x_shape[1];
-    const int B = slots_shape[0];
-    const int CH = (O + CHUNK - 1) / CHUNK;
-    const int n = blockIdx.x / CH;
-    const int c = blockIdx.x % CH;
-    if (n >= N) {
-        return;
-    }
-    const int s = (int)slots[n / (N / B)];
-    const int j0 = c * CHUNK;
-    const int j1 = min(O, j0 + CHUNK);
-    const size_t row = (size_t)n * O;
-    if (s == 0) {
-        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-            out[row + j] = y[row + j];
+    const int l_per = lz_shape[0] / lslots_shape[0];
+    auto ld = [&](DT v, int n, int j) -> float {
+        const int s = (int)lslots[n / l_per];
+        if (s == 0) {
+            return static_cast<float>(v);
         }
-        return;
-    }
-    constexpr int G = 256 / R;
-    __shared__ float red[G * P * R];
-    __shared__ float zs[P * R];
-    const int r = threadIdx.x % R;
-    const int g = threadIdx.x / R;
-    float acc[P];
-    #pragma unroll
-    for (int k = 0; k < P; ++k) {
-        acc[k] = 0.f;
-    }
-    if (g < G) {
-        for (int i = g; i < IN; i += G) {
-            const float xv = static_cast<float>(x[(size_t)n * IN + i]);
-            const size_t ab = (size_t)i * (P * S * R) + (size_t)s * R + r;
-            #pragma unroll
-            for (int k = 0; k < P; ++k) {
-                acc[k] += xv * static_cast<float>(a[ab + (size_t)k * S * R]);
-            }
-        }
-        #pragma unroll
-        for (int k = 0; k < P; ++k) {
-            red[(g * P + k) * R + r] = acc[k];
-        }
-    }
-    __syncthreads();
-    for (int q = threadIdx.x; q < P * R; q += blockDim.x) {
-        float t = 0.f;
-        for (int gg = 0; gg < G; ++gg) {
-            t += red[gg * P * R + q];
-        }
-        zs[q] = static_cast<float>(static_cast<DT>(t));
-    }
-    __syncthreads();
-    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-        float d = 0.f;
+        float acc = 0.f;
         bool hit = false;
 "#,
     );
-    body.push_str(&expand_parts(parts, "d", "", |k| {
-        format!("zs[{k} * R + r]")
-    }));
+    for k in 0..parts {
+        body.push_str(&format!(
+            r#"
+        if (j >= LOFF{k} && j < LOFF{k} + LW{k}) {{
+            const size_t zb = (size_t)n * (LP * LS * LR) + (size_t)({k} * LS + s) * LR;
+            const size_t bb = (size_t)s * LR * LW{k} + (j - LOFF{k});
+            #pragma unroll 8
+            for (int r = 0; r < LR; ++r) {{
+                acc += static_cast<float>(lz[zb + r]) * static_cast<float>(lb{k}[bb + (size_t)r * LW{k}]);
+            }}
+            hit = true;
+        }}
+"#
+        ));
+    }
     body.push_str(
         r#"
-        out[row + j] = hit
-            ? static_cast<DT>(static_cast<float>(y[row + j]) + static_cast<float>(static_cast<DT>(d)))
-            : y[row + j];
-    }
+        return hit
+            ? static_cast<float>(static_cast<DT>(static_cast<float>(v) + static_cast<float>(static_cast<DT>(acc))))
+            : static_cast<float>(v);
+    };
 "#,
     );
     body
 }
 
-/// Input names of [`lora_onepass_source`]'s kernel of `parts` parts.
-pub fn lora_onepass_inputs(parts: usize) -> Vec<String> {
-    lora_inputs(&["y", "x", "slots", "a"], parts)
+/// One fused decode kernel variant: its name, inputs, outputs and source.
+#[derive(Debug, Clone)]
+pub struct KernelSource {
+    pub name: String,
+    pub inputs: Vec<String>,
+    pub outputs: Vec<&'static str>,
+    pub source: String,
 }
 
-/// Output columns per thread block of the one-pass LoRA kernel.
-pub const LORA_CHUNK: i32 = 2048;
-
-/// Whether the fused decode layer adds LoRA deltas with the one-pass kernel
-/// (`WEFT_LORA_KERNEL=onepass`) rather than a shrink matmul and
-/// [`lora_add_source`]'s kernel.
-pub fn lora_onepass() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("WEFT_LORA_KERNEL").is_ok_and(|v| v == "onepass"))
+/// Which fused decode kernel reads a projection's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consumer {
+    /// The residual add and the next RMS norm (after the output and down
+    /// projections).
+    AddNorm,
+    /// RoPE of the fused QKV projection.
+    RopeQkv,
+    /// SwiGLU of the fused gate/up projection.
+    SiluMul,
 }
 
-/// The expand of each part `k` at column `j` of slot `s`: `{acc} += z_k[r]
-/// * b{k}[s, r, j - OFF{k}]` over the rank, `hit` set where `j` is the
-/// part's (and `guard` holds); `z(k)` reads part `k`'s shrink at rank `r`.
-fn expand_parts(parts: usize, acc: &str, guard: &str, z: impl Fn(usize) -> String) -> String {
-    (0..parts)
-        .map(|k| {
-            let zk = z(k);
-            format!(
-                r#"
-    if ({guard}j >= OFF{k} && j < OFF{k} + W{k}) {{
-        const size_t bb = (size_t)s * R * W{k} + (j - OFF{k});
-        #pragma unroll 8
-        for (int r = 0; r < R; ++r) {{
-            {acc} += {zk} * static_cast<float>(b{k}[bb + (size_t)r * W{k}]);
-        }}
-        hit = true;
-    }}
-"#
-            )
-        })
-        .collect()
+impl Consumer {
+    pub const ALL: [Consumer; 3] = [Consumer::AddNorm, Consumer::RopeQkv, Consumer::SiluMul];
+
+    /// The kernel with `parts` adapted parts of its projection (0: none).
+    pub fn source(self, parts: usize) -> KernelSource {
+        let (name, inputs, outputs, body): (_, &[&str], _, _) = match self {
+            Self::AddNorm => (
+                "weft_add_rms_norm",
+                &["h", "a", "w", "eps"],
+                vec!["sum", "normed"],
+                ADD_NORM_SOURCE,
+            ),
+            Self::RopeQkv => (
+                "weft_rope_qkv",
+                &["qkv", "start", "inv_freq", "scale"],
+                vec!["q_out", "k_out", "v_out"],
+                ROPE_QKV_SOURCE,
+            ),
+            Self::SiluMul => ("weft_silu_mul", &["gu"], vec!["out"], SILU_MUL_SOURCE),
+        };
+        let mut inputs: Vec<String> = inputs.iter().map(|s| s.to_string()).collect();
+        let name = if parts == 0 {
+            name.to_string()
+        } else {
+            inputs.extend(["lz".into(), "lslots".into()]);
+            inputs.extend((0..parts).map(|k| format!("lb{k}")));
+            format!("{name}_lora{parts}")
+        };
+        KernelSource {
+            name,
+            inputs,
+            outputs,
+            source: lora_prelude(parts) + body,
+        }
+    }
+
+    /// The most adapted parts its projection has.
+    pub fn max_parts(self) -> usize {
+        match self {
+            Self::AddNorm => 1,
+            Self::RopeQkv => 3,
+            Self::SiluMul => 2,
+        }
+    }
 }
 
-/// Input names of the LoRA add kernel of `parts` parts.
-pub fn lora_add_inputs(parts: usize) -> Vec<String> {
-    lora_inputs(&["y", "z", "slots"], parts)
+/// A fused projection's adapters, for the kernel that reads its output
+/// ([`lora_prelude`]): `z` `[N, P * S * R]` is the rows' input times every
+/// slot's dense `A` (part, slot, rank order), `slots` `[B]` uint32 each
+/// row's slot, `b[k]` `[S, R, width]` part `k`'s expand onto the columns
+/// `cols[k]` (offset, width).
+pub struct LoraIn {
+    pub z: Array,
+    pub slots: Array,
+    pub b: Vec<Array>,
+    pub cols: Vec<(i32, i32)>,
 }
 
-/// `first`, then one expand stack `b{k}` per part.
-fn lora_inputs(first: &[&str], parts: usize) -> Vec<String> {
-    let mut v: Vec<String> = first.iter().map(|s| s.to_string()).collect();
-    v.extend((0..parts).map(|k| format!("b{k}")));
-    v
-}
-
-/// One kernel object per number of adapted parts (1..=[`LORA_MAX_PARTS`]),
-/// named `{name}{parts}`.
-fn lora_kernels(
-    name: &str,
-    inputs: fn(usize) -> Vec<String>,
-    source: fn(usize) -> String,
-) -> Result<Vec<Kernel>> {
-    (1..=LORA_MAX_PARTS)
-        .map(|p| {
-            let ins = inputs(p);
-            let names: Vec<&str> = ins.iter().map(String::as_str).collect();
-            Kernel::new(&format!("{name}{p}"), &names, &["out"], &source(p))
-        })
-        .collect()
+impl LoraIn {
+    /// Adds the inputs and template arguments of a consumer of `y` `[N, O]`
+    /// to `inputs` and `ints`, checked against it.
+    fn push_args<'a>(
+        &'a self,
+        (n, o): (i32, i32),
+        dt: Dtype,
+        inputs: &mut Vec<&'a Array>,
+        ints: &mut Vec<(String, i32)>,
+    ) -> Result<()> {
+        let p = self.b.len();
+        let bad = |why: &str| {
+            Err(ModelError::Invalid(format!(
+                "LoRA input: {why} (output [{n}, {o}], z {:?}, slots {:?}, {p} parts)",
+                self.z.shape(),
+                self.slots.shape()
+            )))
+        };
+        if p == 0 || p > LORA_MAX_PARTS || self.cols.len() != p {
+            return bad("parts");
+        }
+        let (s, r) = (self.b[0].dim(0), self.b[0].dim(1));
+        let rows = self.slots.dim(0);
+        if self.z.shape() != [n, p as i32 * s * r]
+            || self.z.dtype() != dt
+            || rows == 0
+            || n % rows != 0
+            || self.slots.dtype() != Dtype::Uint32
+        {
+            return bad("shapes");
+        }
+        ints.extend([("LP".into(), p as i32), ("LS".into(), s), ("LR".into(), r)]);
+        for (k, (bk, &(off, w))) in self.b.iter().zip(&self.cols).enumerate() {
+            if bk.shape() != [s, r, w] || bk.dtype() != dt || off < 0 || off + w > o {
+                return bad("expand stacks");
+            }
+            ints.push((format!("LOFF{k}"), off));
+            ints.push((format!("LW{k}"), w));
+        }
+        inputs.extend([&self.z, &self.slots]);
+        inputs.extend(self.b.iter());
+        Ok(())
+    }
 }
 
 const THREADS: i32 = 256;
 
 /// The fused decode kernels; live on the engine thread with the model.
 pub struct DecodeKernels {
-    add_norm: Kernel,
-    rope_qkv: Kernel,
-    silu_mul: Kernel,
-    /// LoRA shrink-and-expand add, by adapted parts (1..=3).
-    lora_add: Vec<Kernel>,
-    /// The same with the shrink inside, by adapted parts.
-    lora_onepass: Vec<Kernel>,
+    /// Each by the adapted parts of the projection it reads (0: none).
+    add_norm: Vec<Kernel>,
+    rope_qkv: Vec<Kernel>,
+    silu_mul: Vec<Kernel>,
     gemv: Gemv,
 }
 
@@ -349,25 +342,9 @@ impl DecodeKernels {
     /// Builds the kernel objects (NVRTC compiles each at its first use).
     pub fn new() -> Result<Self> {
         Ok(Self {
-            add_norm: Kernel::new(
-                "weft_add_rms_norm",
-                &["h", "a", "w", "eps"],
-                &["sum", "normed"],
-                ADD_NORM_SOURCE,
-            )?,
-            rope_qkv: Kernel::new(
-                "weft_rope_qkv",
-                &["qkv", "start", "inv_freq", "scale"],
-                &["q_out", "k_out", "v_out"],
-                ROPE_QKV_SOURCE,
-            )?,
-            silu_mul: Kernel::new("weft_silu_mul", &["gu"], &["out"], SILU_MUL_SOURCE)?,
-            lora_add: lora_kernels("weft_lora_add", lora_add_inputs, lora_add_source)?,
-            lora_onepass: lora_kernels(
-                "weft_lora_onepass",
-                lora_onepass_inputs,
-                lora_onepass_source,
-            )?,
+            add_norm: variants(Consumer::AddNorm)?,
+            rope_qkv: variants(Consumer::RopeQkv)?,
+            silu_mul: variants(Consumer::SiluMul)?,
             gemv: Gemv::new()?,
         })
     }
@@ -418,18 +395,19 @@ impl DecodeKernels {
                 };
                 Ok(mlx_rs::ops::add(r, &y)?)
             }
-            Post::SiluPair => self.silu_mul(&y),
+            Post::SiluPair => self.silu_mul(&y, None),
         }
     }
 
     /// `(h + a, rms_norm(h + a) * w)` for `h`, `a` `[N, H]` and `w` `[H]`
-    /// (`eps` `[1]` f32).
-    pub fn add_rms_norm(
+    /// (`eps` `[1]` f32), `a` plus its adapters' delta where `lora` says.
+    pub(crate) fn add_rms_norm(
         &self,
         h: &Array,
         a: &Array,
         w: &Array,
         eps: &Array,
+        lora: Option<&LoraIn>,
     ) -> Result<(Array, Array)> {
         let s = h.shape();
         if s.len() != 2 || a.shape() != s || w.shape() != [s[1]] || h.dtype() != a.dtype() {
@@ -442,13 +420,14 @@ impl DecodeKernels {
             )));
         }
         let dt = h.dtype();
-        let mut out = self.add_norm.apply(
-            &[h, a, w, eps],
+        let mut out = launch(
+            &self.add_norm,
+            vec![h, a, w, eps],
+            lora,
+            (s[0], s[1]),
             &[(s, dt), (s, dt)],
             (s[0] * THREADS, 1),
-            THREADS,
             &[],
-            ("DT", dt),
         )?;
         let normed = out.pop();
         match (out.pop(), normed) {
@@ -463,9 +442,12 @@ impl DecodeKernels {
     /// KVH, 1, D]` (the pool scatter's update shape), of the fused
     /// projection `qkv` `[B, (HQ + 2 KVH) * D]` at each row's position
     /// `start` `[B]` int32. `inv_freq` `[D / 2]` and `scale` `[1]` are f32.
-    pub fn rope_qkv(
+    /// `qkv` plus its adapters' delta where `lora` says.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rope_qkv(
         &self,
         qkv: &Array,
+        lora: Option<&LoraIn>,
         start: &Array,
         inv_freq: &Array,
         scale: &Array,
@@ -488,13 +470,14 @@ impl DecodeKernels {
         let grid = (total + THREADS - 1) / THREADS * THREADS;
         let q = [b, heads.q, 1, heads.dim];
         let kv = [b, 1, heads.kv, 1, heads.dim];
-        let out = self.rope_qkv.apply(
-            &[qkv, start, inv_freq, scale],
+        let out = launch(
+            &self.rope_qkv,
+            vec![qkv, start, inv_freq, scale],
+            lora,
+            (b, width),
             &[(&q, dt), (&kv, dt), (&kv, dt)],
             (grid, 1),
-            THREADS,
             &[("HQ", heads.q), ("KVH", heads.kv), ("HD", heads.dim)],
-            ("DT", dt),
         )?;
         let [q, k, v]: [Array; 3] = out
             .try_into()
@@ -502,8 +485,9 @@ impl DecodeKernels {
         Ok((q, k, v))
     }
 
-    /// `silu(g) * u` `[N, F]` of the fused gate/up projection `gu` `[N, 2F]`.
-    pub fn silu_mul(&self, gu: &Array) -> Result<Array> {
+    /// `silu(g) * u` `[N, F]` of the fused gate/up projection `gu` `[N, 2F]`,
+    /// plus its adapters' delta where `lora` says.
+    pub(crate) fn silu_mul(&self, gu: &Array, lora: Option<&LoraIn>) -> Result<Array> {
         let s = gu.shape();
         if s.len() != 2 || s[1] % 2 != 0 {
             return Err(ModelError::Invalid(format!("silu_mul: gate/up {s:?}")));
@@ -511,102 +495,57 @@ impl DecodeKernels {
         let (n, f) = (s[0], s[1] / 2);
         let grid = (n * f + THREADS - 1) / THREADS * THREADS;
         let dt = gu.dtype();
-        let mut out =
-            self.silu_mul
-                .apply(&[gu], &[(&[n, f], dt)], (grid, 1), THREADS, &[], ("DT", dt))?;
+        let mut out = launch(
+            &self.silu_mul,
+            vec![gu],
+            lora,
+            (n, 2 * f),
+            &[(&[n, f], dt)],
+            (grid, 1),
+            &[],
+        )?;
         out.pop()
             .ok_or_else(|| ModelError::Invalid("silu_mul: no output".into()))
     }
 }
 
-/// Where a [`DecodeKernels::lora_add`] gets each row's shrink.
-pub(crate) enum Shrink<'a> {
-    /// `z` `[N, P * S * R]`: the rows' input times every slot's `A`, done.
-    Done(&'a Array),
-    /// In the kernel, from the rows' input `x` `[N, IN]` and the dense `A`
-    /// `[IN, P * S * R]` ([`lora_onepass`]).
-    Inside { x: &'a Array, a: &'a Array },
+/// A consumer kernel's variants, by adapted parts (0 ..= its most).
+fn variants(c: Consumer) -> Result<Vec<Kernel>> {
+    (0..=c.max_parts())
+        .map(|p| {
+            let k = c.source(p);
+            let ins: Vec<&str> = k.inputs.iter().map(String::as_str).collect();
+            Kernel::new(&k.name, &ins, &k.outputs, &k.source)
+        })
+        .collect()
 }
 
-impl DecodeKernels {
-    /// `y` `[N, O]` plus each row's adapter delta, `z[slot] @ b[slot]`, on
-    /// the columns `cols[k]` (offset, width) of part `k`: `slots` `[B]`
-    /// uint32 is each row's slot, `b[k]` `[S, R, width]`, and `shrink` gives
-    /// `z`. One primitive.
-    pub(crate) fn lora_add(
-        &self,
-        y: &Array,
-        shrink: Shrink<'_>,
-        slots: &Array,
-        b: &[Array],
-        cols: &[(i32, i32)],
-    ) -> Result<Array> {
-        let p = b.len();
-        let ys = y.shape();
-        let bad = |why: &str| {
-            Err(ModelError::Invalid(format!(
-                "lora_add: {why} (y {ys:?}, slots {:?}, {p} parts)",
-                slots.shape()
-            )))
-        };
-        if p == 0 || p > LORA_MAX_PARTS || cols.len() != p || ys.len() != 2 {
-            return bad("parts");
+/// Launches the variant of `kernels` for `lora`'s parts (none without it)
+/// over `inputs` and `lora`'s inputs; `y` (rows, columns) is the shape of
+/// the projection output the kernel reads.
+fn launch<'a>(
+    kernels: &[Kernel],
+    mut inputs: Vec<&'a Array>,
+    lora: Option<&'a LoraIn>,
+    y: (i32, i32),
+    outputs: &[(&[i32], Dtype)],
+    grid: (i32, i32),
+    ints: &[(&str, i32)],
+) -> Result<Vec<Array>> {
+    let dt = inputs[0].dtype();
+    let mut ints: Vec<(String, i32)> = ints.iter().map(|&(k, v)| (k.to_string(), v)).collect();
+    let parts = match lora {
+        Some(l) => {
+            l.push_args(y, dt, &mut inputs, &mut ints)?;
+            l.b.len()
         }
-        let (s, r) = (b[0].dim(0), b[0].dim(1));
-        let (n, o) = (ys[0], ys[1]);
-        let rows = slots.dim(0);
-        let width = p as i32 * s * r;
-        let shrink_ok = match &shrink {
-            Shrink::Done(z) => z.shape() == [n, width] && z.dtype() == y.dtype(),
-            Shrink::Inside { x, a } => {
-                x.ndim() == 2
-                    && x.dim(0) == n
-                    && a.shape() == [x.dim(1), width]
-                    && x.dtype() == y.dtype()
-                    && a.dtype() == y.dtype()
-                    && r <= 256
-            }
-        };
-        if !shrink_ok || rows == 0 || n % rows != 0 || slots.dtype() != Dtype::Uint32 {
-            return bad("shapes");
-        }
-        for (bk, &(off, w)) in b.iter().zip(cols) {
-            if bk.shape() != [s, r, w] || bk.dtype() != y.dtype() || off < 0 || off + w > o {
-                return bad("expand stacks");
-            }
-        }
-        let mut ints: Vec<(String, i32)> =
-            vec![("P".into(), p as i32), ("S".into(), s), ("R".into(), r)];
-        for (k, &(off, w)) in cols.iter().enumerate() {
-            ints.push((format!("OFF{k}"), off));
-            ints.push((format!("W{k}"), w));
-        }
-        let dt = y.dtype();
-        let (kernel, mut inputs, grid) = match shrink {
-            Shrink::Done(z) => {
-                let total = n * o;
-                (
-                    &self.lora_add[p - 1],
-                    vec![y, z, slots],
-                    (total + THREADS - 1) / THREADS * THREADS,
-                )
-            }
-            Shrink::Inside { x, a } => {
-                ints.push(("CHUNK".into(), LORA_CHUNK));
-                let chunks = (o + LORA_CHUNK - 1) / LORA_CHUNK;
-                (
-                    &self.lora_onepass[p - 1],
-                    vec![y, x, slots, a],
-                    n * chunks * THREADS,
-                )
-            }
-        };
-        inputs.extend(b.iter());
-        let ints: Vec<(&str, i32)> = ints.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        let mut out = kernel.apply(&inputs, &[(ys, dt)], (grid, 1), THREADS, &ints, ("DT", dt))?;
-        out.pop()
-            .ok_or_else(|| ModelError::Invalid("lora_add: no output".into()))
-    }
+        None => 0,
+    };
+    let kernel = kernels.get(parts).ok_or_else(|| {
+        ModelError::Invalid(format!("no fused decode kernel for {parts} adapted parts"))
+    })?;
+    let ints: Vec<(&str, i32)> = ints.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    kernel.apply(&inputs, outputs, grid, THREADS, &ints, ("DT", dt))
 }
 
 /// MLX's RoPE frequencies, `exp2(-(i / (dims / 2)) * log2(base))` for `i <

@@ -11,7 +11,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::config::{Activation, Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
-use crate::decode_kernels::{self, DecodeKernels, QkvHeads, Shrink};
+use crate::decode_kernels::{self, DecodeKernels, LoraIn, QkvHeads};
 use crate::error::{ModelError, Result};
 use crate::gemv::{Post, Pre};
 use crate::kv::{self, KvShape, KvStep, LayerKv};
@@ -696,14 +696,20 @@ impl LlamaModel {
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
         let c = &self.config;
-        // Adapter deltas of a fused projection's whole output.
         let qd = c.num_heads * c.head_dim;
         let kvd = c.num_kv_heads * c.head_dim;
-        // A pool stacked densely adds them in one kernel after one shrink
-        // matmul; a gathered one through `gather_mm`s and an add.
-        let plus = |y: Array, i: usize, g: Group, x: &Array, outs: &[i32]| -> Result<Array> {
+        // Adapters of a fused projection's output `y`: a pool stacked
+        // densely hands the shrink (one matmul) to the kernel that reads `y`,
+        // which adds the expand as it reads; a gathered one adds its delta
+        // through `gather_mm`s and an add here.
+        let adapt = |y: Array,
+                     i: usize,
+                     g: Group,
+                     x: &Array,
+                     outs: &[i32]|
+         -> Result<(Array, Option<LoraIn>)> {
             let Some(l) = lora else {
-                return Ok(y);
+                return Ok((y, None));
             };
             if let Some(d) = l.dense(i, g) {
                 let cast = |a: &Array| -> Result<Array> {
@@ -713,23 +719,19 @@ impl LlamaModel {
                         a.as_dtype(y.dtype())?
                     })
                 };
-                let (x, a) = (cast(x)?, cast(d.a)?);
+                let z = ops::matmul(&cast(x)?, &cast(d.a)?)?;
                 let b = d.b.iter().map(cast).collect::<Result<Vec<_>>>()?;
                 let cols: Vec<(i32, i32)> = d
                     .parts
                     .iter()
                     .map(|&j| (outs[..j].iter().sum(), outs[j]))
                     .collect();
-                if decode_kernels::lora_onepass() {
-                    let shrink = Shrink::Inside { x: &x, a: &a };
-                    return k.lora_add(&y, shrink, l.slots(), &b, &cols);
-                }
-                let z = ops::matmul(&x, &a)?;
-                return k.lora_add(&y, Shrink::Done(&z), l.slots(), &b, &cols);
+                let slots = l.slots().clone();
+                return Ok((y, Some(LoraIn { z, slots, b, cols })));
             }
             match l.fused_delta(i, g, x, outs)? {
-                Some(d) => Ok(ops::add(&y, &d.as_dtype(y.dtype())?)?),
-                None => Ok(y),
+                Some(d) => Ok((ops::add(&y, &d.as_dtype(y.dtype())?)?, None)),
+                None => Ok((y, None)),
             }
         };
         let b = tokens.dim(0);
@@ -757,13 +759,13 @@ impl LlamaModel {
             .first()
             .ok_or_else(|| ModelError::Invalid("model has no layers".into()))?;
         let mut x = fast::rms_norm(&h, Some(&first.input_norm), c.rms_norm_eps)?;
-        let add_norm = |h: &Array, a: &Array, w: &Array| -> Result<(Array, Array)> {
+        let add_norm = |h: &Array, (a, l): (Array, Option<LoraIn>), w: &Array| {
             let a = if a.dtype() == h.dtype() {
-                a.clone()
+                a
             } else {
                 a.as_dtype(h.dtype())?
             };
-            k.add_rms_norm(h, &a, w, &self.eps)
+            k.add_rms_norm(h, &a, w, &self.eps, l.as_ref())
         };
         for (i, layer) in self.layers.iter().enumerate() {
             let (Proj::Fused { lin: qkv, .. }, Proj::Fused { lin: gate_up, .. }) =
@@ -773,32 +775,34 @@ impl LlamaModel {
                     "layer {i}: fused decode needs fused projections"
                 )));
             };
+            let (y, l) = adapt(k.linear(qkv, &x)?, i, Group::Qkv, &x, &[qd, kvd, kvd])?;
             let (q, kr, vr) = k.rope_qkv(
-                &plus(k.linear(qkv, &x)?, i, Group::Qkv, &x, &[qd, kvd, kvd])?,
+                &y,
+                l.as_ref(),
                 kv.offsets(),
                 &self.rope.inv_freq,
                 &self.rope.scale_arr,
                 heads,
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
-            let a = plus(
+            let a = adapt(
                 k.linear(&layer.attn.o, &a)?,
                 i,
                 Group::O,
                 &a,
                 &[c.hidden_size],
             )?;
-            let (s, n) = add_norm(&h, &a, &layer.post_norm)?;
+            let (s, n) = add_norm(&h, a, &layer.post_norm)?;
             let inter = c.intermediate_size;
-            let gu = plus(
+            let (gu, l) = adapt(
                 k.linear(gate_up, &n)?,
                 i,
                 Group::GateUp,
                 &n,
                 &[inter, inter],
             )?;
-            let act = k.silu_mul(&gu)?;
-            let m = plus(
+            let act = k.silu_mul(&gu, l.as_ref())?;
+            let m = adapt(
                 k.linear(&layer.mlp.down, &act)?,
                 i,
                 Group::Down,
@@ -806,7 +810,7 @@ impl LlamaModel {
                 &[c.hidden_size],
             )?;
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
-            (h, x) = add_norm(&s, &m, next)?;
+            (h, x) = add_norm(&s, m, next)?;
             after_layer(i)?;
         }
         drop(h);
@@ -852,6 +856,7 @@ impl LlamaModel {
             let y = k.product(qkv, &h, self.pre_norm(&layer.input_norm), Post::None)?;
             let (q, kr, vr) = k.rope_qkv(
                 &y,
+                None,
                 kv.offsets(),
                 &self.rope.inv_freq,
                 &self.rope.scale_arr,

@@ -81,49 +81,58 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
     check(&spec);
 }
 
-/// The fused decode step's LoRA adds (`decode_kernels::lora_add_source`,
-/// and `lora_onepass_source` with the shrink inside) for one to three
-/// adapted parts of a fused projection, each dtype, ranks 16, 12 and 64.
+/// The fused decode layer's kernels that read a projection's output
+/// (`decode_kernels::Consumer`: residual add + RMS norm, RoPE of the fused
+/// QKV, SwiGLU of the fused gate/up), plain and with the LoRA expand of one
+/// to all of the projection's parts read in (`decode_kernels::lora_prelude`),
+/// each dtype, ranks 16, 12 and 64.
 #[test]
-fn the_lora_add_kernels_compile_for_sm90_without_spills() {
+fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
     use weft_models::decode_kernels::*;
     let mut spec = Vec::new();
-    for onepass in [false, true] {
-        for parts in 1..=LORA_MAX_PARTS {
+    for c in Consumer::ALL {
+        // Column (offset, width) of each part, as the 1.2B model's
+        // projections have them.
+        let cols: &[(i32, i32)] = match c {
+            Consumer::AddNorm => &[(0, 2048)],
+            Consumer::RopeQkv => &[(0, 2048), (2048, 256), (2304, 256)],
+            Consumer::SiluMul => &[(0, 5632), (5632, 5632)],
+        };
+        for parts in 0..=c.max_parts() {
             for (dt, rank) in [("__nv_bfloat16", 16), ("__half", 12), ("float", 64)] {
-                let names = if onepass {
-                    lora_onepass_inputs(parts)
-                } else {
-                    lora_add_inputs(parts)
-                };
-                let inputs: Vec<_> = names
-                    .into_iter()
+                let k = c.source(parts);
+                let inputs: Vec<_> = k
+                    .inputs
+                    .iter()
                     .map(|n| {
-                        let t = if n == "slots" { "uint32_t" } else { dt };
+                        let t = match n.as_str() {
+                            "lslots" => "uint32_t",
+                            "start" => "int32_t",
+                            "eps" | "inv_freq" | "scale" => "float",
+                            _ => dt,
+                        };
                         json!([n, t])
                     })
                     .collect();
-                let mut consts = vec![json!(["P", parts]), json!(["S", 9]), json!(["R", rank])];
-                for k in 0..parts {
-                    consts.push(json!([format!("OFF{k}"), k * 2048]));
-                    consts.push(json!([format!("W{k}"), 2048]));
+                let mut consts = Vec::new();
+                if c == Consumer::RopeQkv {
+                    consts.extend([json!(["HQ", 32]), json!(["KVH", 4]), json!(["HD", 64])]);
                 }
-                let (name, source) = if onepass {
-                    consts.push(json!(["CHUNK", LORA_CHUNK]));
-                    (
-                        format!("weft_lora_onepass{parts}"),
-                        lora_onepass_source(parts),
-                    )
-                } else {
-                    (format!("weft_lora_add{parts}"), lora_add_source(parts))
-                };
+                if parts > 0 {
+                    consts.extend([json!(["LP", parts]), json!(["LS", 9]), json!(["LR", rank])]);
+                    for (i, &(off, w)) in cols[..parts].iter().enumerate() {
+                        consts.push(json!([format!("LOFF{i}"), off]));
+                        consts.push(json!([format!("LW{i}"), w]));
+                    }
+                }
+                let outputs: Vec<_> = k.outputs.iter().map(|o| json!([o, dt])).collect();
                 spec.push(json!({
-                    "name": name,
+                    "name": k.name,
                     "inputs": inputs,
-                    "outputs": [["out", dt]],
+                    "outputs": outputs,
                     "consts": consts,
                     "types": [["DT", dt]],
-                    "source": source,
+                    "source": k.source,
                 }));
             }
         }
