@@ -95,6 +95,8 @@ pub struct EngineBenchArgs {
     #[arg(long, value_enum, default_value_t = AdapterDtype::Bf16)]
     pub adapter_dtype: AdapterDtype,
     #[command(flatten)]
+    pub kv_quant: crate::server::config::KvQuantArgs,
+    #[command(flatten)]
     pub compute: ComputeArgs,
 }
 
@@ -288,6 +290,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             memory: weft_models::KvMemory::Blocks(u32::try_from(blocks)?),
             max_batch_rows: args.streams,
             cache_limit: crate::memory_plan::CacheLimit::Auto,
+            quant: args.kv_quant.quant()?,
         },
         Default::default(),
         &adapters,

@@ -190,6 +190,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<LongPromptsReport> {
             memory: weft_models::KvMemory::Blocks(u32::try_from(blocks)?),
             max_batch_rows: rows,
             cache_limit: crate::memory_plan::CacheLimit::Auto,
+            quant: args.kv_quant.quant()?,
         },
     )?;
     let vocab = served.vocab_size as u32;

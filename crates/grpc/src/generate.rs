@@ -129,6 +129,8 @@ pub struct GenerateArgs {
     #[arg(long, env = "WEFT_SPECULATE", default_value_t = crate::server::config::DEFAULT_SPECULATE)]
     pub speculate: usize,
     #[command(flatten)]
+    pub kv_quant: crate::server::config::KvQuantArgs,
+    #[command(flatten)]
     pub compute: ComputeArgs,
 }
 
@@ -157,6 +159,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             memory: weft_models::KvMemory::Bytes(crate::server::config::DEFAULT_CPU_KV_BYTES),
             max_batch_rows: 1,
             cache_limit: crate::memory_plan::CacheLimit::Auto,
+            quant: args.kv_quant.quant()?,
         },
     )?;
     let text = if args.chat {

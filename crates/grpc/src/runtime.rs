@@ -207,6 +207,8 @@ fn fill_sample_row(r: &RowInput, out: &mut SampleRow) {
 pub struct KvSpec {
     pub block_size: u32,
     pub memory: KvMemory,
+    /// K/V stored affine-quantized (`--kv-bits`, `--kv-group-size`).
+    pub quant: Option<weft_models::AffineQuant>,
     /// Rows a step may hold: the log says how much context each gets when
     /// that many share the pool.
     pub max_batch_rows: usize,
@@ -520,6 +522,8 @@ pub struct ServedModel {
     pub sliding_window: Option<u32>,
     /// Per layer: "full_attention" or "sliding_attention".
     pub layer_kinds: Vec<String>,
+    /// What the KV pool stores per element (`bfloat16`, `q4g64/bfloat16`).
+    pub kv_dtype: String,
     pub eos_token_ids: Vec<u32>,
     /// What the server plans to hold (set once the engine has started).
     pub memory: crate::memory_plan::MemoryPlan,
@@ -640,6 +644,7 @@ pub fn start_engine_with(
         context_length: model_config.max_position_embeddings as usize,
         vocab_size: model_config.vocab_size as usize,
         dtype: format!("{:?}", policy.dtype).to_lowercase(),
+        kv_dtype: weft_models::kv::kv_dtype_label(policy.dtype, kv.quant),
         quantization,
         sliding_window: model_config
             .sliding_layers
@@ -686,7 +691,13 @@ pub fn start_engine_with(
             let model_config = loaded.model.config.clone();
             let context = model_config.max_position_embeddings as u64;
             let mut runner =
-                BatchRunner::with_memory_use(loaded.model, kv.block_size, kv.memory, Some(usage))?;
+                BatchRunner::with_memory_use(
+                loaded.model,
+                kv.block_size,
+                kv.memory,
+                Some(usage),
+                kv.quant,
+            )?;
             runner.set_lanes(opts.lanes());
             // Before the memory plan, which counts the adapter pool.
             let resident =
@@ -778,6 +789,7 @@ fn log_kv(runner: &BatchRunner, max_rows: usize, context: u64) {
         kv_block_size = g.block_size,
         kv_bytes = runner.kv().bytes(),
         kv_bytes_per_token = shape.bytes_per_token(),
+        kv_dtype = shape.kv_dtype(),
         kv_tokens = tokens,
         paged_decode_kernel = runner.kv().uses_kernel(),
         "KV pool: {tokens} tokens = {rows} rows x {} tokens each, or {} rows at the model's full context of {context}{split}",

@@ -297,6 +297,7 @@ fn served() -> ServedModel {
         quantization: "none".into(),
         sliding_window: None,
         layer_kinds: vec!["full_attention".into(); 2],
+        kv_dtype: "float32".into(),
         eos_token_ids: vec![0],
         memory: Default::default(),
         adapters: std::sync::Arc::new(weft_grpc::adapters::AdapterCatalog::new(

@@ -34,6 +34,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             mlx_rs::Dtype::Bfloat16
         },
         sliding: None,
+        quant: None,
     };
     let budget = mib << 20;
     let before = active();

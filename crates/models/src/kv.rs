@@ -32,7 +32,9 @@ use std::cell::RefCell;
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
-use weft_kv_pool::storage::{KvStorage, KvStorageConfig, RowStep as RowWrite, StepLayout};
+use weft_kv_pool::storage::{
+    AffineQuant, KvStorage, KvStorageConfig, RowStep as RowWrite, StepLayout,
+};
 use weft_kv_pool::{AttentionKind, GroupSpec, KvGroups, RowBlocks, StorageOp};
 
 use crate::composed_attention::{self, PrefillAttention, Visible};
@@ -170,6 +172,23 @@ pub struct KvShape {
     pub dtype: Dtype,
     /// The layers that attend over a sliding window, if any.
     pub sliding: Option<SlidingLayers>,
+    /// K/V stored affine-quantized (`--kv-bits`), with scales and biases in
+    /// `dtype`; `None` stores them in `dtype`.
+    pub quant: Option<AffineQuant>,
+}
+
+/// What a KV pool of `dtype` stores per element, for people: the dtype, or
+/// `q{bits}g{group}/` before it when quantized (`bfloat16`, `q4g64/bfloat16`).
+pub fn kv_dtype_label(dtype: Dtype, quant: Option<AffineQuant>) -> String {
+    let d = match dtype {
+        Dtype::Float32 => "float32",
+        Dtype::Float16 => "float16",
+        _ => "bfloat16",
+    };
+    match quant {
+        Some(q) => format!("q{}g{}/{d}", q.bits, q.group_size),
+        None => d.to_string(),
+    }
 }
 
 /// Which layers attend over a sliding window, and its length.
@@ -212,10 +231,38 @@ impl KvShape {
         self.layers as u64 * self.bytes_per_layer_token()
     }
 
-    /// Bytes of K plus V of one token in one layer.
+    /// Bytes of K plus V of one token in one layer (packed values, scales
+    /// and biases when quantized).
     pub fn bytes_per_layer_token(&self) -> u64 {
-        let el = if self.dtype == Dtype::Float32 { 4 } else { 2 };
-        2 * u64::from(self.kv_heads) * u64::from(self.head_dim) * el
+        self.storage_config(0, 1, 1, 1).bytes_per_layer()
+    }
+
+    /// The same shape with K/V stored quantized (or not).
+    pub fn with_quant(mut self, quant: Option<AffineQuant>) -> Self {
+        self.quant = quant;
+        self
+    }
+
+    /// What the KV stores per element, for people ([`kv_dtype_label`]).
+    pub fn kv_dtype(&self) -> String {
+        kv_dtype_label(self.dtype, self.quant)
+    }
+
+    /// Storage of group `g`: `layers` layers of `blocks` blocks.
+    fn storage_config(&self, g: usize, layers: usize, blocks: u32, block_size: u32) -> KvStorageConfig {
+        let cfg = KvStorageConfig::dense(
+            g,
+            layers,
+            blocks,
+            block_size,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+        );
+        match self.quant {
+            Some(q) => cfg.quantized(q),
+            None => cfg,
+        }
     }
 
     /// (full-attention layers, sliding-window layers).
@@ -352,15 +399,7 @@ impl PagedKv {
         for (g, &layers) in counts.iter().enumerate() {
             // One block more than the pool hands out: the null block, which
             // padding rows of a bucketed step write and read (never a real row's).
-            let cfg = KvStorageConfig::dense(
-                g,
-                layers,
-                groups.groups[g].num_blocks + 1,
-                block_size,
-                shape.kv_heads,
-                shape.head_dim,
-                shape.dtype,
-            );
+            let cfg = shape.storage_config(g, layers, groups.groups[g].num_blocks + 1, block_size);
             let st = KvStorage::new(cfg).map_err(storage_err)?;
             mlx_rs::transforms::eval(st.arrays())?;
             storage.push(RefCell::new(st));
@@ -371,8 +410,12 @@ impl PagedKv {
             layer_group,
             layer_index,
             // The kernel keeps 8 elements of a head per lane: head_dim 64,
-            // 128 or 256; other shapes attend by gather + SDPA.
-            kernel: if gpu_kernel && matches!(shape.head_dim, 64 | 128 | 256) {
+            // 128 or 256; other shapes attend by gather + SDPA, and so does
+            // quantized K/V (dequantized as it is gathered).
+            kernel: if gpu_kernel
+                && shape.quant.is_none()
+                && matches!(shape.head_dim, 64 | 128 | 256)
+            {
                 Some(std::rc::Rc::new(PagedAttention::new()?))
             } else {
                 None
@@ -416,7 +459,8 @@ impl PagedKv {
     /// group (its pool arrays are the step's inputs; sliding-window layers
     /// gather, which the trace does not).
     pub fn compilable(&self) -> bool {
-        matches!(self.groups.groups.as_slice(), [g] if g.kind == AttentionKind::Full)
+        self.shape.quant.is_none()
+            && matches!(self.groups.groups.as_slice(), [g] if g.kind == AttentionKind::Full)
     }
 
     /// Whether decode attention runs the paged GPU kernel.
@@ -505,7 +549,11 @@ impl PagedKv {
         let b = rows.len() as i32;
         let mode = if decode && self.kernel.is_some() {
             Mode::Kernel
-        } else if decode && self.kernel.is_none() && self.shape.dtype == Dtype::Float32 {
+        } else if decode
+            && self.kernel.is_none()
+            && self.shape.dtype == Dtype::Float32
+            && self.shape.quant.is_none()
+        {
             Mode::Host
         } else if rows.iter().all(|r| r.1 == 0) {
             Mode::Fresh
@@ -778,7 +826,17 @@ impl KvStep<'_> {
                         .get_or_insert_with(|| fresh_mask(kernels, t))
                         .clone(),
                 };
-                attention(kernels, self.kv.prefill, q, k, v, scale, &mask)
+                // Quantized K/V: the rows' own tokens as stored, so that a
+                // token's attention does not depend on whether its context
+                // came from this forward or from the pool.
+                match self.kv.shape.quant {
+                    Some(qt) => {
+                        let (k, v) = (qt.round_trip(k), qt.round_trip(v));
+                        let (k, v) = (k.map_err(storage_err)?, v.map_err(storage_err)?);
+                        attention(kernels, self.kv.prefill, q, &k, &v, scale, &mask)
+                    }
+                    None => attention(kernels, self.kv.prefill, q, k, v, scale, &mask),
+                }
             }
             Mode::Gather => {
                 let (kr, vr) = storage.read(layer, layout).map_err(storage_err)?;
@@ -927,7 +985,30 @@ mod tests {
             head_dim: 256,
             dtype,
             sliding: SlidingLayers::from_flags(512, &flags).expect("flags"),
+            quant: None,
         }
+    }
+
+    /// A quantized token costs its packed values plus a scale and a bias
+    /// per group, in the storage dtype: mlx-lm's `QuantizedKVCache` layout.
+    #[test]
+    fn quantized_tokens_take_packed_bytes_plus_scales_and_biases() {
+        let bf16 = gemma3(Dtype::Bfloat16);
+        // 2 (K and V) x 1 head x 256 elements x 2 bytes.
+        assert_eq!(bf16.bytes_per_layer_token(), 1024);
+        let q4 = bf16.with_quant(Some(AffineQuant::new(4, 64)));
+        // 2 x (256 / 2 bytes packed + 4 groups x (2 + 2) bytes).
+        assert_eq!(q4.bytes_per_layer_token(), 2 * (128 + 16));
+        let q8 = bf16.with_quant(Some(AffineQuant::new(8, 32)));
+        assert_eq!(q8.bytes_per_layer_token(), 2 * (256 + 8 * 4));
+        assert_eq!(q4.kv_dtype(), "q4g64/bfloat16");
+        assert_eq!(bf16.kv_dtype(), "bfloat16");
+        // The same budget holds more blocks.
+        let budget = KvBudget::Bytes(64 << 20);
+        let plain = KvSplit::plan(&bf16, 16, budget, None);
+        let quant = KvSplit::plan(&q4, 16, budget, None);
+        assert_eq!(plain.full, (64 << 20) / (1024 * 16 * 18));
+        assert_eq!(quant.full, (64 << 20) / (288 * 16 * 18));
     }
 
     #[test]

@@ -47,4 +47,5 @@ pub use runner::{
 };
 pub use sampler::{PickLogprobs, Picked, SampleRow};
 pub use tokenizer::{ChatMessage, Tokenizer};
+pub use weft_kv_pool::storage::AffineQuant;
 pub use weft_kv_pool::{KvGroups, RowBlocks, StorageOp};

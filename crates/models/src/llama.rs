@@ -501,6 +501,7 @@ impl LlamaModel {
             head_dim: self.config.head_dim as u32,
             dtype: self.policy.dtype,
             sliding: self.sliding,
+            quant: None,
         }
     }
 

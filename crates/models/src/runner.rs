@@ -343,19 +343,21 @@ impl BatchRunner {
     /// A runner whose KV storage takes `memory` in `block_size`-token blocks,
     /// with Weft's paged decode kernel when MLX runs on a CUDA GPU.
     pub fn with_memory(model: LlamaModel, block_size: u32, memory: KvMemory) -> Result<Self> {
-        Self::with_memory_use(model, block_size, memory, None)
+        Self::with_memory_use(model, block_size, memory, None, None)
     }
 
     /// [`Self::with_memory`], with a sliding-window group sized by how the
-    /// server uses the pool ([`PagedKv::with_use`]).
+    /// server uses the pool ([`PagedKv::with_use`]) and K/V stored
+    /// quantized when `quant` says.
     pub fn with_memory_use(
         model: LlamaModel,
         block_size: u32,
         memory: KvMemory,
         usage: Option<crate::kv::KvUse>,
+        quant: Option<weft_kv_pool::storage::AffineQuant>,
     ) -> Result<Self> {
         let kv = PagedKv::with_use(
-            model.kv_shape(),
+            model.kv_shape().with_quant(quant),
             block_size,
             memory,
             usage,

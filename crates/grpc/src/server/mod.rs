@@ -422,6 +422,7 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
         dir = %dir.display(),
         kv_memory = ?kv_memory,
         kv_block_size = s.kv_block_size,
+        kv_quant = ?s.kv_quant,
         max_batch_rows = s.max_batch_rows,
         blas = crate::blas::active().as_deref().unwrap_or("none"),
         "loading the model"
@@ -433,6 +434,7 @@ fn load_engine(s: &Settings, tenants: &[Arc<tenants::Tenant>]) -> anyhow::Result
         crate::runtime::KvSpec {
             block_size: s.kv_block_size as u32,
             memory: kv_memory,
+            quant: s.kv_quant,
             max_batch_rows: s.max_batch_rows,
             cache_limit: s.mlx_cache_limit,
         },

@@ -844,8 +844,7 @@ fn model_info(ready: &Ready) -> pb::ModelInfo {
         has_chat_template: ready.tokenizer.has_chat_template(),
         sliding_window: m.sliding_window.unwrap_or(0),
         layer_kinds: m.layer_kinds.clone(),
-        // The pool's storage takes the compute dtype.
-        kv_dtype: m.dtype.clone(),
+        kv_dtype: m.kv_dtype.clone(),
         kv_block_size: kv.block_size,
         kv_groups: kv
             .groups

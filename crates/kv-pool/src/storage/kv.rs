@@ -48,6 +48,15 @@ impl AffineQuant {
     pub fn max_error(&self, range: f32) -> f32 {
         range / (1u32 << self.bits) as f32
     }
+
+    /// `x` (`[..., head_dim]`) quantized and dequantized as the storage
+    /// stores and reads it: what attention over a stored token sees, for
+    /// attention over a step's own new tokens.
+    pub fn round_trip(&self, x: &Array) -> Result<Array, StorageError> {
+        let (g, b) = (i32::from(self.group_size), i32::from(self.bits));
+        let (wq, s, bi) = ops::quantize(x, g, b)?;
+        Ok(ops::dequantize(&wq, &s, &bi, g, b)?)
+    }
 }
 
 /// Configuration of one group's K/V storage.
