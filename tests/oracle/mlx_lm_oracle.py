@@ -1,10 +1,14 @@
 """mlx-lm as the parity oracle for Weft's tests.
 
-  fixture --arch llama|llama-tiny|qwen2|qwen3|gemma3 --out DIR [--quantize]   random-weight model dir
+  fixture --arch llama|llama-tiny|llama-wide|qwen2|qwen3|gemma3 --out DIR [--quantize]
+                                                     random-weight model dir
   lora-fixture --model DIR --out DIR --rank R --scale S --seed N [--keys K,..] [--num-layers N]
                [--peft-out DIR [--rslora]]            random LoRA adapter (mlx-lm layout; the
                                                      same weights in PEFT's layout too)
-  run --model DIR --requests FILE [--adapter DIR]      logits + greedy tokens
+  run --model DIR --requests FILE [--adapter DIR] [--kv-bits B --kv-group-size G]
+                                                     logits + greedy tokens, each prompt alone
+                                                     (with --kv-bits: over mlx-lm's
+                                                     QuantizedKVCache from the first token)
 
 `run` reads JSON {"max_tokens": N, "prompts": [{"ids": [...]} or {"text": "..."}],
 "batch": bool} and prints JSON results. Everything runs in float32 so it matches
@@ -23,7 +27,8 @@ from mlx.utils import tree_flatten, tree_map
 
 
 def make_fixture(arch, out, quantize):
-    mx.random.seed({"llama": 7, "llama-tiny": 5, "qwen3": 11, "qwen2": 13, "gemma3": 17}[arch])
+    mx.random.seed({"llama": 7, "llama-tiny": 5, "llama-wide": 19, "qwen3": 11, "qwen2": 13,
+                    "gemma3": 17}[arch])
     if arch == "llama-tiny":
         from mlx_lm.models import llama as mod
 
@@ -49,6 +54,14 @@ def make_fixture(arch, out, quantize):
                    intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                    rms_norm_eps=1e-6, vocab_size=512, rope_theta=1000000.0,
                    tie_word_embeddings=False, max_position_embeddings=4096)
+    elif arch == "llama-wide":
+        from mlx_lm.models import llama as mod
+
+        # Heads of 64: what K/V quantization groups (32, 64) divide.
+        cfg = dict(model_type="llama", hidden_size=128, num_hidden_layers=3,
+                   intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=64, rms_norm_eps=1e-5, vocab_size=512, rope_theta=10000.0,
+                   tie_word_embeddings=False, max_position_embeddings=2048)
     elif arch == "llama":
         from mlx_lm.models import llama as mod
 
@@ -178,9 +191,10 @@ def dequantize_modules(model):
             setattr(parent, parts[-1], new)
 
 
-def run(model_dir, requests, dequantize=False, adapter=None):
+def run(model_dir, requests, dequantize=False, adapter=None, kv_bits=None, kv_group_size=64):
     from mlx_lm.utils import load_model, load_adapters
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import QuantizedKVCache
 
     model_dir = Path(model_dir)
     model, _ = load_model(model_dir)
@@ -204,12 +218,17 @@ def run(model_dir, requests, dequantize=False, adapter=None):
             ids = tok.encode(text, add_special_tokens=add_special)
         else:
             ids = p["ids"]
-        logits = model(mx.array(ids)[None])[0, -1].astype(mx.float32)
+        # Quantized K/V from the prompt on: every attention, the prompt's own
+        # included, reads the quantized cache (as Weft's pool stores it).
+        qcache = (lambda: [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits)
+                           for _ in model.layers]) if kv_bits else (lambda: None)
+        logits = model(mx.array(ids)[None], cache=qcache())[0, -1].astype(mx.float32)
         greedy = []
         margins = []
         steps = []
         for token, lp in generate_step(mx.array(ids), model, max_tokens=req["max_tokens"],
-                                       sampler=lambda x: mx.argmax(x, axis=-1)):
+                                       sampler=lambda x: mx.argmax(x, axis=-1),
+                                       prompt_cache=qcache()):
             greedy.append(int(token))
             t2 = mx.sort(lp.astype(mx.float32))[-2:].tolist()
             margins.append(t2[1] - t2[0])
@@ -275,7 +294,8 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fixture")
-    f.add_argument("--arch", choices=["llama", "llama-tiny", "qwen2", "qwen3", "gemma3"],
+    f.add_argument("--arch", choices=["llama", "llama-tiny", "llama-wide", "qwen2", "qwen3",
+                                      "gemma3"],
                    required=True)
     f.add_argument("--out", required=True)
     f.add_argument("--quantize", action="store_true")
@@ -284,6 +304,8 @@ def main():
     r.add_argument("--requests", required=True)
     r.add_argument("--dequantize", action="store_true")
     r.add_argument("--adapter")
+    r.add_argument("--kv-bits", type=int)
+    r.add_argument("--kv-group-size", type=int, default=64)
     lf = sub.add_parser("lora-fixture")
     lf.add_argument("--model", required=True)
     lf.add_argument("--out", required=True)
@@ -301,7 +323,7 @@ def main():
     if a.cmd == "fixture":
         make_fixture(a.arch, a.out, a.quantize)
     elif a.cmd == "run":
-        run(a.model, a.requests, a.dequantize, a.adapter)
+        run(a.model, a.requests, a.dequantize, a.adapter, a.kv_bits, a.kv_group_size)
     elif a.cmd == "lora-fixture":
         make_lora_fixture(a.model, a.out, a.rank, a.scale, a.seed, a.keys, a.num_layers,
                           a.peft_out, a.rslora)

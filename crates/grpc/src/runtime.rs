@@ -690,8 +690,7 @@ pub fn start_engine_with(
             let weights = crate::memory_plan::weights_bytes(opts.device, rss_before)?;
             let model_config = loaded.model.config.clone();
             let context = model_config.max_position_embeddings as u64;
-            let mut runner =
-                BatchRunner::with_memory_use(
+            let mut runner = BatchRunner::with_memory_use(
                 loaded.model,
                 kv.block_size,
                 kv.memory,

@@ -249,7 +249,13 @@ impl KvShape {
     }
 
     /// Storage of group `g`: `layers` layers of `blocks` blocks.
-    fn storage_config(&self, g: usize, layers: usize, blocks: u32, block_size: u32) -> KvStorageConfig {
+    fn storage_config(
+        &self,
+        g: usize,
+        layers: usize,
+        blocks: u32,
+        block_size: u32,
+    ) -> KvStorageConfig {
         let cfg = KvStorageConfig::dense(
             g,
             layers,

@@ -4,11 +4,8 @@
 
 mod common;
 
-use std::cell::Cell;
-use std::rc::Rc;
-
 use common::*;
-use weft_models::{BatchRunner, Lanes, LlamaModel, ModelError, RowStep};
+use weft_models::{BatchRunner, Lanes, LlamaModel, RowStep};
 
 fn rows() -> Vec<Row> {
     let r = |ids: &[u32], max_tokens, join_step| Row {
@@ -133,54 +130,9 @@ fn two_lanes(md: &std::path::Path) -> BatchRunner {
 fn failed_steps_roll_back_and_retry_to_the_same_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let md = fixture(dir.path(), true);
-    faults_roll_back(&md, new_runner);
+    faults_roll_back(&rows(), &md, new_runner);
     // The same with each step's forwards spread over two CPU lanes.
-    faults_roll_back(&md, two_lanes);
-}
-
-fn faults_roll_back(md: &std::path::Path, make: impl Fn(&std::path::Path) -> BatchRunner) {
-    let rs = rows();
-    let mut runner = make(md);
-    let clean = drive(&mut runner, &rs, |_| false);
-
-    // Fail mid-forward (after layer 1) on some steps, and drop whole
-    // successful steps on others ("fault after eval"), then retry.
-    let mut runner = make(md);
-    let arm = Rc::new(Cell::new(false));
-    let armed = arm.clone();
-    runner.set_layer_hook(Some(Box::new(move |layer| {
-        if layer == 1 && armed.get() {
-            armed.set(false);
-            return Err(ModelError::Invalid("injected fault after layer 1".into()));
-        }
-        Ok(())
-    })));
-    let mut seen = std::collections::HashSet::new();
-    let faulty = drive(&mut runner, &rs, |step| {
-        // Each of these steps fails once mid-forward, then once after eval.
-        if ![0, 3, 4, 9, 20].contains(&step) {
-            return false;
-        }
-        match seen.iter().filter(|&&(s, _)| s == step).count() {
-            0 => {
-                seen.insert((step, 0));
-                arm.set(true);
-                true
-            }
-            1 => {
-                seen.insert((step, 1));
-                true
-            }
-            _ => false,
-        }
-    });
-    for (i, (c, f)) in clean.iter().zip(&faulty).enumerate() {
-        assert_eq!(c.0, f.0, "row {i}: tokens changed by rolled-back faults");
-        for (a, b) in c.1.iter().zip(&f.1) {
-            assert_eq!(a, b, "row {i}: logprobs changed by rolled-back faults");
-        }
-    }
-    assert_eq!(seen.len(), 10, "every planned fault fired");
+    faults_roll_back(&rows(), &md, two_lanes);
 }
 
 /// At the default split threshold: four fresh prompts of 128-140 tokens that

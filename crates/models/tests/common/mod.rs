@@ -400,3 +400,56 @@ pub fn drive_adapters(
     kv.pool.check_invariants().unwrap();
     out
 }
+
+/// Drives `rs` on a runner from `make` cleanly, then on a fresh one whose
+/// steps 0, 3, 4, 9 and 20 each fail once mid-forward (after layer 1) and
+/// once after evaluation, retried: tokens and logprobs must be identical.
+pub fn faults_roll_back(
+    rs: &[Row],
+    md: &std::path::Path,
+    make: impl Fn(&std::path::Path) -> BatchRunner,
+) {
+    let mut runner = make(md);
+    let clean = drive(&mut runner, rs, |_| false);
+
+    // Fail mid-forward (after layer 1) on some steps, and drop whole
+    // successful steps on others ("fault after eval"), then retry.
+    let mut runner = make(md);
+    let arm = std::rc::Rc::new(std::cell::Cell::new(false));
+    let armed = arm.clone();
+    runner.set_layer_hook(Some(Box::new(move |layer| {
+        if layer == 1 && armed.get() {
+            armed.set(false);
+            return Err(weft_models::ModelError::Invalid(
+                "injected fault after layer 1".into(),
+            ));
+        }
+        Ok(())
+    })));
+    let mut seen = std::collections::HashSet::new();
+    let faulty = drive(&mut runner, rs, |step| {
+        // Each of these steps fails once mid-forward, then once after eval.
+        if ![0, 3, 4, 9, 20].contains(&step) {
+            return false;
+        }
+        match seen.iter().filter(|&&(s, _)| s == step).count() {
+            0 => {
+                seen.insert((step, 0));
+                arm.set(true);
+                true
+            }
+            1 => {
+                seen.insert((step, 1));
+                true
+            }
+            _ => false,
+        }
+    });
+    for (i, (c, f)) in clean.iter().zip(&faulty).enumerate() {
+        assert_eq!(c.0, f.0, "row {i}: tokens changed by rolled-back faults");
+        for (a, b) in c.1.iter().zip(&f.1) {
+            assert_eq!(a, b, "row {i}: logprobs changed by rolled-back faults");
+        }
+    }
+    assert_eq!(seen.len(), 10, "every planned fault fired");
+}
