@@ -124,6 +124,27 @@ fn bad_tenant_file_and_config_are_refused() {
     ]);
     let (ok, _, stderr) = run(c);
     assert!(!ok && stderr.contains("duration"), "{stderr}");
+
+    for (args, says) in [
+        (&["--kv-bits", "3"][..], "--kv-bits 3: 4 or 8 bits"),
+        (
+            &["--kv-bits", "4", "--kv-group-size", "16"][..],
+            "--kv-group-size 16",
+        ),
+        (&["--kv-group-size", "32"][..], "needs --kv-bits"),
+    ] {
+        let mut c = weft();
+        c.args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "off",
+        ])
+        .args(args);
+        let (ok, _, stderr) = run(c);
+        assert!(!ok && stderr.contains(says), "{args:?}: {stderr}");
+    }
 }
 
 #[test]

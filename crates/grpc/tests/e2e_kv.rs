@@ -2,7 +2,9 @@
 //! model: preemption under real pool exhaustion (with and without step faults
 //! at every fault point) keeps every stream exactly as an unconstrained server
 //! produces it; a burst of one long and many short requests never takes more
-//! than the configured pool; blocks return to zero afterwards.
+//! than the configured pool; blocks return to zero afterwards; K/V stored
+//! quantized (`--kv-bits`) serves a batch from a pool that many more blocks
+//! fit in.
 
 mod common;
 
@@ -195,5 +197,38 @@ async fn a_long_and_many_short_requests_stay_inside_the_pool() {
         assert!(c.status.is_none(), "request {i}: {:?}", c.status);
         assert_eq!(c.ids.len(), if i == 0 { 16 } else { 40 }, "request {i}");
     }
+    wait_blocks_free(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quantized_kv_serves_a_burst_from_more_blocks_of_the_same_memory() {
+    // 32 MiB: 45 blocks of f32 K/V (see above); at 8 bits in groups of 64
+    // a token's head vector is 64 bytes plus an f32 scale and bias.
+    let s = Server::start(&["--kv-memory", "32MiB", "--kv-bits", "8", "--speculate", "0"]).await;
+    let text = s.metrics().await;
+    let per_block = 30.0 * 3.0 * 2.0 * (64.0 + 2.0 * 4.0) * 16.0;
+    let total = pool_total(&text);
+    assert_eq!(total, ((32u64 << 20) as f64 / per_block).floor());
+    assert!(total > 3.0 * 45.0, "{total} blocks");
+    let mut c = s.client().await;
+    let list = c
+        .list_models(pb::ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(list.models[0].kv_dtype, "q8g64/float32");
+    assert_eq!(list.models[0].kv_groups[0].blocks as f64, total);
+    // The burst fits without preemption now (it needs ~48 blocks).
+    let out = run_all(&s, &burst(8)).await;
+    for (i, c) in out.iter().enumerate() {
+        assert!(c.status.is_none(), "request {i}: {:?}", c.status);
+        assert_eq!(c.ids.len(), 40, "request {i}");
+        assert!(!c.text.trim().is_empty(), "request {i}: empty text");
+    }
+    let text = s.metrics().await;
+    assert_eq!(
+        metric(&text, "weft_preemptions_total", &[]).unwrap_or(0.0),
+        0.0
+    );
     wait_blocks_free(&s).await;
 }
