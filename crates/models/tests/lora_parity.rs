@@ -8,15 +8,13 @@
 
 mod common;
 
-use std::cell::Cell;
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
 
 use common::*;
 use mlx_rs::Dtype;
 use weft_models::{
     Adapter, AdapterFormat, AdapterId, AdapterPoolConfig, BatchRunner, Kernels, LlamaModel,
-    ModelConfig, ModelError, RowStep, StackLayout, Target, WeightPolicy,
+    ModelConfig, RowStep, StackLayout, Target, WeightPolicy,
 };
 
 /// Both sides run f32; differences are summation-order noise (the adapters
@@ -376,48 +374,7 @@ fn failed_steps_with_adapters_roll_back_to_the_same_tokens() {
     let f = Fixture::new(false);
     let rs = rows();
     let assign = assignment();
-    let mut r = f.runner(DENSE_F32);
-    let clean = drive_adapters(&mut r, &rs, &assign, |_| false, |_, _| {});
-
-    let mut r = f.runner(DENSE_F32);
-    let arm = Rc::new(Cell::new(false));
-    let armed = arm.clone();
-    r.set_layer_hook(Some(Box::new(move |layer| {
-        if layer == 1 && armed.get() {
-            armed.set(false);
-            return Err(ModelError::Invalid("injected fault after layer 1".into()));
-        }
-        Ok(())
-    })));
-    let mut seen = std::collections::HashSet::new();
-    let faulty = drive_adapters(
-        &mut r,
-        &rs,
-        &assign,
-        |step| {
-            if ![0, 2, 4, 7].contains(&step) {
-                return false;
-            }
-            match seen.iter().filter(|&&(s, _)| s == step).count() {
-                0 => {
-                    seen.insert((step, 0));
-                    arm.set(true);
-                    true
-                }
-                1 => {
-                    seen.insert((step, 1));
-                    true
-                }
-                _ => false,
-            }
-        },
-        |_, _| {},
-    );
-    assert_eq!(seen.len(), 8, "every planned fault fired");
-    for (i, (c, f)) in clean.iter().zip(&faulty).enumerate() {
-        assert_eq!(c.0, f.0, "row {i}: tokens changed by rolled-back faults");
-        assert_eq!(c.1, f.1, "row {i}: log-probs changed by rolled-back faults");
-    }
+    faults_at_roll_back(&rs, &assign, &[0, 2, 4, 7], || f.runner(DENSE_F32));
 }
 
 #[test]

@@ -409,12 +409,23 @@ pub fn faults_roll_back(
     md: &std::path::Path,
     make: impl Fn(&std::path::Path) -> BatchRunner,
 ) {
-    let mut runner = make(md);
-    let clean = drive(&mut runner, rs, |_| false);
+    faults_at_roll_back(rs, &[], &[0, 3, 4, 9, 20], || make(md));
+}
+
+/// [`faults_roll_back`] with row `i` on adapter `adapters[i]` and the faults
+/// at steps `at`.
+pub fn faults_at_roll_back(
+    rs: &[Row],
+    adapters: &[Option<weft_models::AdapterId>],
+    at: &[usize],
+    make: impl Fn() -> BatchRunner,
+) {
+    let mut runner = make();
+    let clean = drive_adapters(&mut runner, rs, adapters, |_| false, |_, _| {});
 
     // Fail mid-forward (after layer 1) on some steps, and drop whole
     // successful steps on others ("fault after eval"), then retry.
-    let mut runner = make(md);
+    let mut runner = make();
     let arm = std::rc::Rc::new(std::cell::Cell::new(false));
     let armed = arm.clone();
     runner.set_layer_hook(Some(Box::new(move |layer| {
@@ -427,9 +438,9 @@ pub fn faults_roll_back(
         Ok(())
     })));
     let mut seen = std::collections::HashSet::new();
-    let faulty = drive(&mut runner, rs, |step| {
+    let fail = |step: usize| {
         // Each of these steps fails once mid-forward, then once after eval.
-        if ![0, 3, 4, 9, 20].contains(&step) {
+        if !at.contains(&step) {
             return false;
         }
         match seen.iter().filter(|&&(s, _)| s == step).count() {
@@ -444,12 +455,13 @@ pub fn faults_roll_back(
             }
             _ => false,
         }
-    });
+    };
+    let faulty = drive_adapters(&mut runner, rs, adapters, fail, |_, _| {});
     for (i, (c, f)) in clean.iter().zip(&faulty).enumerate() {
         assert_eq!(c.0, f.0, "row {i}: tokens changed by rolled-back faults");
         for (a, b) in c.1.iter().zip(&f.1) {
             assert_eq!(a, b, "row {i}: logprobs changed by rolled-back faults");
         }
     }
-    assert_eq!(seen.len(), 10, "every planned fault fired");
+    assert_eq!(seen.len(), 2 * at.len(), "every planned fault fired");
 }
