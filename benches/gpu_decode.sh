@@ -43,6 +43,10 @@
 #           adapterpar: crates/models/tests/lora_parity.rs on the GPU (staged when its test binary is built),
 #           the tests matching LP_FILTER (default compiled_decode: the fused decode layer's LoRA expand;
 #           LP_FILTER= runs all, ~2 min each), the oracle on the CPU;
+#           kvq: quantized KV (issue 15 item 3): paged_attention_check with KV_BITS=8 and 4 (the
+#           kernel's quantized read vs gather + dequantize + SDPA), then weft bench-engine at
+#           KVQ_STREAMS (default 128), prompt 128, gen 128: bf16 KV, --kv-bits 8 and 4 gathered,
+#           and --kv-bits 8 and 4 with WEFT_KV_QUANT_KERNEL=1 (the paged kernel reads them);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
@@ -243,6 +247,23 @@ if has adapterpar; then
   WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
     timeout ${LP_TIMEOUT:-400} /root/lora_parity ${LP_FILTER-compiled_decode} --nocapture --test-threads 1 2>&1 \
     | grep --line-buffered -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
+fi
+if has kvq; then
+  for bits in 8 4; do
+    echo "== paged decode kernel over ${bits}-bit KV vs gather + dequantize + SDPA" | tee -a $R
+    KV_BITS=$bits /root/paged_attention_check 1,64,128 512,2048 10 2>&1 | tee -a $R
+  done
+  echo "== quantized KV, weft bench-engine ${KVQ_STREAMS:-128} streams (steady tok/s, step ms)" | tee -a $R
+  kq() { env "$@" /root/weft bench-engine --model $M --streams ${KVQ_STREAMS:-128} --prompt-tokens 128 \
+    --gen-tokens 128 --rounds 2 ${KQ_ARGS:-} | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); \
+    print('$*', '${KQ_ARGS:-bf16 KV}', round(d['steady_decode_tok_per_s'], 1), round(d['step_ms'], 2))" | tee -a $R; }
+  kq WEFT_X=0
+  for bits in 8 4; do
+    KQ_ARGS="--kv-bits $bits"
+    kq WEFT_X=0
+    kq WEFT_KV_QUANT_KERNEL=1
+  done
+  KQ_ARGS=""
 fi
 if has long; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R

@@ -5,12 +5,17 @@
 //! Shapes are the 1.2B Llama's (32 query heads, 4 KV heads, head_dim 64, bf16,
 //! 16-token blocks); tables are fragmented (every row's blocks interleaved with
 //! the others'), contexts vary per row (each row holds `ctx - row % 16` keys),
-//! and the step verifies `T` queries per row (`DECODE_T`, default 1). Prints
-//! the largest difference between the two and the time per layer of each.
+//! and the step verifies `T` queries per row (`DECODE_T`, default 1).
+//! `KV_BITS=4|8` (`KV_GROUP=32|64`, default 64) stores the pool quantized: the
+//! kernel then dequantizes as it reads, the gather path through MLX's
+//! `dequantize`. Prints the largest difference between the two and the time
+//! per layer of each.
 use std::time::Instant;
 
 use mlx_rs::{ops, random, Array, Dtype};
-use weft_kv_pool::storage::{KvStorage, KvStorageConfig, RowStep as RowWrite, StepLayout};
+use weft_kv_pool::storage::{
+    AffineQuant, KvStorage, KvStorageConfig, RowStep as RowWrite, StepLayout,
+};
 use weft_kv_pool::{AttentionKind, BlockTable};
 use weft_models::paged_attention::PagedAttention;
 
@@ -46,21 +51,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1);
+    let env = |k: &str| std::env::var(k).ok().and_then(|s| s.parse::<u8>().ok());
+    let quant = env("KV_BITS").map(|b| AffineQuant::new(b, env("KV_GROUP").unwrap_or(64)));
+    if let Some(q) = quant {
+        println!("K/V quantized: {} bits, groups of {}", q.bits, q.group_size);
+    }
     let kernel = PagedAttention::new()?;
     println!("rows  ctx  T  max|diff|  kernel ms/layer  gather+sdpa ms/layer  speedup");
     for &b in &rows {
         for &ctx in &ctxs {
             let per_row = (ctx + t).div_ceil(BS);
             let nb = (b * per_row + 1) as u32;
-            let mut storage = KvStorage::new(KvStorageConfig::dense(
-                0,
-                1,
-                nb,
-                BS as u32,
-                H as u32,
-                D as u32,
-                Dtype::Bfloat16,
-            ))?;
+            let cfg =
+                KvStorageConfig::dense(0, 1, nb, BS as u32, H as u32, D as u32, Dtype::Bfloat16);
+            let mut storage = KvStorage::new(match quant {
+                Some(q) => cfg.quantized(q),
+                None => cfg,
+            })?;
             // Interleaved tables: block j of row r is j * b + r.
             let tables: Vec<Vec<u32>> = (0..b)
                 .map(|r| (0..per_row).map(|j| (j * b + r) as u32).collect())
@@ -117,6 +124,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let max_keys = ctx + t;
             let qscale = Array::from_slice(&[scale], &[1]);
             let run_kernel = || -> Result<Array, Box<dyn std::error::Error>> {
+                if quant.is_some() {
+                    let (kq, vq) = storage.quantized_arrays(0)?;
+                    return Ok(kernel
+                        .decode_quantized(&q, kq, vq, &table, &start, &ntok, &qscale, max_keys)?);
+                }
                 let (kp, vp) = storage.dense_arrays(0)?;
                 Ok(kernel.decode(&q, kp, vp, &table, &start, &ntok, &qscale, max_keys)?)
             };

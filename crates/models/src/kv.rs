@@ -298,6 +298,12 @@ pub fn free_device_memory() -> Result<u64> {
     Ok(limit.saturating_sub(active + cache) as u64)
 }
 
+/// `WEFT_KV_QUANT_KERNEL=1`: decode over quantized pools reads them in place
+/// with the paged kernel instead of gathering and dequantizing them.
+fn quant_kernel_opted_in() -> bool {
+    std::env::var("WEFT_KV_QUANT_KERNEL").is_ok_and(|v| v == "1")
+}
+
 /// One forward's attention mode (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -416,10 +422,11 @@ impl PagedKv {
             layer_group,
             layer_index,
             // The kernel keeps 8 elements of a head per lane: head_dim 64,
-            // 128 or 256; other shapes attend by gather + SDPA, and so does
-            // quantized K/V (dequantized as it is gathered).
+            // 128 or 256; other shapes attend by gather + SDPA. Quantized
+            // pools too, unless `WEFT_KV_QUANT_KERNEL=1` (the kernel's
+            // quantized read is not yet checked on a GPU).
             kernel: if gpu_kernel
-                && shape.quant.is_none()
+                && (shape.quant.is_none() || quant_kernel_opted_in())
                 && matches!(shape.head_dim, 64 | 128 | 256)
             {
                 Some(std::rc::Rc::new(PagedAttention::new()?))
@@ -761,7 +768,6 @@ impl KvStep<'_> {
         let layer = li;
         match mode {
             Mode::Kernel => {
-                let (kp, vp) = storage.dense_arrays(layer).map_err(storage_err)?;
                 let ki = self
                     .kernel_inputs
                     .as_ref()
@@ -772,6 +778,20 @@ impl KvStep<'_> {
                     .as_ref()
                     .ok_or_else(|| ModelError::Invalid("paged kernel missing".into()))?;
                 let scale = Array::from_slice(&[scale], &[1]);
+                if self.kv.shape.quant.is_some() {
+                    let (kq, vq) = storage.quantized_arrays(layer).map_err(storage_err)?;
+                    return kernel.decode_quantized(
+                        q,
+                        kq,
+                        vq,
+                        &ki.table,
+                        &ki.start,
+                        &ki.ntok,
+                        &scale,
+                        ki.max_keys,
+                    );
+                }
+                let (kp, vp) = storage.dense_arrays(layer).map_err(storage_err)?;
                 kernel.decode(
                     q,
                     kp,

@@ -23,9 +23,14 @@
 
 use mlx_rs::{Array, Dtype};
 
+use weft_kv_pool::storage::QuantPool;
+
 use crate::cuda_kernel::Kernel;
 use crate::error::{ModelError, Result};
 
+/// The decode kernel's body; `LOAD_K` and `LOAD_V` read the lane's `E`
+/// elements of the key's (or value's) head vector at token slot `slot` into
+/// `kv` as f32 ([`DENSE_LOAD`] or [`QUANT_LOAD`]).
 const SOURCE: &str = r#"
     const int B = q_shape[0];
     const int HQ = q_shape[1];
@@ -78,14 +83,11 @@ const SOURCE: &str = r#"
         const int key = kb + kg;
         const bool valid = key < k1;
         float kv[E];
-        size_t base = 0;
+        size_t slot = 0;
         if (valid) {
             const int blk = row_table[key / BS];
-            base = (((size_t)blk * KVH + h) * BS + key % BS) * HD + sub * E;
-            #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                kv[e] = static_cast<float>(k_pool[base + e]);
-            }
+            slot = ((size_t)blk * KVH + h) * BS + key % BS;
+            LOAD_K
         } else {
             #pragma unroll
             for (int e = 0; e < E; ++e) {
@@ -110,10 +112,7 @@ const SOURCE: &str = r#"
             }
         }
         if (valid) {
-            #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                kv[e] = static_cast<float>(v_pool[base + e]);
-            }
+            LOAD_V
             #pragma unroll
             for (int g = 0; g < GQ; ++g) {
                 const float mn = fmaxf(m[g], d[g]);
@@ -161,6 +160,56 @@ const SOURCE: &str = r#"
         }
     }
 "#;
+
+/// A dense pool's read: `P_pool` `[blocks, KVH, BS, HD]` in the dtype.
+const DENSE_LOAD: &str = r#"
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                kv[e] = static_cast<float>(P_pool[slot * HD + sub * E + e]);
+            }
+"#;
+
+/// A quantized pool's read (MLX affine, `BITS` 4 or 8, groups of `G`, a
+/// multiple of `E`): the lane's `E` elements share one group's scale and
+/// bias, and take `E * BITS / 32` whole words of `P_packed` (element `i` of a
+/// word in its bits `i * BITS ..`); each is `scale * q + bias`, in f32.
+const QUANT_LOAD: &str = r#"
+            {
+                const size_t gi = slot * (HD / G) + (sub * E) / G;
+                const float sc = static_cast<float>(P_scales[gi]);
+                const float bi = static_cast<float>(P_biases[gi]);
+                const uint32_t* pw = P_packed + slot * (HD * BITS / 32) + (sub * E * BITS) / 32;
+                #pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const uint32_t word = pw[(e * BITS) / 32];
+                    const uint32_t qq = (word >> ((e * BITS) % 32)) & ((1u << BITS) - 1u);
+                    kv[e] = sc * static_cast<float>(qq) + bi;
+                }
+            }
+"#;
+
+/// The decode kernel's source reading dense or quantized pools.
+pub fn decode_source(quantized: bool) -> String {
+    let load = if quantized { QUANT_LOAD } else { DENSE_LOAD };
+    SOURCE
+        .replace("LOAD_K", &load.replace("P_", "k_"))
+        .replace("LOAD_V", &load.replace("P_", "v_"))
+}
+
+/// Input names of [`decode_source`]'s kernel.
+pub fn decode_inputs(quantized: bool) -> Vec<&'static str> {
+    let pools: &[&str] = if quantized {
+        &[
+            "k_packed", "k_scales", "k_biases", "v_packed", "v_scales", "v_biases",
+        ]
+    } else {
+        &["k_pool", "v_pool"]
+    };
+    let mut v = vec!["q"];
+    v.extend(pools);
+    v.extend(["table", "start", "ntok", "scale"]);
+    v
+}
 
 /// Merges the splits of every warp's partial result in one launch (instead
 /// of a chain of MLX reductions): one warp per (row, head, query), each lane
@@ -212,7 +261,16 @@ const MAX_SPLITS: usize = 64;
 /// The compiled kernel; lives on the engine thread with the model.
 pub struct PagedAttention {
     kernel: Kernel,
+    /// The same over quantized pools.
+    quantized: Kernel,
     combine: Kernel,
+}
+
+/// The pools a decode reads: dense K and V, or quantized ones.
+#[derive(Clone, Copy)]
+pub enum Pools<'a> {
+    Dense(&'a Array, &'a Array),
+    Quantized(QuantPool<'a>, QuantPool<'a>),
 }
 
 /// How many context splits a decode step of `warps` warps (rows x query
@@ -246,9 +304,15 @@ impl PagedAttention {
         Ok(Self {
             kernel: Kernel::new(
                 "weft_paged_decode",
-                &["q", "k_pool", "v_pool", "table", "start", "ntok", "scale"],
+                &decode_inputs(false),
                 &["o_part", "m_part", "l_part"],
-                SOURCE,
+                &decode_source(false),
+            )?,
+            quantized: Kernel::new(
+                "weft_paged_decode_quantized",
+                &decode_inputs(true),
+                &["o_part", "m_part", "l_part"],
+                &decode_source(true),
             )?,
             combine: Kernel::new(
                 "weft_paged_combine",
@@ -279,7 +343,28 @@ impl PagedAttention {
         max_keys: usize,
     ) -> Result<Array> {
         let out = q.shape().to_vec();
-        self.run(q, k_pool, v_pool, table, start, ntok, scale, max_keys, &out)
+        let pools = Pools::Dense(k_pool, v_pool);
+        self.run(q, pools, table, start, ntok, scale, max_keys, &out)
+    }
+
+    /// [`decode`](Self::decode) over quantized pools (`packed` `[num_blocks,
+    /// KVH, BS, D * bits / 32]`, scales and biases `[num_blocks, KVH, BS, D /
+    /// group]`), dequantized as they are read.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_quantized(
+        &self,
+        q: &Array,
+        k: QuantPool<'_>,
+        v: QuantPool<'_>,
+        table: &Array,
+        start: &Array,
+        ntok: &Array,
+        scale: &Array,
+        max_keys: usize,
+    ) -> Result<Array> {
+        let out = q.shape().to_vec();
+        let pools = Pools::Quantized(k, v);
+        self.run(q, pools, table, start, ntok, scale, max_keys, &out)
     }
 
     /// As [`decode`](Self::decode) for one query per row (`q` `[B, HQ, 1,
@@ -304,15 +389,15 @@ impl PagedAttention {
             )));
         }
         let out = [qs[0], qs[1] * qs[3]];
-        self.run(q, k_pool, v_pool, table, start, ntok, scale, max_keys, &out)
+        let pools = Pools::Dense(k_pool, v_pool);
+        self.run(q, pools, table, start, ntok, scale, max_keys, &out)
     }
 
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         q: &Array,
-        k_pool: &Array,
-        v_pool: &Array,
+        pools: Pools<'_>,
         table: &Array,
         start: &Array,
         ntok: &Array,
@@ -321,8 +406,18 @@ impl PagedAttention {
         out_shape: &[i32],
     ) -> Result<Array> {
         let qs = q.shape();
-        let ps = k_pool.shape();
-        if qs.len() != 4 || ps.len() != 4 || qs[3] != ps[3] || !matches!(qs[3], 64 | 128 | 256) {
+        // [blocks, KVH, BS, D] (the packed pool's last axis is D * bits / 32).
+        let (ps, d_pool) = match pools {
+            Pools::Dense(k, _) => (k.shape(), k.shape().last().copied().unwrap_or(0)),
+            Pools::Quantized(k, _) => {
+                let s = k.packed.shape();
+                (
+                    s,
+                    s.last().copied().unwrap_or(0) * 32 / i32::from(k.quant.bits),
+                )
+            }
+        };
+        if qs.len() != 4 || ps.len() != 4 || qs[3] != d_pool || !matches!(qs[3], 64 | 128 | 256) {
             return Err(ModelError::Invalid(format!(
                 "paged decode: q {qs:?} / pool {ps:?} (head_dim must match and be 64, 128 or 256)"
             )));
@@ -351,8 +446,23 @@ impl PagedAttention {
         let o_shape = [w_all, s, d];
         let ml_shape = [w_all, s];
         let dtype = q.dtype();
-        let parts = self.kernel.apply(
-            &[q, k_pool, v_pool, table, start, ntok, scale],
+        let mut ints = vec![("HD", d), ("BS", bs), ("KVH", kvh), ("GQ", gq)];
+        let (kernel, inputs) = match pools {
+            Pools::Dense(k, v) => (&self.kernel, vec![q, k, v, table, start, ntok, scale]),
+            Pools::Quantized(k, v) => {
+                ints.extend([
+                    ("BITS", i32::from(k.quant.bits)),
+                    ("G", i32::from(k.quant.group_size)),
+                ]);
+                let ins = vec![
+                    q, k.packed, k.scales, k.biases, v.packed, v.scales, v.biases, table, start,
+                    ntok, scale,
+                ];
+                (&self.quantized, ins)
+            }
+        };
+        let parts = kernel.apply(
+            &inputs,
             &[
                 (&o_shape, Dtype::Float32),
                 (&ml_shape, Dtype::Float32),
@@ -360,7 +470,7 @@ impl PagedAttention {
             ],
             (grid_x, s),
             threads,
-            &[("HD", d), ("BS", bs), ("KVH", kvh), ("GQ", gq)],
+            &ints,
             ("DT", dtype),
         )?;
         let [o, m, l]: [Array; 3] = parts

@@ -140,6 +140,60 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
     check(&spec);
 }
 
+/// The paged decode-attention kernel (`paged_attention::decode_source`) over
+/// dense pools and over quantized ones (4 and 8 bits, groups of 32 and 64),
+/// for each head size it serves, KV-group width and dtype.
+#[test]
+fn the_paged_decode_kernels_compile_for_sm90_without_spills() {
+    use weft_models::paged_attention::{decode_inputs, decode_source};
+    let mut spec = Vec::new();
+    let quants: [Option<(i32, i32)>; 5] = [
+        None,
+        Some((4, 32)),
+        Some((4, 64)),
+        Some((8, 32)),
+        Some((8, 64)),
+    ];
+    for quant in quants {
+        for (dt, hd, gq) in [
+            ("__nv_bfloat16", 64, 8),
+            ("__half", 128, 4),
+            ("float", 256, 1),
+        ] {
+            let inputs: Vec<_> = decode_inputs(quant.is_some())
+                .into_iter()
+                .map(|n| {
+                    let t = match n {
+                        "k_packed" | "v_packed" => "uint32_t",
+                        "table" | "start" | "ntok" => "int32_t",
+                        "scale" => "float",
+                        _ => dt,
+                    };
+                    json!([n, t])
+                })
+                .collect();
+            let mut consts = vec![
+                json!(["HD", hd]),
+                json!(["BS", 16]),
+                json!(["KVH", 4]),
+                json!(["GQ", gq]),
+            ];
+            if let Some((bits, g)) = quant {
+                consts.extend([json!(["BITS", bits]), json!(["G", g])]);
+            }
+            spec.push(json!({
+                "name": if quant.is_some() { "weft_paged_decode_quantized" } else { "weft_paged_decode" },
+                "inputs": inputs,
+                "outputs": [["o_part", "float"], ["m_part", "float"], ["l_part", "float"]],
+                "consts": consts,
+                "types": [["DT", dt]],
+                "source": decode_source(quant.is_some()),
+            }));
+        }
+    }
+    check(&spec);
+}
+
 /// Runs `tests/cuda/nvrtc_check.py` over `spec`; fails on any failed variant.
 fn check(spec: &[serde_json::Value]) {
     let dir = tempfile::tempdir().expect("tempdir");

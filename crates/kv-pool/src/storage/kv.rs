@@ -157,11 +157,46 @@ impl KvStorageConfig {
     }
 }
 
+/// The pool of `s` if it is quantized.
+fn quant_pool(s: &Stored) -> Option<QuantPool<'_>> {
+    match s {
+        Stored::Quant {
+            packed,
+            scales,
+            biases,
+            q,
+        } => Some(QuantPool {
+            packed,
+            scales,
+            biases,
+            quant: *q,
+        }),
+        Stored::Dense(_) => None,
+    }
+}
+
 fn dtype_bytes(d: Dtype) -> u64 {
     match d {
         Dtype::Float32 => 4,
         _ => 2,
     }
+}
+
+/// One layer's quantized K or V pool, in place: `packed` `[num_blocks,
+/// kv_heads, block_size, head_dim * bits / 32]` (`uint32`, element `i` of a
+/// word in bits `i * bits ..`), `scales` and `biases` `[num_blocks, kv_heads,
+/// block_size, head_dim / group_size]` in the storage dtype; an element is
+/// `scale * q + bias`.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantPool<'a> {
+    /// The packed values.
+    pub packed: &'a Array,
+    /// One scale per group.
+    pub scales: &'a Array,
+    /// One bias per group.
+    pub biases: &'a Array,
+    /// Bits and group size.
+    pub quant: AffineQuant,
 }
 
 /// Gathered quantized K or V in the padded read layout: `packed`
@@ -429,6 +464,20 @@ impl KvStorage {
         match (&self.layers[l].k, &self.layers[l].v) {
             (Stored::Dense(k), Stored::Dense(v)) => Ok((k, v)),
             _ => Err(StorageError::BadRow("dense_arrays of quantized storage")),
+        }
+    }
+
+    /// One layer's quantized K and V pool arrays, for attention kernels that
+    /// read (and dequantize) the pool in place; the rule of
+    /// [`dense_arrays`](Self::dense_arrays) applies.
+    pub fn quantized_arrays(
+        &self,
+        layer: usize,
+    ) -> Result<(QuantPool<'_>, QuantPool<'_>), StorageError> {
+        let l = self.layer_index(layer)?;
+        match (quant_pool(&self.layers[l].k), quant_pool(&self.layers[l].v)) {
+            (Some(k), Some(v)) => Ok((k, v)),
+            _ => Err(StorageError::NotQuantized),
         }
     }
 

@@ -40,7 +40,7 @@ mod kv;
 mod state;
 mod step;
 
-pub use kv::{scatter_tokens, AffineQuant, KvStorage, KvStorageConfig, QuantizedKv};
+pub use kv::{scatter_tokens, AffineQuant, KvStorage, KvStorageConfig, QuantPool, QuantizedKv};
 pub use state::{StateSpec, StateStorage};
 pub use step::{RowStep, StepLayout};
 
