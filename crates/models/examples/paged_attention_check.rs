@@ -17,7 +17,7 @@ use weft_kv_pool::storage::{
     AffineQuant, KvStorage, KvStorageConfig, RowStep as RowWrite, StepLayout,
 };
 use weft_kv_pool::{AttentionKind, BlockTable};
-use weft_models::paged_attention::PagedAttention;
+use weft_models::paged_attention::{PagedAttention, Pools};
 
 /// Query heads, KV heads and head_dim: `HEADS=32,4,64` (the 1.2B model's, the
 /// default), e.g. `HEADS=9,3,64` (SmolLM2-135M) or `HEADS=16,8,128`.
@@ -124,13 +124,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let max_keys = ctx + t;
             let qscale = Array::from_slice(&[scale], &[1]);
             let run_kernel = || -> Result<Array, Box<dyn std::error::Error>> {
-                if quant.is_some() {
+                let pools = if quant.is_some() {
                     let (kq, vq) = storage.quantized_arrays(0)?;
-                    return Ok(kernel
-                        .decode_quantized(&q, kq, vq, &table, &start, &ntok, &qscale, max_keys)?);
-                }
-                let (kp, vp) = storage.dense_arrays(0)?;
-                Ok(kernel.decode(&q, kp, vp, &table, &start, &ntok, &qscale, max_keys)?)
+                    Pools::Quantized(kq, vq)
+                } else {
+                    let (kp, vp) = storage.dense_arrays(0)?;
+                    Pools::Dense(kp, vp)
+                };
+                Ok(kernel.decode(&q, pools, &table, &start, &ntok, &qscale, max_keys)?)
             };
             let run_gather = || -> Result<Array, Box<dyn std::error::Error>> {
                 let (k, v) = storage.read(0, &layout)?;

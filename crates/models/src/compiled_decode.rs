@@ -36,7 +36,8 @@ use crate::error::{ModelError, Result};
 use crate::kv::{LayerKv, PagedKv};
 use crate::llama::LlamaModel;
 use crate::lora::{Layout, LoraStep};
-use crate::paged_attention::PagedAttention;
+use crate::paged_attention::{PagedAttention, Pools};
+use weft_kv_pool::storage::AffineQuant;
 
 type Traced = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
 
@@ -53,7 +54,7 @@ pub struct CompiledDecode {
     block_size: usize,
     null_block: u32,
     min_width: usize,
-    /// K and V pool arrays per step (two per layer).
+    /// K/V pool arrays per step (two per layer, six when quantized).
     pools: usize,
 }
 
@@ -83,7 +84,10 @@ impl CompiledDecode {
         let fused = if kernel.is_some() { fused } else { None };
         let block_size = kv.block_size() as usize;
         let counter = traces.clone();
-        let pools = 2 * model.num_layers();
+        // Per layer K then V, one array each, or three when quantized.
+        let quant = kv.shape().quant;
+        let per_layer = 2 * if quant.is_some() { 3 } else { 1 };
+        let pools = per_layer * model.num_layers();
         let body = move |args: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
             counter.set(counter.get() + 1);
             crate::llama::count_trace();
@@ -111,6 +115,8 @@ impl CompiledDecode {
                 table: args[4].clone(),
                 ntok: args[5].clone(),
                 pools: args[FIXED_INPUTS..pools_end].to_vec(),
+                per_layer,
+                quant,
                 kernel: kernel.clone(),
                 fused: fused.clone(),
                 block_size: block_size as i32,
@@ -233,7 +239,7 @@ impl CompiledDecode {
             Array::from_slice(&table, &[bi, wi]),
             Array::from_slice(&vec![1i32; b], &[bi]),
         ];
-        let pools = kv.dense_pools()?;
+        let pools = kv.pool_arrays()?;
         if pools.len() != self.pools {
             return Err(ModelError::Invalid(format!(
                 "compiled decode: {} pool arrays for {} expected",
@@ -261,7 +267,7 @@ impl CompiledDecode {
             ));
         }
         let pools = out.split_off(1);
-        kv.replace_dense(pools)?;
+        kv.replace_pools(pools)?;
         self.buckets.insert((bi, wi));
         out.pop()
             .ok_or_else(|| ModelError::Invalid("compiled decode returned no logits".into()))
@@ -276,8 +282,12 @@ struct TracedKv {
     write_offset: Array,
     table: Array,
     ntok: Array,
-    /// `[k0, v0, k1, v1, ...]`, replaced by the written arrays layer by layer.
+    /// Per layer its K arrays then its V arrays (`KvStorage::pool_arrays`),
+    /// replaced by the written arrays layer by layer.
     pools: Vec<Array>,
+    /// Pool arrays per layer: 2, or 6 when quantized.
+    per_layer: usize,
+    quant: Option<AffineQuant>,
     kernel: Option<Rc<PagedAttention>>,
     fused: Option<Rc<DecodeKernels>>,
     block_size: i32,
@@ -286,24 +296,48 @@ struct TracedKv {
 impl TracedKv {
     /// Replaces layer `layer`'s K and V pool arrays by the ones written with
     /// the new tokens `k`, `v` (`[B, kv_heads, head_dim]` or the scatter's
-    /// `[B, 1, kv_heads, 1, head_dim]`).
+    /// `[B, 1, kv_heads, 1, head_dim]`), quantized first for quantized pools
+    /// (in the pools' dtype, as the storage's own write does).
     fn write(&mut self, layer: usize, k: &Array, v: &Array) -> Result<()> {
-        let (ki, vi) = (2 * layer, 2 * layer + 1);
-        if vi >= self.pools.len() {
+        let base = layer * self.per_layer;
+        if base + self.per_layer > self.pools.len() {
             return Err(ModelError::Invalid(format!(
                 "compiled decode: no pool arrays for layer {layer}"
             )));
         }
-        for (i, x) in [(ki, k), (vi, v)] {
-            self.pools[i] = weft_kv_pool::storage::scatter_tokens(
-                &self.pools[i],
-                &self.write_block,
-                &self.write_offset,
-                x,
-            )
-            .map_err(|e| ModelError::Invalid(e.to_string()))?;
+        let per = self.per_layer / 2;
+        for (i, x) in [(base, k), (base + per, v)] {
+            let parts = match self.quant {
+                None => vec![x.clone()],
+                Some(q) => {
+                    let dt = self.pools[i + 1].dtype();
+                    let x = if x.dtype() == dt {
+                        x.clone()
+                    } else {
+                        x.as_dtype(dt)?
+                    };
+                    let (w, sc, bi) =
+                        ops::quantize(&x, i32::from(q.group_size), i32::from(q.bits))?;
+                    vec![w, sc, bi]
+                }
+            };
+            for (j, part) in parts.iter().enumerate() {
+                self.pools[i + j] = weft_kv_pool::storage::scatter_tokens(
+                    &self.pools[i + j],
+                    &self.write_block,
+                    &self.write_offset,
+                    part,
+                )
+                .map_err(|e| ModelError::Invalid(e.to_string()))?;
+            }
         }
         Ok(())
+    }
+
+    /// Layer `layer`'s pools as the paged kernel reads them.
+    fn layer_pools(&self, layer: usize) -> Result<Pools<'_>> {
+        let base = layer * self.per_layer;
+        Pools::from_arrays(&self.pools[base..base + self.per_layer], self.quant)
     }
 
     fn keys(&self) -> usize {
@@ -333,8 +367,7 @@ impl LayerKv for TracedKv {
         let scale = Array::from_slice(&[scale], &[1]);
         kernel.decode_rows(
             q,
-            &self.pools[2 * layer],
-            &self.pools[2 * layer + 1],
+            self.layer_pools(layer)?,
             &self.table,
             &self.start,
             &self.ntok,
@@ -375,48 +408,60 @@ impl LayerKv for TracedKv {
         }
         let (b, h, d) = (ks[0], ks[1], ks[3]);
         self.write(layer, &k.reshape(&[b, h, d])?, &v.reshape(&[b, h, d])?)?;
-        let (kp, vp) = (&self.pools[2 * layer], &self.pools[2 * layer + 1]);
         let width = self.table.dim(1);
         let keys = self.keys() as i32;
-        match &self.kernel {
-            Some(kernel) => {
-                let scale = Array::from_slice(&[scale], &[1]);
-                kernel.decode(
-                    q,
-                    kp,
-                    vp,
-                    &self.table,
-                    &self.start,
-                    &self.ntok,
-                    &scale,
-                    keys as usize,
-                )
-            }
-            None => {
-                // Each row's table gathered into `[B, H, width * BS, D]`,
-                // keys past its length masked.
-                let flat = self.table.reshape(&[-1])?;
-                let ctx = |pool: &Array| -> Result<Array> {
-                    let bs = self.block_size;
-                    Ok(pool
-                        .take_axis(&flat, 0)?
-                        .reshape(&[b, width, h, bs, d])?
-                        .transpose_axes(&[0, 2, 1, 3, 4])?
-                        .reshape(&[b, h, keys, d])?)
-                };
-                let (kc, vc) = (ctx(kp)?, ctx(vp)?);
-                let pos = ops::arange::<_, i32>(0, keys, 1)?.reshape(&[1, keys])?;
-                let len = ops::add(&self.start, &self.ntok)?.reshape(&[b, 1])?;
-                let mask = pos.lt(&len)?.reshape(&[b, 1, 1, keys])?;
-                let q = if q.dtype() == kc.dtype() {
-                    q.clone()
-                } else {
-                    q.as_dtype(kc.dtype())?
-                };
-                Ok(fast::scaled_dot_product_attention(
-                    &q, &kc, &vc, scale, &mask, None,
-                )?)
-            }
+        if let Some(kernel) = &self.kernel {
+            let scale = Array::from_slice(&[scale], &[1]);
+            return kernel.decode(
+                q,
+                self.layer_pools(layer)?,
+                &self.table,
+                &self.start,
+                &self.ntok,
+                &scale,
+                keys as usize,
+            );
         }
+        // Each row's table gathered into `[B, H, width * BS, D]` (dequantized
+        // when quantized), keys past its length masked.
+        let flat = self.table.reshape(&[-1])?;
+        let ctx = |pool: &Array| -> Result<Array> {
+            let (bs, last) = (self.block_size, pool.dim(3));
+            Ok(pool
+                .take_axis(&flat, 0)?
+                .reshape(&[b, width, h, bs, last])?
+                .transpose_axes(&[0, 2, 1, 3, 4])?
+                .reshape(&[b, h, keys, last])?)
+        };
+        let read = |p: &[Array]| -> Result<Array> {
+            match (p, self.quant) {
+                ([x], None) => ctx(x),
+                ([w, sc, bi], Some(q)) => Ok(ops::dequantize(
+                    &ctx(w)?,
+                    &ctx(sc)?,
+                    &ctx(bi)?,
+                    i32::from(q.group_size),
+                    i32::from(q.bits),
+                )?),
+                _ => Err(ModelError::Invalid(
+                    "compiled decode: pool arrays do not match the storage".into(),
+                )),
+            }
+        };
+        let base = layer * self.per_layer;
+        let per = self.per_layer / 2;
+        let kc = read(&self.pools[base..base + per])?;
+        let vc = read(&self.pools[base + per..base + 2 * per])?;
+        let pos = ops::arange::<_, i32>(0, keys, 1)?.reshape(&[1, keys])?;
+        let len = ops::add(&self.start, &self.ntok)?.reshape(&[b, 1])?;
+        let mask = pos.lt(&len)?.reshape(&[b, 1, 1, keys])?;
+        let q = if q.dtype() == kc.dtype() {
+            q.clone()
+        } else {
+            q.as_dtype(kc.dtype())?
+        };
+        Ok(fast::scaled_dot_product_attention(
+            &q, &kc, &vc, scale, &mask, None,
+        )?)
     }
 }

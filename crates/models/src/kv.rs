@@ -40,7 +40,7 @@ use weft_kv_pool::{AttentionKind, GroupSpec, KvGroups, RowBlocks, StorageOp};
 use crate::composed_attention::{self, PrefillAttention, Visible};
 use crate::cpu_kernels::{self, Kernels};
 use crate::error::{ModelError, Result};
-use crate::paged_attention::PagedAttention;
+use crate::paged_attention::{PagedAttention, Pools};
 
 /// How much memory the KV pool takes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -472,8 +472,7 @@ impl PagedKv {
     /// group (its pool arrays are the step's inputs; sliding-window layers
     /// gather, which the trace does not).
     pub fn compilable(&self) -> bool {
-        self.shape.quant.is_none()
-            && matches!(self.groups.groups.as_slice(), [g] if g.kind == AttentionKind::Full)
+        matches!(self.groups.groups.as_slice(), [g] if g.kind == AttentionKind::Full)
     }
 
     /// Whether decode attention runs the paged GPU kernel.
@@ -491,24 +490,25 @@ impl PagedKv {
         self.groups.block_size
     }
 
-    /// Every layer's dense K/V pool arrays (`[k0, v0, k1, v1, ...]`) for a
-    /// compiled step; see `KvStorage::dense_pools` (drop them before the step
-    /// is evaluated). Only single-group dense storage has them.
-    pub fn dense_pools(&self) -> Result<Vec<Array>> {
+    /// Every layer's K/V pool arrays for a compiled step (see
+    /// `KvStorage::pool_arrays`: per layer its K arrays then its V arrays, one
+    /// each dense, three quantized; drop them before the step is evaluated).
+    /// Only single-group storage has them.
+    pub fn pool_arrays(&self) -> Result<Vec<Array>> {
         match self.storage.as_slice() {
-            [one] => one.borrow().dense_pools().map_err(storage_err),
+            [one] => Ok(one.borrow().pool_arrays()),
             _ => Err(ModelError::Invalid(
-                "compiled steps need one dense KV group".into(),
+                "compiled steps need one KV group".into(),
             )),
         }
     }
 
-    /// Installs the pool arrays a compiled step wrote (`dense_pools` order).
-    pub fn replace_dense(&self, pools: Vec<Array>) -> Result<()> {
+    /// Installs the pool arrays a compiled step wrote (`pool_arrays` order).
+    pub fn replace_pools(&self, pools: Vec<Array>) -> Result<()> {
         match self.storage.as_slice() {
-            [one] => one.borrow_mut().replace_dense(pools).map_err(storage_err),
+            [one] => one.borrow_mut().replace_pools(pools).map_err(storage_err),
             _ => Err(ModelError::Invalid(
-                "compiled steps need one dense KV group".into(),
+                "compiled steps need one KV group".into(),
             )),
         }
     }
@@ -778,24 +778,19 @@ impl KvStep<'_> {
                     .as_ref()
                     .ok_or_else(|| ModelError::Invalid("paged kernel missing".into()))?;
                 let scale = Array::from_slice(&[scale], &[1]);
-                if self.kv.shape.quant.is_some() {
-                    let (kq, vq) = storage.quantized_arrays(layer).map_err(storage_err)?;
-                    return kernel.decode_quantized(
-                        q,
-                        kq,
-                        vq,
-                        &ki.table,
-                        &ki.start,
-                        &ki.ntok,
-                        &scale,
-                        ki.max_keys,
-                    );
-                }
-                let (kp, vp) = storage.dense_arrays(layer).map_err(storage_err)?;
+                let pools = match self.kv.shape.quant {
+                    Some(_) => {
+                        let (kq, vq) = storage.quantized_arrays(layer).map_err(storage_err)?;
+                        Pools::Quantized(kq, vq)
+                    }
+                    None => {
+                        let (kp, vp) = storage.dense_arrays(layer).map_err(storage_err)?;
+                        Pools::Dense(kp, vp)
+                    }
+                };
                 kernel.decode(
                     q,
-                    kp,
-                    vp,
+                    pools,
                     &ki.table,
                     &ki.start,
                     &ki.ntok,

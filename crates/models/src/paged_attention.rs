@@ -23,7 +23,7 @@
 
 use mlx_rs::{Array, Dtype};
 
-use weft_kv_pool::storage::QuantPool;
+use weft_kv_pool::storage::{AffineQuant, QuantPool};
 
 use crate::cuda_kernel::Kernel;
 use crate::error::{ModelError, Result};
@@ -273,6 +273,34 @@ pub enum Pools<'a> {
     Quantized(QuantPool<'a>, QuantPool<'a>),
 }
 
+impl<'a> Pools<'a> {
+    /// One layer's pools from its arrays in `KvStorage::pool_arrays` order
+    /// (K then V: one array each dense, packed / scales / biases quantized).
+    pub fn from_arrays(a: &'a [Array], quant: Option<AffineQuant>) -> Result<Self> {
+        match (a, quant) {
+            ([k, v], None) => Ok(Self::Dense(k, v)),
+            ([kp, ks, kb, vp, vs, vb], Some(q)) => Ok(Self::Quantized(
+                QuantPool {
+                    packed: kp,
+                    scales: ks,
+                    biases: kb,
+                    quant: q,
+                },
+                QuantPool {
+                    packed: vp,
+                    scales: vs,
+                    biases: vb,
+                    quant: q,
+                },
+            )),
+            _ => Err(ModelError::Invalid(format!(
+                "paged decode: {} pool arrays for {quant:?}",
+                a.len()
+            ))),
+        }
+    }
+}
+
 /// How many context splits a decode step of `warps` warps (rows x query
 /// heads x query positions) over at most `keys` keys per row should use.
 pub fn splits_for(warps: usize, keys: usize) -> usize {
@@ -324,8 +352,10 @@ impl PagedAttention {
     }
 
     /// Attention of `q` `[B, HQ, T, D]`, scaled by `scale` (`[1]` f32) in the
-    /// kernel, over each row's
-    /// paged context. `k_pool`/`v_pool` are `[num_blocks, KVH, BS, D]`,
+    /// kernel, over each row's paged context. The pools are `[num_blocks,
+    /// KVH, BS, D]` when dense; quantized, `packed` is `[num_blocks, KVH, BS,
+    /// D * bits / 32]` and the scales and biases `[num_blocks, KVH, BS, D /
+    /// group]`, dequantized as they are read.
     /// `table` `[B, max_blocks]` int32, `start` and `ntok` `[B]` int32 (the
     /// row's length before the step and its tokens in the step; T >= every
     /// `ntok`). `max_keys` bounds `start + ntok` over the batch (it sizes the
@@ -334,8 +364,7 @@ impl PagedAttention {
     pub fn decode(
         &self,
         q: &Array,
-        k_pool: &Array,
-        v_pool: &Array,
+        pools: Pools<'_>,
         table: &Array,
         start: &Array,
         ntok: &Array,
@@ -343,27 +372,6 @@ impl PagedAttention {
         max_keys: usize,
     ) -> Result<Array> {
         let out = q.shape().to_vec();
-        let pools = Pools::Dense(k_pool, v_pool);
-        self.run(q, pools, table, start, ntok, scale, max_keys, &out)
-    }
-
-    /// [`decode`](Self::decode) over quantized pools (`packed` `[num_blocks,
-    /// KVH, BS, D * bits / 32]`, scales and biases `[num_blocks, KVH, BS, D /
-    /// group]`), dequantized as they are read.
-    #[allow(clippy::too_many_arguments)]
-    pub fn decode_quantized(
-        &self,
-        q: &Array,
-        k: QuantPool<'_>,
-        v: QuantPool<'_>,
-        table: &Array,
-        start: &Array,
-        ntok: &Array,
-        scale: &Array,
-        max_keys: usize,
-    ) -> Result<Array> {
-        let out = q.shape().to_vec();
-        let pools = Pools::Quantized(k, v);
         self.run(q, pools, table, start, ntok, scale, max_keys, &out)
     }
 
@@ -374,8 +382,7 @@ impl PagedAttention {
     pub fn decode_rows(
         &self,
         q: &Array,
-        k_pool: &Array,
-        v_pool: &Array,
+        pools: Pools<'_>,
         table: &Array,
         start: &Array,
         ntok: &Array,
@@ -389,7 +396,6 @@ impl PagedAttention {
             )));
         }
         let out = [qs[0], qs[1] * qs[3]];
-        let pools = Pools::Dense(k_pool, v_pool);
         self.run(q, pools, table, start, ntok, scale, max_keys, &out)
     }
 

@@ -9,7 +9,7 @@
 mod common;
 
 use common::*;
-use weft_models::{BatchRunner, RowStep};
+use weft_models::{AffineQuant, BatchRunner, KvMemory, RowStep};
 
 /// f32 logits of the compiled and op-by-op forwards agree this closely
 /// (different op order in attention; measured ~1e-6).
@@ -98,13 +98,47 @@ fn compiled(md: &std::path::Path) -> BatchRunner {
     r
 }
 
+/// A runner of 64 blocks whose K/V are stored quantized with `quant`.
+fn quantized(md: &std::path::Path, quant: Option<AffineQuant>) -> BatchRunner {
+    let m = load_f32(md, false);
+    BatchRunner::with_memory_use(m, 16, KvMemory::Blocks(64), None, quant).unwrap()
+}
+
 #[test]
 fn compiled_decode_logits_match_and_a_fault_inside_rolls_back() {
     let dir = tempfile::tempdir().unwrap();
     let md = dir.path().join("m");
     oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
-    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
-    let mut comp = Rows::new(compiled(&md));
+    compiled_matches(runner(load_f32(&md, false), 64), compiled(&md));
+}
+
+/// The same over K/V stored quantized (8 and 4 bits): the compiled step
+/// quantizes its new tokens and writes the packed values, scales and biases
+/// as the storage does, and reads them back dequantized.
+#[test]
+fn compiled_decode_over_quantized_kv_matches_and_rolls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&[
+        "fixture",
+        "--arch",
+        "llama-wide",
+        "--out",
+        md.to_str().unwrap(),
+    ]);
+    for q in [AffineQuant::new(8, 64), AffineQuant::new(4, 32)] {
+        let mut comp = quantized(&md, Some(q));
+        comp.set_compiled_decode(true).unwrap();
+        compiled_matches(quantized(&md, Some(q)), comp);
+    }
+}
+
+/// Prefill, then 16 greedy decode steps of the three rows on `plain`
+/// (op by op) and `compiled` (compiled decode), step 5 of the compiled one
+/// failing once inside the forward first.
+fn compiled_matches(plain: BatchRunner, compiled: BatchRunner) {
+    let mut plain = Rows::new(plain);
+    let mut comp = Rows::new(compiled);
     assert_eq!(plain.prefill(), comp.prefill(), "prefill is not compiled");
     assert_eq!(comp.runner.compiled_decode().unwrap().traces(), 0);
     const STEPS: usize = 16;

@@ -194,3 +194,41 @@ fn failed_steps_over_quantized_kv_roll_back_to_the_same_tokens() {
         quantized_runner(md, AffineQuant::new(4, 64))
     });
 }
+
+/// Gemma 3's sliding-window layers over quantized K/V (both groups
+/// quantized; a window of 8 that every row passes, rows of 1 to 40 tokens
+/// joining and leaving): each row of the batch gets the tokens and log-probs
+/// it gets alone. mlx-lm has no quantized rotating cache to compare with.
+#[test]
+fn sliding_window_rows_over_quantized_kv_match_each_row_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "gemma3", "--out", md.to_str().unwrap()]);
+    let q = AffineQuant::new(4, 32);
+    let make = || {
+        BatchRunner::with_memory_use(load(&md), 16, KvMemory::Blocks(96), None, Some(q)).unwrap()
+    };
+    let rs = rows();
+    let mut batch = make();
+    assert_eq!(batch.kv_groups().groups.len(), 2, "a sliding-window group");
+    let together = drive(&mut batch, &rs, |_| false);
+    for (i, r) in rs.iter().enumerate() {
+        let alone_row = Row {
+            ids: r.ids.clone(),
+            max_tokens: r.max_tokens,
+            join_step: 0,
+        };
+        let alone = drive(&mut make(), &[alone_row], |_| false);
+        assert_eq!(
+            together[i].0, alone[0].0,
+            "row {i}: tokens differ in the batch"
+        );
+        for (s, (a, b)) in together[i].1.iter().zip(&alone[0].1).enumerate() {
+            let d = max_abs_diff(a, b);
+            assert!(
+                d < 1e-4,
+                "row {i} step {s}: log-probs differ by {d} in the batch"
+            );
+        }
+    }
+}

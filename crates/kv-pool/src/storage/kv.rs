@@ -481,43 +481,42 @@ impl KvStorage {
         }
     }
 
-    /// Every layer's dense K and V pool arrays in order (`[k0, v0, k1, v1,
-    /// ...]`), as inputs of a compiled step that writes them and hands back
-    /// their successors through [`replace_dense`](Self::replace_dense). These
-    /// are extra references: drop them before the step is evaluated, or its
-    /// writes copy the pool instead of updating it in place.
-    pub fn dense_pools(&self) -> Result<Vec<Array>, StorageError> {
-        let mut out = Vec::with_capacity(self.layers.len() * 2);
-        for l in &self.layers {
-            for s in [&l.k, &l.v] {
-                match s {
-                    Stored::Dense(a) => out.push(a.clone()),
-                    Stored::Quant { .. } => {
-                        return Err(StorageError::BadRow("dense_pools of quantized storage"))
-                    }
-                }
-            }
+    /// Arrays that hold one layer's K (or V): 1 dense, 3 quantized (packed
+    /// values, scales, biases).
+    pub fn arrays_per_pool(&self) -> usize {
+        if self.cfg.quant.is_some() {
+            3
+        } else {
+            1
         }
-        Ok(out)
     }
 
-    /// Replaces every dense pool array with the written version a compiled
-    /// step returned (same order as [`dense_pools`](Self::dense_pools); each
-    /// must keep its shape and dtype). Nothing is replaced if one does not
-    /// fit.
-    pub fn replace_dense(&mut self, pools: Vec<Array>) -> Result<(), StorageError> {
-        if pools.len() != self.layers.len() * 2 {
+    /// Every layer's pool arrays in order, layer 0's K arrays then its V
+    /// arrays, then layer 1's, ... ([`arrays_per_pool`](Self::arrays_per_pool)
+    /// each), as inputs of a compiled step that writes them and hands back
+    /// their successors through [`replace_pools`](Self::replace_pools). These
+    /// are extra references: drop them before the step is evaluated, or its
+    /// writes copy the pool instead of updating it in place.
+    pub fn pool_arrays(&self) -> Vec<Array> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.k.arrays().chain(l.v.arrays()).cloned())
+            .collect()
+    }
+
+    /// Replaces every pool array with the written version a compiled step
+    /// returned (the order of [`pool_arrays`](Self::pool_arrays); each must
+    /// keep its shape and dtype). Nothing is replaced if one does not fit.
+    pub fn replace_pools(&mut self, pools: Vec<Array>) -> Result<(), StorageError> {
+        let n = self.layers.len() * 2 * self.arrays_per_pool();
+        if pools.len() != n {
             return Err(StorageError::Shape {
                 what: "replacement pool arrays",
-                expected: vec![self.layers.len() as i32 * 2],
+                expected: vec![n as i32],
                 got: vec![pools.len() as i32],
             });
         }
-        for (i, new) in pools.iter().enumerate() {
-            let l = &self.layers[i / 2];
-            let Stored::Dense(old) = (if i % 2 == 0 { &l.k } else { &l.v }) else {
-                return Err(StorageError::BadRow("replace_dense of quantized storage"));
-            };
+        for (old, new) in self.pool_arrays().iter().zip(&pools) {
             if old.shape() != new.shape() || old.dtype() != new.dtype() {
                 return Err(StorageError::Shape {
                     what: "replacement pool array",
@@ -526,11 +525,13 @@ impl KvStorage {
                 });
             }
         }
-        for (i, new) in pools.into_iter().enumerate() {
-            let l = &mut self.layers[i / 2];
-            if let Stored::Dense(a) = if i % 2 == 0 { &mut l.k } else { &mut l.v } {
-                *a = new;
-            }
+        let slots = self.layers.iter_mut().flat_map(|l| {
+            let mut v = l.k.arrays_mut();
+            v.extend(l.v.arrays_mut());
+            v
+        });
+        for (slot, new) in slots.zip(pools) {
+            *slot = new;
         }
         Ok(())
     }
