@@ -275,6 +275,18 @@ pub struct LoraIn {
 }
 
 impl LoraIn {
+    /// The same with `z` and the expand stacks in `dt` (the kernel reads
+    /// them in the dtype of the output they add to).
+    pub fn cast(self, dt: Dtype) -> Result<Self> {
+        let to =
+            |a: Array| -> Result<Array> { Ok(if a.dtype() == dt { a } else { a.as_dtype(dt)? }) };
+        Ok(Self {
+            z: to(self.z)?,
+            b: self.b.into_iter().map(to).collect::<Result<_>>()?,
+            ..self
+        })
+    }
+
     /// Adds the inputs and template arguments of a consumer of `y` `[N, O]`
     /// to `inputs` and `ints`, checked against it.
     fn push_args<'a>(

@@ -761,10 +761,11 @@ impl LlamaModel {
             .ok_or_else(|| ModelError::Invalid("model has no layers".into()))?;
         let mut x = fast::rms_norm(&h, Some(&first.input_norm), c.rms_norm_eps)?;
         let add_norm = |h: &Array, (a, l): (Array, Option<LoraIn>), w: &Array| {
-            let a = if a.dtype() == h.dtype() {
-                a
+            let (a, l) = if a.dtype() == h.dtype() {
+                (a, l)
             } else {
-                a.as_dtype(h.dtype())?
+                let l = l.map(|l| l.cast(h.dtype())).transpose()?;
+                (a.as_dtype(h.dtype())?, l)
             };
             k.add_rms_norm(h, &a, w, &self.eps, l.as_ref())
         };
