@@ -66,13 +66,14 @@ pub struct MemoryPlan {
     pub step_activations: u64,
     pub step_attention: u64,
     pub step_logits: u64,
+    pub step_gather: u64,
     /// MLX's buffer-cache cap; `None` when left to MLX (unbounded by the plan).
     pub cache_limit: Option<u64>,
 }
 
 impl MemoryPlan {
     pub fn step(&self) -> u64 {
-        self.step_activations + self.step_attention + self.step_logits
+        self.step_activations + self.step_attention + self.step_logits + self.step_gather
     }
 
     /// Everything MLX may hold at once under the plan; `None` when the cache
@@ -124,15 +125,27 @@ pub fn step_shape(
             _ => 2,
         },
         chunked: gpu,
+        // Rows continuing a prompt (chunks, prefix hits) gather their
+        // context: at most one per token of the step, and max_rows.
+        gathered_rows: (max_rows as u64).min(tokens),
+        gather_bytes_per_token: runner.kv().gather_bytes_per_token(),
     }
 }
 
 /// A step of `shape`'s rows all decoding: one token and the longest draft
-/// each, no attention scores kept (the paged kernels read the pool in place).
-pub fn decode_shape(shape: StepShape) -> StepShape {
+/// each, no attention scores kept (the paged kernels and the CPU's host
+/// attention read the pool in place), and their contexts gathered only where
+/// decode gathers (`decode_gathers`: a quantized pool without the paged
+/// kernel; a CPU pool in another dtype than f32).
+pub fn decode_shape(shape: StepShape, decode_gathers: bool) -> StepShape {
     StepShape {
         tokens: shape.sampled,
-        context: 0,
+        context: if decode_gathers { shape.context } else { 0 },
+        gathered_rows: if decode_gathers {
+            shape.gathered_rows
+        } else {
+            0
+        },
         ..shape
     }
 }
@@ -162,6 +175,7 @@ pub fn plan(
         step_activations: step.activations,
         step_attention: step.attention,
         step_logits: step.logits,
+        step_gather: step.gather,
         cache_limit,
     })
 }
@@ -183,7 +197,7 @@ pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
         cache_limit_bytes = plan.cache_limit,
         total_bytes = plan.total(),
         warm_up_peak_bytes = warm_up_peak,
-        "memory plan: weights {} + KV pool {} + adapters {} + largest step {} (activations {}, attention scores {}, logits {}) + MLX buffer cache {} = {total}; the warm-up peaked at {}",
+        "memory plan: weights {} + KV pool {} + adapters {} + largest step {} (activations {}, attention scores {}, logits {}, gathered K/V {}) + MLX buffer cache {} = {total}; the warm-up peaked at {}",
         mib(plan.weights),
         mib(plan.kv),
         mib(plan.adapters),
@@ -191,6 +205,7 @@ pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
         mib(plan.step_activations),
         mib(plan.step_attention),
         mib(plan.step_logits),
+        mib(plan.step_gather),
         plan.cache_limit.map_or_else(|| "uncapped".to_string(), mib),
         warm_up_peak.map_or_else(|| "?".to_string(), mib),
     );

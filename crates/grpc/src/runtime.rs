@@ -715,7 +715,7 @@ pub fn start_engine_with(
             let step = weft_models::memory::step_memory(&model_config, shape);
             let decode = weft_models::memory::step_memory(
                 &model_config,
-                crate::memory_plan::decode_shape(shape),
+                crate::memory_plan::decode_shape(shape, runner.kv().decode_gathers()),
             );
             let plan = crate::memory_plan::plan(weights, &runner, step, decode, kv.cache_limit)?;
             weft_models::memory::reset_peak()?;

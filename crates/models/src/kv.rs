@@ -480,6 +480,23 @@ impl PagedKv {
         self.kernel.is_some()
     }
 
+    /// Whether decode rows gather their context into a padded layout (no
+    /// paged kernel, and no host attention: that needs a dense f32 pool).
+    pub fn decode_gathers(&self) -> bool {
+        self.kernel.is_none() && !(self.shape.dtype == Dtype::Float32 && self.shape.quant.is_none())
+    }
+
+    /// Bytes one token of one layer takes once gathered: K and V in the
+    /// compute dtype, plus a quantized pool's packed values, scales and
+    /// biases gathered before they are dequantized.
+    pub fn gather_bytes_per_token(&self) -> u64 {
+        let dense = self.shape.with_quant(None).bytes_per_layer_token();
+        match self.shape.quant {
+            Some(_) => dense + self.shape.bytes_per_layer_token(),
+            None => dense,
+        }
+    }
+
     /// The paged decode kernel, when decode attention runs it.
     pub fn kernel(&self) -> Option<std::rc::Rc<PagedAttention>> {
         self.kernel.clone()
@@ -1030,6 +1047,30 @@ mod tests {
         let quant = KvSplit::plan(&q4, 16, budget, None);
         assert_eq!(plain.full, (64 << 20) / (1024 * 16 * 18));
         assert_eq!(quant.full, (64 << 20) / (288 * 16 * 18));
+    }
+
+    /// Without the paged kernel, decode reads a dense f32 pool in place (host
+    /// attention) and gathers any other; a gathered quantized token costs its
+    /// dequantized K/V plus the packed parts read before.
+    #[test]
+    fn decode_gathers_exactly_where_host_attention_cannot_read_the_pool() {
+        let pool = |dtype, quant| {
+            let shape = gemma3(dtype).with_quant(quant);
+            PagedKv::new(shape, 16, KvMemory::Blocks(4), Kernels::Stock, false).expect("pool")
+        };
+        let q4 = Some(AffineQuant::new(4, 64));
+        assert!(!pool(Dtype::Float32, None).decode_gathers());
+        assert!(pool(Dtype::Float32, q4).decode_gathers());
+        assert!(pool(Dtype::Bfloat16, None).decode_gathers());
+        assert_eq!(
+            pool(Dtype::Float32, None).gather_bytes_per_token(),
+            2 * 256 * 4
+        );
+        // 2 x (256 / 2 packed bytes + 4 groups x 2 x 4 bytes) on top.
+        assert_eq!(
+            pool(Dtype::Float32, q4).gather_bytes_per_token(),
+            2048 + 2 * (128 + 32)
+        );
     }
 
     #[test]

@@ -60,11 +60,14 @@ pub struct StepMemory {
     /// Logits of every sampled position in f32, with the sampler's working
     /// copies.
     pub logits: u64,
+    /// One layer's K and V gathered from the pool into the padded layout
+    /// (dequantized from a quantized pool) for the rows that attend that way.
+    pub gather: u64,
 }
 
 impl StepMemory {
     pub fn total(&self) -> u64 {
-        self.activations + self.attention + self.logits
+        self.activations + self.attention + self.logits + self.gather
     }
 }
 
@@ -81,6 +84,11 @@ pub struct StepShape {
     /// scores (the GPU), rather than over all of a forward's at once (MLX's
     /// CPU SDPA, which composes without a bound).
     pub chunked: bool,
+    /// Rows whose context one forward may gather from the pool (each padded
+    /// to `context`), and the bytes one gathered token of one layer takes
+    /// (K and V, with a quantized pool's packed parts before dequantizing).
+    pub gathered_rows: u64,
+    pub gather_bytes_per_token: u64,
 }
 
 /// Upper bound of a step's allocations for `config` at `shape`.
@@ -111,9 +119,14 @@ pub fn step_memory(config: &ModelConfig, shape: StepShape) -> StepMemory {
         .sampled
         .saturating_mul(config.vocab_size.max(0) as u64)
         .saturating_mul(4 * 3);
+    let gather = shape
+        .gathered_rows
+        .saturating_mul(shape.context)
+        .saturating_mul(shape.gather_bytes_per_token);
     StepMemory {
         activations,
         attention,
         logits,
+        gather,
     }
 }
