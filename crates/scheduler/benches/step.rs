@@ -79,6 +79,7 @@ fn setup(
         // `Timed` forwards one step at a time.
         defer_sampling: false,
         adapter_slots: 0,
+        state_slots: 0,
     };
     let cfg = SchedulerConfig {
         max_batch_rows: rows,

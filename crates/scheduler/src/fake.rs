@@ -78,6 +78,12 @@ pub struct FakeConfig {
     /// ([`Model::add_adapter`]) and a forward may name at most this many; residency is
     /// simulated (least recently used evicted) for [`Model::adapter_counters`].
     pub adapter_slots: usize,
+    /// Recurrent-state slots (an SSM / linear-attention hybrid; 0: none): every row
+    /// names one ([`RowInput::state_slot`]), whose state must be the row's history
+    /// hash at `start_pos` (a new row, at 0, starts from a zero state); the forward
+    /// leaves the state after its tokens there, staged until commit. Such a model
+    /// takes no drafts.
+    pub state_slots: u32,
 }
 
 /// Seconds a fake forward "takes": `base + per_decode_row * rows feeding one token +
@@ -141,6 +147,7 @@ impl Default for FakeConfig {
             step_cost: None,
             defer_sampling: true,
             adapter_slots: 0,
+            state_slots: 0,
         }
     }
 }
@@ -202,6 +209,15 @@ struct Staged {
     unsampled: Option<Vec<f32>>,
     /// (decoding rows, other tokens, simulated seconds) under `FakeConfig::step_cost`.
     cost: Option<(usize, usize, f64)>,
+    /// State slots it wrote (resets, copies, rows' new state), applied at commit.
+    slots: HashMap<u32, SlotState>,
+}
+
+/// One recurrent-state slot: the history hash after `len` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SlotState {
+    chain: u64,
+    len: usize,
 }
 
 /// One KV slot of the shadow storage.
@@ -249,6 +265,10 @@ pub struct FakeStats {
     pub adapters: std::collections::BTreeSet<Option<u32>>,
     /// Most distinct adapters in one forward.
     pub max_step_adapters: usize,
+    /// Rows whose recurrent state was read from their slot and checked, and rows
+    /// that started from a zero state (at position 0).
+    pub state_reads: u64,
+    pub slot_resets: u64,
 }
 
 #[derive(Debug)]
@@ -262,6 +282,8 @@ pub struct FakeModel {
     staged: VecDeque<Staged>,
     /// The shadow KV storage, keyed by [`slot_key`] of (group, block, offset).
     kv: IdMap<u64, Slot>,
+    /// Committed recurrent-state slots.
+    state: HashMap<u32, SlotState>,
     /// Per-forward scratch: history hash after each position that needs logits, and
     /// the slots written (conflict check).
     states: Vec<(u64, u32)>,
@@ -303,6 +325,7 @@ impl FakeModel {
             rows: HashMap::new(),
             staged: VecDeque::new(),
             kv: IdMap::default(),
+            state: HashMap::new(),
             states: Vec::new(),
             written: HashMap::default(),
             stats: FakeStats::default(),
@@ -463,7 +486,11 @@ impl FakeModel {
         }
     }
 
-    fn apply_ops(&mut self, ops: &[StorageOp]) -> Result<(), ModelError> {
+    fn apply_ops(
+        &mut self,
+        ops: &[StorageOp],
+        slots: &mut HashMap<u32, SlotState>,
+    ) -> Result<(), ModelError> {
         let bs = self.bs();
         for op in ops {
             match *op {
@@ -482,14 +509,87 @@ impl FakeModel {
                     }
                     self.stats.copies += 1;
                 }
+                StorageOp::ResetSlot(s) if s < self.cfg.state_slots => {
+                    slots.insert(
+                        s,
+                        SlotState {
+                            chain: HISTORY_SEED,
+                            len: 0,
+                        },
+                    );
+                }
+                StorageOp::CopySlot { src, dst }
+                    if src < self.cfg.state_slots && dst < self.cfg.state_slots =>
+                {
+                    match self.slot_state(src, slots) {
+                        Some(st) => slots.insert(dst, st),
+                        None => slots.remove(&dst),
+                    };
+                }
                 StorageOp::CopySlot { .. } | StorageOp::ResetSlot(_) => {
                     return Err(self.violation(format!(
-                        "state-slot op {op:?} for a model without state slots"
+                        "state-slot op {op:?} outside the model's {} state slots",
+                        self.cfg.state_slots
                     )));
                 }
             }
         }
         Ok(())
+    }
+
+    /// Slot `s` as a step sees it: this step's writes (`local`), else the newest
+    /// staged step's, else the committed state (None: never written).
+    fn slot_state(&self, s: u32, local: &HashMap<u32, SlotState>) -> Option<SlotState> {
+        local
+            .get(&s)
+            .or_else(|| self.staged.iter().rev().find_map(|st| st.slots.get(&s)))
+            .or_else(|| self.state.get(&s))
+            .copied()
+    }
+
+    /// Checks a row's recurrent-state slot: present exactly for a model with state
+    /// slots, and holding the row's history `chain` at `start_pos`.
+    fn check_state(
+        &mut self,
+        r: &RowInput,
+        chain: u64,
+        local: &HashMap<u32, SlotState>,
+    ) -> Result<(), ModelError> {
+        let s = match (r.state_slot, self.cfg.state_slots) {
+            (None, 0) => return Ok(()),
+            (Some(s), n) if s < n => s,
+            (slot, n) => {
+                return Err(self.violation(format!(
+                    "row {}: state slot {slot:?} for a model of {n} state slots",
+                    r.row
+                )))
+            }
+        };
+        if r.draft > 0 {
+            return Err(self.violation(format!(
+                "row {}: a draft for a model with recurrent state",
+                r.row
+            )));
+        }
+        if r.start_pos == 0 {
+            // A new row starts from a zero state, whatever its slot held.
+            self.stats.slot_resets += 1;
+            return Ok(());
+        }
+        let want = SlotState {
+            chain,
+            len: r.start_pos,
+        };
+        match self.slot_state(s, local) {
+            Some(st) if st == want => {
+                self.stats.state_reads += 1;
+                Ok(())
+            }
+            other => Err(self.violation(format!(
+                "row {}: state slot {s} holds {other:?}, not its state at {} ({want:?})",
+                r.row, r.start_pos
+            ))),
+        }
     }
 
     /// Checks one row's input against the contract and what the fake knows of it, and
@@ -634,14 +734,17 @@ impl FakeModel {
         self.stats.forwards += 1;
         let call = self.stats.forwards;
         self.make_resident(batch, call)?;
-        self.apply_ops(ops)?;
+        let mut slots = HashMap::new();
+        self.apply_ops(ops, &mut slots)?;
         let mut staged: HashMap<RowId, RowState> = HashMap::with_capacity(batch.len());
         let mut heads = Vec::with_capacity(batch.len());
         for r in batch {
             if staged.contains_key(&r.row) {
                 return Err(self.violation(format!("row {} appears twice in one batch", r.row)));
             }
-            heads.push(self.check_row(r)?);
+            let head = self.check_row(r)?;
+            self.check_state(r, head.0, &slots)?;
+            heads.push(head);
             let end = r.start_pos + r.tokens.len();
             let lo = if r.draft > 0 { r.start_pos + 1 } else { end };
             staged.insert(r.row, RowState { lo, hi: end });
@@ -725,6 +828,11 @@ impl FakeModel {
                     self.states.push((h, t));
                 }
             }
+            if let Some(s) = r.state_slot {
+                let chain = if torn.is_some() { h ^ TORN_WRITE } else { h };
+                let len = r.start_pos + r.tokens.len();
+                slots.insert(s, SlotState { chain, len });
+            }
         }
         if let Some(msg) = conflict {
             return Err(self.violation(msg));
@@ -736,6 +844,7 @@ impl FakeModel {
             self.staged.push_back(Staged {
                 rows: staged.into_iter().take(keep).collect(),
                 failed: true,
+                slots,
                 ..Default::default()
             });
             self.stats.failed_forwards += 1;
@@ -784,6 +893,7 @@ impl FakeModel {
             failed: false,
             unsampled,
             cost,
+            slots,
         });
         Ok(out)
     }
@@ -857,7 +967,8 @@ impl Model for FakeModel {
                 Some(w) => KvGroups::new(self.cfg.kv_block_size)
                     .full(self.cfg.kv_blocks)
                     .sliding(w, self.blocks_in(1)),
-            },
+            }
+            .state_slots(self.cfg.state_slots),
             adapter_slots: self.cfg.adapter_slots,
         }
     }
@@ -927,13 +1038,15 @@ impl Model for FakeModel {
         }
         if let Some(st) = self.staged.pop_front() {
             self.rows.extend(st.rows);
+            self.state.extend(st.slots);
         }
         self.stats.commits += 1;
         Ok(())
     }
 
     fn supports_drafts(&self) -> bool {
-        true
+        // Rejected draft tokens cannot be taken back out of a recurrent state.
+        self.cfg.state_slots == 0
     }
 
     fn rollback(&mut self) {
@@ -1083,6 +1196,7 @@ mod tests {
             sampling: Default::default(),
             follows: false,
             adapter: None,
+            state_slot: None,
         }
     }
 

@@ -46,6 +46,12 @@ pub struct RowInput {
     /// The LoRA adapter the row runs with ([`crate::Request::adapter`]; None: the base
     /// model).
     pub adapter: Option<u32>,
+    /// The row's recurrent-state slot, for a model with state layers (SSM, linear
+    /// attention; [`KvGroups::state_slots`] > 0): the forward reads the row's state as
+    /// of `start_pos` from it (a zero state at `start_pos` 0, whatever the slot held)
+    /// and leaves the state after its tokens there, staged until commit. None for
+    /// other models.
+    pub state_slot: Option<u32>,
 }
 
 impl RowInput {

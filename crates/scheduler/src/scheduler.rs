@@ -661,7 +661,8 @@ impl<M: Model> Scheduler<M> {
     /// A scheduler for `model`, with a KV pool built from exactly the storage the model
     /// reports in [`ModelInfo::kv`] (`cfg.kv_hash_key`, if set, fixes the prefix hash
     /// key). The layout must be one full-attention group, optionally with a
-    /// sliding-window group beside it, without state slots.
+    /// sliding-window group beside it, and state slots (if any) for every row a step
+    /// may hold.
     pub fn new(
         cfg: SchedulerConfig,
         model: M,
@@ -678,15 +679,21 @@ impl<M: Model> Scheduler<M> {
         // Group 0 is full attention and budgets every row's length; a sliding-window
         // group beside it is budgeted too (`Blocks`): it may hold fewer blocks, as long
         // as one row alone can always advance through it (`min_sliding_blocks`).
-        match (&kv.groups[..], kv.state_slots) {
-            ([g], 0) if g.kind == AttentionKind::Full => {}
-            (
-                [g, GroupSpec {
-                    kind: AttentionKind::SlidingWindow { window },
-                    num_blocks,
-                }],
-                0,
-            ) if g.kind == AttentionKind::Full => {
+        // State slots (recurrent-state layers): one per running row, so there must
+        // be one for every row a step may hold.
+        if kv.state_slots > 0 && (kv.state_slots as usize) < cfg.max_batch_rows {
+            return Err(SchedulerError::UnsupportedKv(format!(
+                "the model has {} recurrent-state slots for up to {} rows a step: one per \
+                 row is needed (lower max_batch_rows or give the model more slots)",
+                kv.state_slots, cfg.max_batch_rows
+            )));
+        }
+        match &kv.groups[..] {
+            [g] if g.kind == AttentionKind::Full => {}
+            [g, GroupSpec {
+                kind: AttentionKind::SlidingWindow { window },
+                num_blocks,
+            }] if g.kind == AttentionKind::Full => {
                 let min = min_sliding_blocks(&cfg, *window, kv.block_size);
                 if (*num_blocks as usize) < min && *num_blocks < g.num_blocks {
                     return Err(SchedulerError::UnsupportedKv(format!(
@@ -700,11 +707,10 @@ impl<M: Model> Scheduler<M> {
                     )));
                 }
             }
-            (groups, slots) => {
+            groups => {
                 return Err(SchedulerError::UnsupportedKv(format!(
                     "the scheduler plans one full-attention group, optionally with a \
-                     sliding-window group beside it, without state slots; \
-                     the model reports groups {groups:?} and {slots} state slots"
+                     sliding-window group beside it; the model reports groups {groups:?}"
                 )))
             }
         }
@@ -1832,6 +1838,14 @@ impl<M: Model> Scheduler<M> {
         if let Some(salt) = self.salt_of(t, adapter) {
             spec = spec.salted(salt);
         }
+        // A model with recurrent state: each row gets a state slot, and the pool
+        // reuses no prefix for it (cached blocks hold attention K/V, not the state
+        // after them), so a row — a resumed one too — computes its state from its
+        // first token.
+        let stateful = self.pool.slots().stats().total > 0;
+        if stateful {
+            spec = spec.with_state_slot();
+        }
         let offered = &toks[..toks.len().saturating_sub(1)];
         let (seq, cached) = match self.pool.allocate_with_prefix(spec, offered) {
             Ok(x) => x,
@@ -1840,6 +1854,15 @@ impl<M: Model> Scheduler<M> {
                 return None;
             }
         };
+        if stateful && !self.pool.in_transaction() {
+            // The slot's `ResetSlot`, committed with the admission: a row at position
+            // 0 starts from a zero state by the model contract (`RowInput::state_slot`),
+            // so the op needs no delivery (and a retried first step needs none again).
+            let ops = self.pool.take_ops();
+            debug_assert!(ops
+                .iter()
+                .all(|o| matches!(o, weft_kv_pool::StorageOp::ResetSlot(_))));
+        }
         let row = self.next_row;
         self.next_row += 1;
         let res = Resident { row, seq };
@@ -2390,6 +2413,7 @@ impl<M: Model> Scheduler<M> {
                 sampling: RowSampling::default(),
                 follows: false,
                 adapter: None,
+                state_slot: None,
             });
         }
         for ((p, input), held) in rows.iter().zip(inputs.iter_mut()).zip(held.iter_mut()) {
@@ -2449,6 +2473,11 @@ impl<M: Model> Scheduler<M> {
             // only what follows: no O(context) copy per row per step.
             // One table per KV group (full attention; sliding window, whose table
             // starts at logical block `offset` once blocks behind the window left).
+            input.state_slot = self
+                .pool
+                .sequence(p.seq)
+                .map_err(|e| e.to_string())?
+                .state_slot;
             let groups = self.pool.num_groups();
             input.blocks.resize_with(groups, Default::default);
             for (g, rb) in input.blocks.iter_mut().enumerate() {

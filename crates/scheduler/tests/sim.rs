@@ -1027,3 +1027,95 @@ fn smaller_sliding_group_binds_and_matches_the_ample_run() {
         );
     }
 }
+
+/// A hybrid model (recurrent-state layers beside attention: SSM or linear
+/// attention rows): every row holds a state slot of kv-pool's slot pool, zeroed by
+/// its first step's `ResetSlot`, and the fake checks at every forward that the
+/// slot holds exactly the row's state at its `start_pos` (pipelined steps read the
+/// staged state of the step before; a failed or rolled-back step's state is
+/// dropped). Under KV pressure rows are preempted and resume from their first
+/// token (no prefix is reused: cached blocks hold K/V, not the state after them),
+/// random faults roll steps back, and no draft reaches the model. Every stream
+/// equals the pure-attention run with ample memory; every slot comes back.
+#[test]
+fn recurrent_state_rows_survive_preemption_faults_and_pipelining() {
+    let specs = ragged_workload(43, 300);
+    let mut big = sched_config();
+    big.max_batch_rows = 128;
+    big.max_step_tokens = 1024;
+    let reference = run_blocks(big, 100_000, &specs);
+    assert_clean(&reference);
+
+    let cfg = sched_config();
+    let mut fake = fake_blocks(400);
+    fake.state_slots = cfg.max_batch_rows as u32;
+    let faults = FakeFaults {
+        random: Some((17, 0.01)),
+        ..FakeFaults::default()
+    };
+    let mut most_slots = 0;
+    let hybrid = run(cfg, fake, faults, &specs, |step, s, _| {
+        let pool = s.kv_pool();
+        let slots = pool.slots().stats();
+        assert_eq!(slots.total, 48);
+        assert_eq!(
+            slots.used,
+            pool.live_sequences().count(),
+            "a row without a slot"
+        );
+        for seq in pool.live_sequences() {
+            assert!(pool.sequence(seq).expect("live").state_slot.is_some());
+        }
+        most_slots = most_slots.max(slots.used);
+        if step % 7 == 0 {
+            pool.check_invariants().expect("pool invariants");
+        }
+    });
+    assert_clean(&hybrid);
+    let st = hybrid.sched.stats();
+    let fs = hybrid.sched.model().stats();
+    eprintln!(
+        "steps {} preemptions {} rollbacks {} state reads {} slot resets {} most slots {most_slots}",
+        hybrid.steps, st.preemptions, st.rollbacks, fs.state_reads, fs.slot_resets
+    );
+    assert!(st.preemptions > 0, "workload should preempt");
+    assert!(st.rollbacks > 0, "no fault fired");
+    assert!(
+        fs.slot_resets as usize >= specs.len(),
+        "a row without a reset slot"
+    );
+    assert!(fs.state_reads > 10_000);
+    assert_eq!(
+        fs.prefix_rows, 0,
+        "a stateful row started from a cached prefix"
+    );
+    assert_eq!(
+        hybrid.sched.kv_pool().slots().stats().used,
+        0,
+        "slots leaked"
+    );
+    assert!(most_slots > 10);
+    for (i, (h, r)) in hybrid.outcomes.iter().zip(&reference.outcomes).enumerate() {
+        assert_eq!(h.tokens, r.tokens, "request {i} tokens");
+    }
+}
+
+/// Fewer recurrent-state slots than rows a step may hold is refused at start,
+/// naming both numbers.
+#[test]
+fn fewer_state_slots_than_rows_is_refused() {
+    let mut fake = fake_blocks(400);
+    fake.state_slots = 4;
+    let err = weft_scheduler::Scheduler::new(
+        sched_config(),
+        FakeModel::new(fake),
+        std::sync::Arc::new(weft_scheduler::fake::FakeDetokenizer),
+    )
+    .err()
+    .expect("refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("4 recurrent-state slots") && msg.contains("48 rows"),
+        "{msg}"
+    );
+}
