@@ -5,6 +5,9 @@
   lora-fixture --model DIR --out DIR --rank R --scale S --seed N [--keys K,..] [--num-layers N]
                [--peft-out DIR [--rslora]]            random LoRA adapter (mlx-lm layout; the
                                                      same weights in PEFT's layout too)
+  gdn-layer --model DIR --out FILE                   one Gated DeltaNet layer (layer 0) of a
+                                                     qwen3_5 fixture on seeded inputs: two
+                                                     calls carrying the state, into safetensors
   run --model DIR --requests FILE [--adapter DIR] [--kv-bits B --kv-group-size G]
                                                      logits + greedy tokens, each prompt alone
                                                      (with --kv-bits: over mlx-lm's
@@ -28,7 +31,7 @@ from mlx.utils import tree_flatten, tree_map
 
 def make_fixture(arch, out, quantize):
     mx.random.seed({"llama": 7, "llama-tiny": 5, "llama-wide": 19, "qwen3": 11, "qwen2": 13,
-                    "gemma3": 17}[arch])
+                    "gemma3": 17, "qwen3_5": 29}[arch])
     if arch == "llama-tiny":
         from mlx_lm.models import llama as mod
 
@@ -54,6 +57,18 @@ def make_fixture(arch, out, quantize):
                    intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                    rms_norm_eps=1e-6, vocab_size=512, rope_theta=1000000.0,
                    tie_word_embeddings=False, max_position_embeddings=4096)
+    elif arch == "qwen3_5":
+        from mlx_lm.models import qwen3_5 as mod
+
+        # Gated DeltaNet layers (0, 2) beside gated full attention (1, 3).
+        cfg = dict(model_type="qwen3_5", hidden_size=128, num_hidden_layers=4,
+                   intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, rms_norm_eps=1e-6, vocab_size=512, linear_num_value_heads=4,
+                   linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+                   linear_conv_kernel_dim=4, full_attention_interval=2,
+                   tie_word_embeddings=False, max_position_embeddings=4096,
+                   rope_parameters={"type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.25})
     elif arch == "llama-wide":
         from mlx_lm.models import llama as mod
 
@@ -87,6 +102,9 @@ def make_fixture(arch, out, quantize):
             fan_in = p.shape[1]
             scale = 1.0 if "embed" in path else fan_in ** -0.5
             return mx.random.normal(p.shape) * scale
+        if p.ndim == 3:
+            # Depthwise conv1d [channels, kernel, 1].
+            return mx.random.normal(p.shape) * p.shape[1] ** -0.5
         if arch == "gemma3":
             # Gemma's norms scale by 1 + w.
             return 0.1 * mx.random.normal(p.shape)
@@ -163,6 +181,28 @@ def make_lora_fixture(model_dir, out, rank, scale, seed, keys, num_layers, peft_
                "target_modules": sorted({k.rsplit(".", 1)[-1] for k in (keys or LORA_MODULES)}),
                "layers_to_transform": list(range(first, n))}
         (p / "adapter_config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def gdn_layer(model_dir, out):
+    """Layer 0's linear attention of a qwen3_5 fixture, on the CPU in f32: x1
+    [2, 5, hidden] from a zero state, then x2 [2, 3, hidden] continuing it."""
+    from mlx_lm.utils import load_model
+    from mlx_lm.models.cache import ArraysCache
+
+    model, _ = load_model(Path(model_dir))
+    model.set_dtype(mx.float32)
+    layer = model.layers[0].linear_attn
+    mx.random.seed(23)
+    h = model.args.text_config["hidden_size"]
+    x1 = mx.random.normal((2, 5, h))
+    x2 = mx.random.normal((2, 3, h))
+    cache = ArraysCache(size=2)
+    y1 = layer(x1, None, cache)
+    conv1, rec1 = cache[0], cache[1]
+    y2 = layer(x2, None, cache)
+    mx.eval(y1, y2, cache[0], cache[1])
+    mx.save_safetensors(out, {"x1": x1, "x2": x2, "y1": y1, "y2": y2, "conv1": conv1,
+                              "rec1": rec1, "conv2": cache[0], "rec2": cache[1]})
 
 
 def dequantize_modules(model):
@@ -295,7 +335,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fixture")
     f.add_argument("--arch", choices=["llama", "llama-tiny", "llama-wide", "qwen2", "qwen3",
-                                      "gemma3"],
+                                      "gemma3", "qwen3_5"],
                    required=True)
     f.add_argument("--out", required=True)
     f.add_argument("--quantize", action="store_true")
@@ -316,6 +356,9 @@ def main():
     lf.add_argument("--num-layers", type=int, default=0)
     lf.add_argument("--peft-out")
     lf.add_argument("--rslora", action="store_true")
+    gl = sub.add_parser("gdn-layer")
+    gl.add_argument("--model", required=True)
+    gl.add_argument("--out", required=True)
     b = sub.add_parser("batch")
     b.add_argument("--model", required=True)
     b.add_argument("--requests", required=True)
@@ -324,6 +367,8 @@ def main():
         make_fixture(a.arch, a.out, a.quantize)
     elif a.cmd == "run":
         run(a.model, a.requests, a.dequantize, a.adapter, a.kv_bits, a.kv_group_size)
+    elif a.cmd == "gdn-layer":
+        gdn_layer(a.model, a.out)
     elif a.cmd == "lora-fixture":
         make_lora_fixture(a.model, a.out, a.rank, a.scale, a.seed, a.keys, a.num_layers,
                           a.peft_out, a.rslora)

@@ -11,6 +11,7 @@ pub mod cpu_kernels;
 mod cuda_kernel;
 pub mod decode_kernels;
 pub mod error;
+pub mod gated_delta;
 pub mod gemv;
 pub mod graph_census;
 pub mod host_attention;

@@ -1,0 +1,229 @@
+//! Gated DeltaNet: the linear-attention layer of Qwen3.5 / Qwen3-Next hybrids,
+//! over per-row recurrent state (work in progress: the layer and its state;
+//! not yet wired into `LlamaModel` or the KV pool's state slots).
+//!
+//! Per row the layer keeps two states: the depthwise causal convolution's last
+//! `kernel - 1` inputs `[kernel - 1, conv_dim]` and the delta rule's matrix
+//! per value head `[v_heads, v_dim, k_dim]` (f32). A forward of `T` tokens:
+//! `qkv = in_proj_qkv(x)` through the convolution (continuing the state) and
+//! SiLU, split into `q`, `k` (`k_heads x k_dim`) and `v` (`v_heads x v_dim`);
+//! `q`, `k` L2-normalized (`q` also scaled by `1 / k_dim`, `k` by `1 /
+//! sqrt(k_dim)`); per token, with `beta = sigmoid(in_proj_b(x))` and the decay
+//! `g = exp(-exp(A_log) * softplus(in_proj_a(x) + dt_bias))`:
+//! `S = g S; S += k (beta (v - S k))^T; y = S q`. The output is
+//! `out_proj(rms_norm(y) * w * silu(z))` with `z = in_proj_z(x)`, as mlx-lm's
+//! `qwen3_5.GatedDeltaNet` computes it (its ops path, `gated_delta_ops`).
+
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{fast, ops, Array, Dtype};
+
+use crate::error::{ModelError, Result};
+use crate::linear::{Linear, WeightPolicy};
+use crate::weights::Weights;
+
+/// The layer's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaShape {
+    pub k_heads: i32,
+    pub v_heads: i32,
+    pub k_dim: i32,
+    pub v_dim: i32,
+    /// Convolution taps (the state keeps `kernel - 1` inputs).
+    pub kernel: i32,
+}
+
+impl DeltaShape {
+    /// Channels through the convolution: `q`, `k` and `v`.
+    pub fn conv_dim(&self) -> i32 {
+        2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    }
+}
+
+/// One row batch's recurrent state: `conv` `[B, kernel - 1, conv_dim]` in the
+/// model dtype, `rec` `[B, v_heads, v_dim, k_dim]` f32.
+#[derive(Debug, Clone)]
+pub struct DeltaState {
+    pub conv: Array,
+    pub rec: Array,
+}
+
+impl DeltaState {
+    /// The zero state of `rows` rows.
+    pub fn zeros(shape: DeltaShape, rows: i32, dtype: Dtype) -> Result<Self> {
+        Ok(Self {
+            conv: ops::zeros_dtype(&[rows, shape.kernel - 1, shape.conv_dim()], dtype)?,
+            rec: ops::zeros_dtype(
+                &[rows, shape.v_heads, shape.v_dim, shape.k_dim],
+                Dtype::Float32,
+            )?,
+        })
+    }
+}
+
+/// One Gated DeltaNet layer's weights.
+pub struct GatedDeltaNet {
+    shape: DeltaShape,
+    in_qkv: Linear,
+    in_z: Linear,
+    in_b: Linear,
+    in_a: Linear,
+    /// Depthwise taps `[conv_dim, kernel]`.
+    conv: Array,
+    dt_bias: Array,
+    /// `-exp(A_log)` per value head, f32.
+    neg_a: Array,
+    norm: Array,
+    out: Linear,
+    eps: f32,
+}
+
+impl GatedDeltaNet {
+    /// Loads `{prefix}.in_proj_{qkv,z,b,a}`, `conv1d.weight` `[conv_dim,
+    /// kernel, 1]`, `dt_bias`, `A_log`, `norm.weight`, `out_proj`.
+    pub fn load(
+        w: &mut Weights,
+        prefix: &str,
+        shape: DeltaShape,
+        eps: f32,
+        policy: WeightPolicy,
+    ) -> Result<Self> {
+        let lin = |w: &mut Weights, name: &str| {
+            Linear::load(w, &format!("{prefix}.{name}"), None, policy)
+        };
+        let dt = policy.dtype;
+        let conv = w.take(&format!("{prefix}.conv1d.weight"))?;
+        let cs = conv.shape().to_vec();
+        if cs != [shape.conv_dim(), shape.kernel, 1] {
+            return Err(ModelError::Invalid(format!(
+                "{prefix}.conv1d.weight is {cs:?}, expected [{}, {}, 1]",
+                shape.conv_dim(),
+                shape.kernel
+            )));
+        }
+        let a_log = w
+            .take(&format!("{prefix}.A_log"))?
+            .as_dtype(Dtype::Float32)?;
+        Ok(Self {
+            in_qkv: lin(w, "in_proj_qkv")?,
+            in_z: lin(w, "in_proj_z")?,
+            in_b: lin(w, "in_proj_b")?,
+            in_a: lin(w, "in_proj_a")?,
+            conv: conv
+                .reshape(&[shape.conv_dim(), shape.kernel])?
+                .as_dtype(dt)?,
+            dt_bias: w.take(&format!("{prefix}.dt_bias"))?.as_dtype(dt)?,
+            neg_a: ops::negative(&ops::exp(&a_log)?)?,
+            norm: w.take(&format!("{prefix}.norm.weight"))?.as_dtype(dt)?,
+            out: lin(w, "out_proj")?,
+            shape,
+            eps,
+        })
+    }
+
+    /// The layer over `x` `[B, T, hidden]` from `state`: its output `[B, T,
+    /// hidden]` and the state after the `T` tokens.
+    pub fn forward(&self, x: &Array, state: &DeltaState) -> Result<(Array, DeltaState)> {
+        let s = self.shape;
+        let xs = x.shape();
+        let (b, t) = (xs[0], xs[1]);
+        let qkv = self.in_qkv.forward(x)?;
+        let z = self.in_z.forward(x)?.reshape(&[b, t, s.v_heads, s.v_dim])?;
+        let beta = ops::sigmoid(&self.in_b.forward(x)?)?;
+        let a = self.in_a.forward(x)?;
+        // Decay per token and value head, in f32.
+        let sp = softplus(&ops::add(&a, &self.dt_bias)?.as_dtype(Dtype::Float32)?)?;
+        let g = ops::exp(&ops::multiply(&self.neg_a, &sp)?)?;
+
+        // The causal depthwise convolution over the state's inputs and these.
+        let inputs = ops::concatenate(&[&state.conv, &qkv], 1)?;
+        let keep = s.kernel - 1;
+        let total = keep + t;
+        let conv_state = inputs.try_index((.., total - keep.., ..))?;
+        let mut acc: Option<Array> = None;
+        for j in 0..s.kernel {
+            let tap = self.conv.try_index((.., j))?;
+            let term = ops::multiply(&inputs.try_index((.., j..j + t, ..))?, &tap)?;
+            acc = Some(match acc {
+                Some(a) => ops::add(&a, &term)?,
+                None => term,
+            });
+        }
+        let conv_out = acc.ok_or_else(|| ModelError::Invalid("empty convolution".into()))?;
+        let conv_out = ops::multiply(&conv_out, &ops::sigmoid(&conv_out)?)?;
+
+        let kd = s.k_heads * s.k_dim;
+        let q = conv_out
+            .try_index((.., .., 0..kd))?
+            .reshape(&[b, t, s.k_heads, s.k_dim])?;
+        let k = conv_out
+            .try_index((.., .., kd..2 * kd))?
+            .reshape(&[b, t, s.k_heads, s.k_dim])?;
+        let v = conv_out
+            .try_index((.., .., 2 * kd..))?
+            .reshape(&[b, t, s.v_heads, s.v_dim])?;
+        // L2 norms as mlx-lm's `normalize_qk`: rms_norm with eps scaled by
+        // 1 / k_dim, q also by 1 / k_dim and k by 1 / sqrt(k_dim).
+        let inv = (s.k_dim as f32).powf(-0.5);
+        let rms_eps = 1e-6 * inv * inv;
+        let q = ops::multiply(
+            &fast::rms_norm(&q, None, rms_eps)?,
+            Array::from_f32(inv * inv),
+        )?;
+        let k = ops::multiply(&fast::rms_norm(&k, None, rms_eps)?, Array::from_f32(inv))?;
+        // Each key head serves v_heads / k_heads value heads (neighbours).
+        let rep = s.v_heads / s.k_heads;
+        let (q, k) = if rep > 1 {
+            (
+                ops::repeat_axis::<f32>(q, rep, 2)?,
+                ops::repeat_axis::<f32>(k, rep, 2)?,
+            )
+        } else {
+            (q, k)
+        };
+
+        let mut rec = state.rec.clone();
+        let mut ys = Vec::with_capacity(t as usize);
+        for i in 0..t {
+            let qt = q.try_index((.., i))?; // [B, Hv, Dk]
+            let kt = k.try_index((.., i))?;
+            let vt = v.try_index((.., i))?; // [B, Hv, Dv]
+            let gt = g.try_index((.., i))?; // [B, Hv]
+            let bt = beta.try_index((.., i))?;
+            rec = ops::multiply(&rec, &gt.reshape(&[b, s.v_heads, 1, 1])?)?;
+            let k4 = kt.reshape(&[b, s.v_heads, 1, s.k_dim])?;
+            let mem = ops::sum_axis(&ops::multiply(&rec, &k4)?, -1, false)?;
+            let delta =
+                ops::multiply(&ops::subtract(&vt, &mem)?, &bt.reshape(&[b, s.v_heads, 1])?)?;
+            rec = ops::add(
+                &rec,
+                &ops::multiply(&k4, &delta.reshape(&[b, s.v_heads, s.v_dim, 1])?)?,
+            )?;
+            let q4 = qt.reshape(&[b, s.v_heads, 1, s.k_dim])?;
+            let y = ops::sum_axis(&ops::multiply(&rec, &q4)?, -1, false)?;
+            ys.push(y.as_dtype(x.dtype())?);
+        }
+        let refs: Vec<&Array> = ys.iter().collect();
+        let y = ops::stack(&refs, 1)?; // [B, T, Hv, Dv]
+
+        // Gated RMS norm: rms_norm(y) * w, times silu(z), in f32.
+        let normed = fast::rms_norm(&y, Some(&self.norm), self.eps)?;
+        let zf = z.as_dtype(Dtype::Float32)?;
+        let gate = ops::multiply(&zf, &ops::sigmoid(&zf)?)?;
+        let o = ops::multiply(&gate, &normed.as_dtype(Dtype::Float32)?)?.as_dtype(y.dtype())?;
+        let out = self
+            .out
+            .forward(&o.reshape(&[b, t, s.v_heads * s.v_dim])?)?;
+        Ok((
+            out,
+            DeltaState {
+                conv: conv_state,
+                rec,
+            },
+        ))
+    }
+}
+
+/// `log(1 + exp(x))`, as MLX's `nn.softplus` (`logaddexp(x, 0)`).
+fn softplus(x: &Array) -> Result<Array> {
+    Ok(ops::logaddexp(x, Array::from_f32(0.0))?)
+}
