@@ -33,7 +33,7 @@ use weft_kv_pool::RowBlocks;
 
 use crate::decode_kernels::DecodeKernels;
 use crate::error::{ModelError, Result};
-use crate::kv::{LayerKv, PagedKv};
+use crate::kv::{storage_err, LayerKv, PagedKv};
 use crate::llama::LlamaModel;
 use crate::lora::{Layout, LoraStep};
 use crate::paged_attention::{PagedAttention, Pools};
@@ -84,9 +84,8 @@ impl CompiledDecode {
         let fused = if kernel.is_some() { fused } else { None };
         let block_size = kv.block_size() as usize;
         let counter = traces.clone();
-        // Per layer K then V, one array each, or three when quantized.
         let quant = kv.shape().quant;
-        let per_layer = 2 * if quant.is_some() { 3 } else { 1 };
+        let per_layer = kv.pool_arrays_per_layer();
         let pools = per_layer * model.num_layers();
         let body = move |args: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
             counter.set(counter.get() + 1);
@@ -316,8 +315,7 @@ impl TracedKv {
                     } else {
                         x.as_dtype(dt)?
                     };
-                    let (w, sc, bi) =
-                        ops::quantize(&x, i32::from(q.group_size), i32::from(q.bits))?;
+                    let (w, sc, bi) = q.quantize(&x).map_err(storage_err)?;
                     vec![w, sc, bi]
                 }
             };
@@ -328,7 +326,7 @@ impl TracedKv {
                     &self.write_offset,
                     part,
                 )
-                .map_err(|e| ModelError::Invalid(e.to_string()))?;
+                .map_err(storage_err)?;
             }
         }
         Ok(())
@@ -436,13 +434,9 @@ impl LayerKv for TracedKv {
         let read = |p: &[Array]| -> Result<Array> {
             match (p, self.quant) {
                 ([x], None) => ctx(x),
-                ([w, sc, bi], Some(q)) => Ok(ops::dequantize(
-                    &ctx(w)?,
-                    &ctx(sc)?,
-                    &ctx(bi)?,
-                    i32::from(q.group_size),
-                    i32::from(q.bits),
-                )?),
+                ([w, sc, bi], Some(q)) => q
+                    .dequantize(&ctx(w)?, &ctx(sc)?, &ctx(bi)?)
+                    .map_err(storage_err),
                 _ => Err(ModelError::Invalid(
                     "compiled decode: pool arrays do not match the storage".into(),
                 )),

@@ -520,6 +520,14 @@ impl PagedKv {
         }
     }
 
+    /// Pool arrays per layer in [`pool_arrays`](Self::pool_arrays): K's then
+    /// V's, one each dense, three each quantized.
+    pub fn pool_arrays_per_layer(&self) -> usize {
+        self.storage
+            .first()
+            .map_or(2, |s| 2 * s.borrow().arrays_per_pool())
+    }
+
     /// Installs the pool arrays a compiled step wrote (`pool_arrays` order).
     pub fn replace_pools(&self, pools: Vec<Array>) -> Result<()> {
         match self.storage.as_slice() {
@@ -1006,7 +1014,7 @@ pub fn last_positions(h: &Array, last: Option<&Array>) -> Result<Array> {
     }
 }
 
-fn storage_err(e: weft_kv_pool::storage::StorageError) -> ModelError {
+pub(crate) fn storage_err(e: weft_kv_pool::storage::StorageError) -> ModelError {
     ModelError::Invalid(format!("KV storage: {e}"))
 }
 

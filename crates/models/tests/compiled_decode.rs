@@ -118,14 +118,7 @@ fn compiled_decode_logits_match_and_a_fault_inside_rolls_back() {
 #[test]
 fn compiled_decode_over_quantized_kv_matches_and_rolls_back() {
     let dir = tempfile::tempdir().unwrap();
-    let md = dir.path().join("m");
-    oracle(&[
-        "fixture",
-        "--arch",
-        "llama-wide",
-        "--out",
-        md.to_str().unwrap(),
-    ]);
+    let md = fixture_dir(dir.path(), "llama-wide");
     for q in [AffineQuant::new(8, 64), AffineQuant::new(4, 32)] {
         let mut comp = quantized(&md, Some(q));
         comp.set_compiled_decode(true).unwrap();

@@ -25,17 +25,9 @@ fn rows() -> Vec<Row> {
     ]
 }
 
+/// Heads of 64, which groups of 32 and 64 divide.
 fn fixture(dir: &std::path::Path) -> std::path::PathBuf {
-    let md = dir.join("m");
-    // Heads of 64, which groups of 32 and 64 divide.
-    oracle(&[
-        "fixture",
-        "--arch",
-        "llama-wide",
-        "--out",
-        md.to_str().unwrap(),
-    ]);
-    md
+    fixture_dir(dir, "llama-wide")
 }
 
 fn load(md: &std::path::Path) -> LlamaModel {

@@ -53,9 +53,33 @@ impl AffineQuant {
     /// stores and reads it: what attention over a stored token sees, for
     /// attention over a step's own new tokens.
     pub fn round_trip(&self, x: &Array) -> Result<Array, StorageError> {
-        let (g, b) = (i32::from(self.group_size), i32::from(self.bits));
-        let (wq, s, bi) = ops::quantize(x, g, b)?;
-        Ok(ops::dequantize(&wq, &s, &bi, g, b)?)
+        let (wq, s, bi) = self.quantize(x)?;
+        self.dequantize(&wq, &s, &bi)
+    }
+
+    /// `x`'s last axis quantized: (packed values, scales, biases), as stored.
+    pub fn quantize(&self, x: &Array) -> Result<(Array, Array, Array), StorageError> {
+        Ok(ops::quantize(
+            x,
+            i32::from(self.group_size),
+            i32::from(self.bits),
+        )?)
+    }
+
+    /// Packed values, scales and biases back to values.
+    pub fn dequantize(
+        &self,
+        packed: &Array,
+        scales: &Array,
+        biases: &Array,
+    ) -> Result<Array, StorageError> {
+        Ok(ops::dequantize(
+            packed,
+            scales,
+            biases,
+            i32::from(self.group_size),
+            i32::from(self.bits),
+        )?)
     }
 }
 
@@ -415,7 +439,7 @@ impl KvStorage {
                     biases,
                     q,
                 } => {
-                    let (wq, s, b) = ops::quantize(&x, i32::from(q.group_size), i32::from(q.bits))?;
+                    let (wq, s, b) = q.quantize(&x)?;
                     put(packed, &wq)?;
                     put(scales, &s)?;
                     put(biases, &b)?;
@@ -703,13 +727,7 @@ impl KvStorage {
                 let p = self.gather(packed, step)?;
                 let sc = self.gather(scales, step)?;
                 let bi = self.gather(biases, step)?;
-                Ok(ops::dequantize(
-                    &p,
-                    &sc,
-                    &bi,
-                    i32::from(q.group_size),
-                    i32::from(q.bits),
-                )?)
+                q.dequantize(&p, &sc, &bi)
             }
         }
     }

@@ -465,3 +465,10 @@ pub fn faults_at_roll_back(
     }
     assert_eq!(seen.len(), 2 * at.len(), "every planned fault fired");
 }
+
+/// mlx-lm's random fixture of `arch` written under `dir` (as `dir/m`).
+pub fn fixture_dir(dir: &Path, arch: &str) -> PathBuf {
+    let md = dir.join("m");
+    oracle(&["fixture", "--arch", arch, "--out", md.to_str().unwrap()]);
+    md
+}
