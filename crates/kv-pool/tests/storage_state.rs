@@ -1,6 +1,7 @@
 //! SSM state storage against a host reference: gather by slot batch
-//! (merge/filter/extract), staged replacement, bit-identical rollback, slot
-//! copies and resets driven by the accounting.
+//! (merge/filter/extract), written-through steps with bit-identical rollback
+//! (two open at once, as a pipelined engine keeps them), slot copies and
+//! resets driven by the accounting.
 
 #![cfg(feature = "mlx")]
 // Index loops mirror the tensor layouts the references are checked against.
@@ -75,13 +76,48 @@ fn check_against(st: &StateStorage, reference: &Reference, slots: &[SlotId]) {
     }
 }
 
+/// One step over `batch`: per layer and component, `0.5 * state + noise`,
+/// written in a newly opened step. Returns the reference after it.
+fn run_step(
+    st: &mut StateStorage,
+    batch: &SlotBatch,
+    reference: &Reference,
+    rng: &mut Rng,
+) -> Reference {
+    let rows = batch.rows().to_vec();
+    let mut new_ref = reference.clone();
+    st.begin();
+    for l in 0..LAYERS {
+        let old = st.gather(l, batch).unwrap();
+        let mut new = Vec::new();
+        for (c, o) in old.iter().enumerate() {
+            let noise: Vec<f32> = (0..rows.len() * per_slot(c)).map(|_| rng.f32()).collect();
+            let noise_a = Array::from_slice(&noise, o.shape());
+            let x = o
+                .multiply(Array::from_f32(0.5))
+                .unwrap()
+                .add(&noise_a)
+                .unwrap();
+            for (i, &s) in rows.iter().enumerate() {
+                let r = &mut new_ref[l][c][s as usize];
+                for (j, v) in r.iter_mut().enumerate() {
+                    *v = *v * 0.5 + noise[i * per_slot(c) + j];
+                }
+            }
+            new.push(x);
+        }
+        st.write(l, batch, new).unwrap();
+    }
+    new_ref
+}
+
 #[test]
-fn staged_steps_commit_or_roll_back_exactly() {
+fn steps_commit_or_roll_back_exactly() {
     let mut rng = Rng(0x5eed);
     let mut pool = KvPool::new(KvGroups::new(16).full(64).state_slots(SLOTS)).unwrap();
     let mut st = StateStorage::new(SLOTS, LAYERS, specs()).unwrap();
     // Host reference, and "garbage" already in the slots before any reset:
-    // fill the storage through a committed stage so resets have work to do.
+    // fill the storage through a committed step so resets have work to do.
     let all: Vec<SlotId> = (0..SLOTS).collect();
     let mut reference: Reference = (0..LAYERS)
         .map(|_| {
@@ -94,6 +130,7 @@ fn staged_steps_commit_or_roll_back_exactly() {
                 .collect()
         })
         .collect();
+    st.begin();
     for l in 0..LAYERS {
         let new = (0..2)
             .map(|c| {
@@ -103,7 +140,7 @@ fn staged_steps_commit_or_roll_back_exactly() {
                 Array::from_slice(&flat, &shape)
             })
             .collect();
-        st.stage(l, &SlotBatch::from_slots(all.clone()), new)
+        st.write(l, &SlotBatch::from_slots(all.clone()), new)
             .unwrap();
     }
     st.commit().unwrap();
@@ -174,37 +211,39 @@ fn staged_steps_commit_or_roll_back_exactly() {
         }
         let rows = batch.rows().to_vec();
 
-        // The step: new state = f(gathered state) + noise, staged per layer.
+        // The step: new state = f(gathered state) + noise, written per
+        // layer; every fourth step a second one follows while it is open
+        // (pipelined) and reads its state.
         let before = bits(&st);
-        let mut new_ref = reference.clone();
-        for l in 0..LAYERS {
-            let old = st.gather(l, &batch).unwrap();
-            let mut new = Vec::new();
-            for (c, o) in old.iter().enumerate() {
-                let noise: Vec<f32> = (0..rows.len() * per_slot(c)).map(|_| rng.f32()).collect();
-                let noise_a = Array::from_slice(&noise, o.shape());
-                let x = o
-                    .multiply(Array::from_f32(0.5))
-                    .unwrap()
-                    .add(&noise_a)
-                    .unwrap();
-                for (i, &s) in rows.iter().enumerate() {
-                    let r = &mut new_ref[l][c][s as usize];
-                    for (j, v) in r.iter_mut().enumerate() {
-                        *v = *v * 0.5 + noise[i * per_slot(c) + j];
-                    }
-                }
-                new.push(x);
+        let pipelined = step % 4 == 1;
+        let new_ref = run_step(&mut st, &batch, &reference, &mut rng);
+        assert_eq!(st.open_steps(), 1);
+        // Written state is visible at once (a following step reads it).
+        check_against(&st, &new_ref, &all);
+        if pipelined {
+            let mid = bits(&st);
+            let newer = run_step(&mut st, &batch, &new_ref, &mut rng);
+            check_against(&st, &newer, &all);
+            assert_eq!(st.open_steps(), 2);
+            if step % 8 == 1 {
+                // Both undone, newest first.
+                st.rollback().unwrap();
+                assert_eq!(bits(&st), mid, "rollback of the newer step at {step}");
+                st.rollback().unwrap();
+                rollbacks += 2;
+                assert_eq!(bits(&st), before, "rollback of both steps at {step}");
+            } else {
+                // The older commits, the newer rolls back.
+                st.commit().unwrap();
+                st.rollback().unwrap();
+                commits += 1;
+                rollbacks += 1;
+                assert_eq!(bits(&st), mid, "rollback after a commit at {step}");
+                reference = new_ref;
             }
-            st.stage(l, &batch, new).unwrap();
-        }
-        assert!(st.has_staged());
-        // Staged state is invisible until commit.
-        check_against(&st, &reference, &all);
-        if step % 3 == 0 {
-            st.rollback();
+        } else if step % 3 == 0 {
+            st.rollback().unwrap();
             rollbacks += 1;
-            assert!(!st.has_staged());
             assert_eq!(
                 bits(&st),
                 before,
@@ -215,6 +254,7 @@ fn staged_steps_commit_or_roll_back_exactly() {
             commits += 1;
             reference = new_ref;
         }
+        assert_eq!(st.open_steps(), 0);
         check_against(&st, &reference, &all);
     }
     assert!(
@@ -224,7 +264,7 @@ fn staged_steps_commit_or_roll_back_exactly() {
 }
 
 #[test]
-fn staging_misuse_is_rejected_and_changes_nothing() {
+fn misuse_is_rejected_and_changes_nothing() {
     let mut st = StateStorage::new(4, 1, specs()).unwrap();
     let before = bits(&st);
     let batch = SlotBatch::from_slots(vec![1, 2]);
@@ -234,6 +274,14 @@ fn staging_misuse_is_rejected_and_changes_nothing() {
             Array::from_slice(&[1f32; 64], &[2, 2, 4, 4]),
         ]
     };
+    // No step open.
+    assert!(matches!(
+        st.write(0, &batch, good()),
+        Err(StorageError::NoOpenStep)
+    ));
+    assert!(matches!(st.commit(), Err(StorageError::NoOpenStep)));
+    assert!(matches!(st.rollback(), Err(StorageError::NoOpenStep)));
+    st.begin();
     // Wrong shape, wrong component count, unknown layer, slot out of range,
     // duplicate slot.
     let bad_shape = vec![
@@ -241,36 +289,33 @@ fn staging_misuse_is_rejected_and_changes_nothing() {
         Array::from_slice(&[1f32; 64], &[2, 2, 4, 4]),
     ];
     assert!(matches!(
-        st.stage(0, &batch, bad_shape),
+        st.write(0, &batch, bad_shape),
         Err(StorageError::Shape { .. })
     ));
     assert!(matches!(
-        st.stage(0, &batch, good()[..1].to_vec()),
+        st.write(0, &batch, good()[..1].to_vec()),
         Err(StorageError::Shape { .. })
     ));
     assert!(matches!(
-        st.stage(1, &batch, good()),
+        st.write(1, &batch, good()),
         Err(StorageError::UnknownLayer { .. })
     ));
     assert!(matches!(
-        st.stage(0, &SlotBatch::from_slots(vec![1, 9]), good()),
+        st.write(0, &SlotBatch::from_slots(vec![1, 9]), good()),
         Err(StorageError::SlotOutOfRange { slot: 9, .. })
     ));
     assert!(matches!(
-        st.stage(0, &SlotBatch::from_slots(vec![1, 1]), good()),
+        st.write(0, &SlotBatch::from_slots(vec![1, 1]), good()),
         Err(StorageError::BadRow(_))
     ));
-    assert!(!st.has_staged());
-    st.stage(0, &batch, good()).unwrap();
-    assert!(matches!(
-        st.stage(0, &batch, good()),
-        Err(StorageError::AlreadyStaged(0))
-    ));
-    assert!(matches!(
-        st.apply(&[StorageOp::ResetSlot(1)]),
-        Err(StorageError::StagePending)
-    ));
-    st.rollback();
+    assert_eq!(bits(&st), before, "a refused write changed the state");
+    // Two writes of one layer in one step (two forwards of a step) undo
+    // together.
+    st.write(0, &batch, good()).unwrap();
+    st.write(0, &SlotBatch::from_slots(vec![0, 3]), good())
+        .unwrap();
+    assert_ne!(bits(&st), before);
+    st.rollback().unwrap();
     assert_eq!(bits(&st), before);
     assert!(matches!(
         st.apply(&[

@@ -199,7 +199,7 @@ fn quant_pool(s: &Stored) -> Option<QuantPool<'_>> {
     }
 }
 
-fn dtype_bytes(d: Dtype) -> u64 {
+pub(crate) fn dtype_bytes(d: Dtype) -> u64 {
     match d {
         Dtype::Float32 => 4,
         _ => 2,

@@ -6,7 +6,8 @@
 //! * [`StepLayout`] — the host-side plan of a step in a group: flat write
 //!   indices, the padded read's block table and its boolean mask. Computed
 //!   once per step and group, shared by the group's layers.
-//! * [`StateStorage`] — SSM state rows with staged replacement.
+//! * [`StateStorage`] — SSM state rows, written through with an undo journal
+//!   per open step.
 //!
 //! The usual step: plan in [`KvPool`](crate::KvPool), commit it, apply the
 //! returned operations with [`apply_storage_ops`], build one [`StepLayout`]
@@ -33,7 +34,8 @@
 //! KV writes need no staging: a step only writes slots at or past each row's
 //! committed length, in blocks the row holds alone, so the writes of a step
 //! that is later abandoned are dead data the retry overwrites. SSM state is
-//! replaced wholesale, so [`StateStorage`] stages it until commit.
+//! replaced wholesale, so [`StateStorage`] journals the rows each step
+//! replaced until the step commits, and a rollback writes them back.
 
 mod ffi;
 mod kv;
@@ -114,12 +116,9 @@ pub enum StorageError {
     /// [`KvStorage::read_quantized`] on dense storage.
     #[error("storage is not quantized")]
     NotQuantized,
-    /// A layer's state staged twice in one step.
-    #[error("layer {0} already has staged state")]
-    AlreadyStaged(usize),
-    /// Slot operations while state is staged.
-    #[error("state is staged; commit or roll back first")]
-    StagePending,
+    /// A state write, commit or rollback with no step open.
+    #[error("no state step is open")]
+    NoOpenStep,
 }
 
 /// Applies a committed step's [`StorageOp`]s: each `CopyBlock` to the
@@ -150,11 +149,8 @@ pub fn apply_storage_ops(
                 }
             }
             StorageOp::CopySlot { src: slot, .. } | StorageOp::ResetSlot(slot) => {
-                let Some(st) = state.as_deref() else {
+                if state.is_none() {
                     return Err(StorageError::SlotOutOfRange { slot, num_slots: 0 });
-                };
-                if st.has_staged() {
-                    return Err(StorageError::StagePending);
                 }
             }
         }

@@ -1,12 +1,13 @@
 //! SSM state rows: per layer, one or more tensors `[num_slots, ...]` indexed
-//! by the accounting's [`SlotId`](crate::SlotId)s, with new state staged until
-//! the step commits.
+//! by the accounting's [`SlotId`](crate::SlotId)s, written through with an
+//! undo journal per open step.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 
 use mlx_rs::ops::indexing::TryIndexMutOp;
 use mlx_rs::{ops, Array, Dtype};
 
+use crate::storage::kv::dtype_bytes;
 use crate::storage::step::to_i32;
 use crate::storage::StorageError;
 use crate::{SlotBatch, SlotId, StorageOp};
@@ -31,10 +32,12 @@ impl StateSpec {
     }
 }
 
+/// One write of a step: the rows and their state before it.
 #[derive(Debug)]
-struct Staged {
+struct Undo {
+    layer: usize,
     rows: Array,
-    new: Vec<Array>,
+    old: Vec<Array>,
 }
 
 /// State-slot storage of every SSM layer.
@@ -42,18 +45,26 @@ struct Staged {
 /// A batched step [`gather`](Self::gather)s its rows' state (`[B, ...]` per
 /// component, rows in [`SlotBatch`] order, so batch merge/filter/extract are
 /// index edits on the `SlotBatch`), runs the recurrence, and
-/// [`stage`](Self::stage)s the new state. Nothing is written until
-/// [`commit`](Self::commit); [`rollback`](Self::rollback) drops the staged
-/// state and leaves the storage bit-identical (the committed arrays are never
-/// touched before commit). Commit scatters the staged rows into the
-/// exclusively owned slot arrays, so MLX updates them in place (see
-/// [`KvStorage`](crate::storage::KvStorage) on keeping one reference).
+/// [`write`](Self::write)s the new state. Writes go straight into the slot
+/// arrays, so a step submitted while the one before it is still open (a
+/// pipelined engine) reads that step's state; each write journals the rows it
+/// replaced under the step [`begin`](Self::begin) opened.
+/// [`commit`](Self::commit) forgets the oldest open step's journal;
+/// [`rollback`](Self::rollback) writes the newest one's old rows back, newest
+/// write first, which leaves the storage bit-identical to before the step.
+/// This is the shape of the block pool's undo (a journal per open step), not
+/// a staged copy of the state.
+///
+/// Slot operations ([`apply`](Self::apply)) are not journaled: they only ever
+/// target slots the step's admissions acquired, which the accounting's
+/// rollback frees again (a freed slot's contents are stale by contract).
 #[derive(Debug)]
 pub struct StateStorage {
     num_slots: u32,
     specs: Vec<StateSpec>,
     layers: Vec<Vec<Array>>,
-    staged: Vec<Option<Staged>>,
+    /// Per open step, oldest first, its writes in order.
+    open: VecDeque<Vec<Undo>>,
 }
 
 impl StateStorage {
@@ -81,8 +92,8 @@ impl StateStorage {
         Ok(Self {
             num_slots,
             specs,
-            staged: (0..layers).map(|_| None).collect(),
             layers: layers_v,
+            open: VecDeque::new(),
         })
     }
 
@@ -101,18 +112,41 @@ impl StateStorage {
         &self.specs
     }
 
-    /// Every committed state array, to evaluate after a commit.
+    /// Bytes of one slot's state in every layer.
+    pub fn bytes_per_slot(&self) -> u64 {
+        let one: u64 = self
+            .specs
+            .iter()
+            .map(|s| {
+                s.shape.iter().map(|&d| d.max(0) as u64).product::<u64>() * dtype_bytes(s.dtype)
+            })
+            .sum();
+        one * self.layers.len() as u64
+    }
+
+    /// Every state array, as it is now (open steps' writes included).
     pub fn arrays(&self) -> impl Iterator<Item = &Array> {
         self.layers.iter().flatten()
     }
 
-    /// Whether any layer has staged state.
-    pub fn has_staged(&self) -> bool {
-        self.staged.iter().any(Option::is_some)
+    /// The open steps' journaled rows: a step's evaluation produces them with
+    /// [`arrays`](Self::arrays), so no journal keeps an unevaluated graph.
+    pub fn journal_arrays(&self) -> impl Iterator<Item = &Array> {
+        self.open.iter().flatten().flat_map(|u| u.old.iter())
     }
 
-    /// The committed state of `batch`'s rows in one layer: per component,
-    /// `[B, ...]`.
+    /// Steps [`begin`](Self::begin) opened and neither committed nor rolled back.
+    pub fn open_steps(&self) -> usize {
+        self.open.len()
+    }
+
+    /// Opens a step: the writes until the next `begin` are its.
+    pub fn begin(&mut self) {
+        self.open.push_back(Vec::new());
+    }
+
+    /// The current state of `batch`'s rows in one layer (every open step's
+    /// writes included): per component, `[B, ...]`.
     pub fn gather(&self, layer: usize, batch: &SlotBatch) -> Result<Vec<Array>, StorageError> {
         let arrays = self.layer(layer)?;
         let rows = self.rows_array(batch, false)?;
@@ -122,18 +156,18 @@ impl StateStorage {
             .collect::<Result<Vec<_>, _>>()?)
     }
 
-    /// Stages one layer's new state for `batch`'s rows (per component,
-    /// `[B, ...]`), to be written at [`commit`](Self::commit). A layer can be
-    /// staged once per step; rows must be distinct.
-    pub fn stage(
+    /// Writes one layer's new state for `batch`'s rows (per component,
+    /// `[B, ...]`, rows distinct) in the newest open step, journaling the rows
+    /// it replaces. Everything is checked before anything is written.
+    pub fn write(
         &mut self,
         layer: usize,
         batch: &SlotBatch,
         new: Vec<Array>,
     ) -> Result<(), StorageError> {
         self.layer(layer)?;
-        if self.staged[layer].is_some() {
-            return Err(StorageError::AlreadyStaged(layer));
+        if self.open.is_empty() {
+            return Err(StorageError::NoOpenStep);
         }
         if new.len() != self.specs.len() {
             return Err(StorageError::Shape {
@@ -148,66 +182,78 @@ impl StateStorage {
             want.extend_from_slice(&spec.shape);
             if x.shape() != want.as_slice() {
                 return Err(StorageError::Shape {
-                    what: "staged state",
+                    what: "new state",
                     expected: want,
                     got: x.shape().to_vec(),
                 });
             }
         }
         let rows = self.rows_array(batch, true)?;
-        let new = new
-            .into_iter()
-            .zip(&self.specs)
-            .map(|(x, spec)| {
-                if x.dtype() == spec.dtype {
-                    Ok(x)
+        let old = self.layers[layer]
+            .iter()
+            .map(|a| a.take_axis(&rows, 0))
+            .collect::<Result<Vec<_>, _>>()?;
+        let updated = self.layers[layer]
+            .iter()
+            .zip(new.iter().zip(&self.specs))
+            .map(|(a, (x, spec))| {
+                let x = if x.dtype() == spec.dtype {
+                    x.clone()
                 } else {
-                    x.as_dtype(spec.dtype)
-                }
+                    x.as_dtype(spec.dtype)?
+                };
+                scatter_rows(a, &rows, &x)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        self.staged[layer] = Some(Staged { rows, new });
+        // Replacing the handles leaves the scatters as the arrays' only
+        // users, so MLX can write in place.
+        self.layers[layer] = updated;
+        if let Some(step) = self.open.back_mut() {
+            step.push(Undo { layer, rows, old });
+        }
         Ok(())
     }
 
-    /// Writes every staged layer. Atomic: the new arrays are all built before
-    /// any replaces its predecessor, so an error changes nothing (and the
-    /// staged state stays for a retry or a rollback).
+    /// Closes the oldest open step, keeping its writes.
     pub fn commit(&mut self) -> Result<(), StorageError> {
-        let mut updated: Vec<(usize, Vec<Array>)> = Vec::new();
-        for (l, staged) in self.staged.iter().enumerate() {
-            let Some(s) = staged else { continue };
-            let arrays = self.layers[l]
-                .iter()
-                .zip(&s.new)
-                .map(|(a, x)| scatter_rows(a, &s.rows, x))
-                .collect::<Result<Vec<_>, _>>()?;
-            updated.push((l, arrays));
-        }
-        for (l, arrays) in updated {
-            // Dropping the old handles here leaves the scatters as their only
-            // users, so MLX can write in place.
-            self.layers[l] = arrays;
-            self.staged[l] = None;
-        }
-        Ok(())
+        self.open
+            .pop_front()
+            .map(|_| ())
+            .ok_or(StorageError::NoOpenStep)
     }
 
-    /// Drops the staged state; the committed state is untouched.
-    pub fn rollback(&mut self) {
-        for s in &mut self.staged {
-            *s = None;
+    /// Closes the newest open step, writing back the rows it replaced (newest
+    /// write first). The restoring scatters are built before any array is
+    /// replaced, so an error leaves the step open and the storage as it was.
+    pub fn rollback(&mut self) -> Result<(), StorageError> {
+        let Some(step) = self.open.back() else {
+            return Err(StorageError::NoOpenStep);
+        };
+        let mut layers: Vec<Option<Vec<Array>>> = self.layers.iter().map(|_| None).collect();
+        for u in step.iter().rev() {
+            let cur = layers[u.layer]
+                .take()
+                .unwrap_or_else(|| self.layers[u.layer].clone());
+            let restored = cur
+                .iter()
+                .zip(&u.old)
+                .map(|(a, o)| scatter_rows(a, &u.rows, o))
+                .collect::<Result<Vec<_>, _>>()?;
+            layers[u.layer] = Some(restored);
         }
+        self.open.pop_back();
+        for (l, a) in layers.into_iter().enumerate() {
+            if let Some(a) = a {
+                self.layers[l] = a;
+            }
+        }
+        Ok(())
     }
 
     /// Applies [`StorageOp::CopySlot`] and [`StorageOp::ResetSlot`] in order;
-    /// other operations are ignored. Refused while state is staged (the ops
-    /// belong before the step's forward pass). Slot ids are all checked before
-    /// anything is written.
+    /// other operations are ignored. Slot ids are all checked before anything
+    /// is written.
     pub fn apply(&mut self, ops: &[StorageOp]) -> Result<(), StorageError> {
-        if self.has_staged() {
-            return Err(StorageError::StagePending);
-        }
         for op in ops {
             match *op {
                 StorageOp::CopySlot { src, dst } => {
