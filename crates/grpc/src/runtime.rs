@@ -351,8 +351,11 @@ impl Model for MlxModel {
         self.runner.commit().map_err(failed)
     }
 
+    /// Not for recurrent models: a draft's rejected tokens would need the
+    /// state as it was at each position (per-position checkpoints), which the
+    /// state slots do not keep; their rows decode one token per step.
     fn supports_drafts(&self) -> bool {
-        true
+        !self.runner.kv().has_state()
     }
 
     fn rollback(&mut self) {
@@ -458,6 +461,7 @@ impl MlxModel {
             s.draft = r.draft;
             s.blocks.clone_from(&r.blocks);
             s.adapter = r.adapter.map(|a| weft_models::AdapterId(u64::from(a)));
+            s.state_slot = r.state_slot;
         }
     }
 
@@ -819,8 +823,23 @@ fn warm_up(runner: &mut BatchRunner, gpu: bool) -> anyhow::Result<()> {
     // first one a cold H200 server met took 6.8 s with every other step kind
     // warmed, the same step ~25 ms after (benches/RESULTS.md).
     let wide = if gpu { 16 } else { 0 };
+    // A recurrent model's rows each hold a state slot: as many rows as it has.
+    let stateful = runner.kv().has_state();
+    let slots = runner.kv().state_slots() as usize;
+    if stateful && slots < 4 {
+        return Ok(());
+    }
+    let wide = if stateful { wide.min(slots - 4) } else { wide };
+    let spec = |i: usize| {
+        let s = SeqSpec::new(OwnerId(i as u32));
+        if stateful {
+            s.with_state_slot()
+        } else {
+            s
+        }
+    };
     let seqs = (0..4 + wide)
-        .map(|i| pool.allocate(SeqSpec::new(OwnerId(i as u32))))
+        .map(|i| pool.allocate(spec(i)))
         .collect::<Result<Vec<_>, _>>()?;
     let mut lens = vec![0usize; seqs.len()];
     let long = if gpu { 600 } else { 0 };
@@ -884,6 +903,7 @@ fn warm_up(runner: &mut BatchRunner, gpu: bool) -> anyhow::Result<()> {
                     .map(|t| 1 + ((t * 7 + i * 13) as u32) % (vocab - 1))
                     .collect(),
                 adapter: None,
+                state_slot: pool.sequence(seqs[i])?.state_slot,
             });
             sampling.push(match i {
                 1 => SampleRow {

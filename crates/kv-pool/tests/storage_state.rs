@@ -209,7 +209,6 @@ fn steps_commit_or_roll_back_exactly() {
             }
             _ => {}
         }
-        let rows = batch.rows().to_vec();
 
         // The step: new state = f(gathered state) + noise, written per
         // layer; every fourth step a second one follows while it is open

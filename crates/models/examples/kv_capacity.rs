@@ -35,6 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         sliding: None,
         quant: None,
+        recurrent: None,
     };
     let budget = mib << 20;
     let before = active();

@@ -6,6 +6,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::ModelError;
+use crate::gated_delta::DeltaShape;
 
 /// Architectures this crate builds graphs for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +21,10 @@ pub enum Arch {
     /// with extra norms around attention and MLP, gelu-tanh MLP, scaled
     /// embeddings, per-kind RoPE bases, q/k norms.
     Gemma3,
+    /// Qwen3.5 text (dense): Gated DeltaNet linear-attention layers beside
+    /// gated full attention (the query projection carries a sigmoid output
+    /// gate per head, q/k norms, partial rotary embedding).
+    Qwen3_5,
 }
 
 /// The MLP's gate activation.
@@ -89,6 +94,16 @@ struct RawConfig {
     hidden_activation: Option<String>,
     final_logit_softcapping: Option<f32>,
     attn_logit_softcapping: Option<f32>,
+    // Qwen3.5.
+    linear_num_value_heads: Option<i32>,
+    linear_num_key_heads: Option<i32>,
+    linear_key_head_dim: Option<i32>,
+    linear_value_head_dim: Option<i32>,
+    linear_conv_kernel_dim: Option<i32>,
+    full_attention_interval: Option<i32>,
+    rope_parameters: Option<serde_json::Value>,
+    partial_rotary_factor: Option<f32>,
+    num_experts: Option<i32>,
 }
 
 fn default_theta() -> f32 {
@@ -140,6 +155,17 @@ pub struct ModelConfig {
     pub sandwich_norms: bool,
     /// `tanh(logits / c) * c` on the output logits.
     pub final_logit_softcapping: Option<f32>,
+    /// Per layer, whether it is a recurrent (Gated DeltaNet) layer instead of
+    /// attention (all false for attention-only families).
+    pub recurrent_layers: Vec<bool>,
+    /// The recurrent layers' shape (Qwen3.5).
+    pub delta: Option<DeltaShape>,
+    /// Leading features of each head RoPE rotates (`head_dim` unless the
+    /// family rotates part of it).
+    pub rotary_dim: i32,
+    /// The query projection carries a sigmoid gate per head, applied to the
+    /// attention output before `o_proj` (Qwen3.5).
+    pub attn_output_gate: bool,
 }
 
 impl ModelConfig {
@@ -160,15 +186,19 @@ impl ModelConfig {
             path: "config.json".into(),
             message,
         };
-        let raw: RawConfig = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let raw: RawConfig =
+            serde_json::from_value(text_model_config(value)).map_err(|e| bad(e.to_string()))?;
         let arch = match raw.model_type.as_str() {
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "gemma3_text" => Arch::Gemma3,
+            "qwen3_5" | "qwen3_5_text" => Arch::Qwen3_5,
             other => {
                 return Err(bad(format!(
-                "model_type {other:?} is not supported (llama, mistral, qwen2, qwen3, gemma3_text)"
+                "model_type {other:?} is not supported (llama, mistral, qwen2, qwen3, gemma3_text, qwen3_5)"
             )))
             }
         };
@@ -284,6 +314,46 @@ impl ModelConfig {
                 "attn_logit_softcapping is not supported (Gemma 2's attention soft-capping)".into(),
             ));
         }
+        let qwen35 = arch == Arch::Qwen3_5;
+        let (recurrent_layers, delta) = if qwen35 {
+            recurrent_layout(&raw, layers).map_err(bad)?
+        } else {
+            (vec![false; layers], None)
+        };
+        // Qwen3.5 keeps its RoPE settings in `rope_parameters`; a text-only
+        // forward's multimodal RoPE sections all see the same position, which
+        // is plain RoPE.
+        let rope_params = raw.rope_parameters.as_ref().and_then(|v| v.as_object());
+        let param = |k: &str| rope_params.and_then(|o| o.get(k)).and_then(|v| v.as_f64());
+        let rope_theta = match param("rope_theta") {
+            Some(t) if qwen35 => t as f32,
+            _ => raw.rope_theta,
+        };
+        if let Some(kind) = rope_params
+            .and_then(|o| o.get("rope_type").or_else(|| o.get("type")))
+            .and_then(|v| v.as_str())
+            .filter(|k| *k != "default")
+        {
+            return Err(bad(format!(
+                "rope_parameters type {kind:?} is not supported (default)"
+            )));
+        }
+        let partial = param("partial_rotary_factor")
+            .map(|f| f as f32)
+            .or(raw.partial_rotary_factor)
+            .unwrap_or(if qwen35 { 0.25 } else { 1.0 });
+        if !(partial > 0.0 && partial <= 1.0) {
+            return Err(bad(format!(
+                "partial_rotary_factor must be in (0, 1], got {partial}"
+            )));
+        }
+        let rotary_dim = (head_dim as f32 * partial) as i32;
+        if rotary_dim < 2 || rotary_dim % 2 != 0 {
+            return Err(bad(format!(
+                "head_dim {head_dim} x partial_rotary_factor {partial} gives {rotary_dim} \
+                 rotated features; RoPE needs an even number"
+            )));
+        }
         let attn_scale = match raw.query_pre_attn_scalar {
             Some(q) if gemma => {
                 if !(q.is_finite() && q > 0.0) {
@@ -306,6 +376,10 @@ impl ModelConfig {
                 .then(|| half::bf16::from_f32((raw.hidden_size as f32).sqrt()).to_f32()),
             sandwich_norms: gemma,
             final_logit_softcapping: raw.final_logit_softcapping.filter(|c| *c > 0.0),
+            recurrent_layers,
+            delta,
+            rotary_dim,
+            attn_output_gate: qwen35,
             arch,
             model_type: raw.model_type,
             hidden_size: raw.hidden_size,
@@ -316,7 +390,7 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: raw.rms_norm_eps,
             vocab_size: raw.vocab_size,
-            rope_theta: raw.rope_theta,
+            rope_theta,
             rope_scaling: raw.rope_scaling,
             // Gemma ties its head unless the config says otherwise.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
@@ -327,6 +401,90 @@ impl ModelConfig {
             bos_token_id: raw.bos_token_id,
         })
     }
+}
+
+/// The text model's settings: a multimodal checkpoint's `text_config`, with
+/// what only its top level says (quantization, token ids, tied embeddings)
+/// carried over; any other config as it is.
+fn text_model_config(mut v: serde_json::Value) -> serde_json::Value {
+    let Some(top) = v.as_object_mut() else {
+        return v;
+    };
+    let Some(serde_json::Value::Object(mut text)) = top.remove("text_config") else {
+        return v;
+    };
+    for (k, x) in top.iter() {
+        if !text.contains_key(k) && k != "vision_config" {
+            text.insert(k.clone(), x.clone());
+        }
+    }
+    serde_json::Value::Object(text)
+}
+
+/// Qwen3.5's layer kinds (`layer_types`, else every
+/// `full_attention_interval`-th layer attends) and its Gated DeltaNet shape.
+fn recurrent_layout(
+    raw: &RawConfig,
+    layers: usize,
+) -> Result<(Vec<bool>, Option<DeltaShape>), String> {
+    if raw.num_experts.unwrap_or(0) > 0 {
+        return Err("Qwen3.5 mixture-of-experts models are not supported (num_experts > 0)".into());
+    }
+    let kinds = match &raw.layer_types {
+        Some(t) => {
+            if t.len() != layers {
+                return Err(format!(
+                    "layer_types lists {} layers, num_hidden_layers is {layers}",
+                    t.len()
+                ));
+            }
+            t.iter()
+                .map(|k| match k.as_str() {
+                    "linear_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(format!(
+                        "layer_types: {other:?} is not linear_attention or full_attention"
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        None => {
+            let every = raw.full_attention_interval.unwrap_or(4);
+            if every <= 0 {
+                return Err(format!(
+                    "full_attention_interval must be positive, got {every}"
+                ));
+            }
+            (0..layers).map(|i| (i + 1) % every as usize != 0).collect()
+        }
+    };
+    let need = |name: &str, v: Option<i32>| -> Result<i32, String> {
+        match v {
+            Some(x) if x > 0 => Ok(x),
+            Some(x) => Err(format!("{name} must be positive, got {x}")),
+            None => Err(format!("{name} is missing")),
+        }
+    };
+    let shape = DeltaShape {
+        k_heads: need("linear_num_key_heads", raw.linear_num_key_heads)?,
+        v_heads: need("linear_num_value_heads", raw.linear_num_value_heads)?,
+        k_dim: need("linear_key_head_dim", raw.linear_key_head_dim)?,
+        v_dim: need("linear_value_head_dim", raw.linear_value_head_dim)?,
+        kernel: need("linear_conv_kernel_dim", raw.linear_conv_kernel_dim)?,
+    };
+    if shape.v_heads % shape.k_heads != 0 {
+        return Err(format!(
+            "linear_num_value_heads {} must be a multiple of linear_num_key_heads {}",
+            shape.v_heads, shape.k_heads
+        ));
+    }
+    if shape.kernel < 2 {
+        return Err(format!(
+            "linear_conv_kernel_dim must be at least 2, got {}",
+            shape.kernel
+        ));
+    }
+    Ok((kinds, Some(shape)))
 }
 
 fn parse_quantization(v: &serde_json::Value) -> Result<Quantization, String> {

@@ -1,6 +1,6 @@
 //! Gated DeltaNet: the linear-attention layer of Qwen3.5 / Qwen3-Next hybrids,
-//! over per-row recurrent state (work in progress: the layer and its state;
-//! not yet wired into `LlamaModel` or the KV pool's state slots).
+//! over per-row recurrent state (kept in the KV pool's state slots, see
+//! `kv::RecurrentLayers`).
 //!
 //! Per row the layer keeps two states: the depthwise causal convolution's last
 //! `kernel - 1` inputs `[kernel - 1, conv_dim]` and the delta rule's matrix
@@ -39,24 +39,18 @@ impl DeltaShape {
     }
 }
 
-/// One row batch's recurrent state: `conv` `[B, kernel - 1, conv_dim]` in the
-/// model dtype, `rec` `[B, v_heads, v_dim, k_dim]` f32.
-#[derive(Debug, Clone)]
-pub struct DeltaState {
-    pub conv: Array,
-    pub rec: Array,
-}
-
-impl DeltaState {
-    /// The zero state of `rows` rows.
-    pub fn zeros(shape: DeltaShape, rows: i32, dtype: Dtype) -> Result<Self> {
-        Ok(Self {
-            conv: ops::zeros_dtype(&[rows, shape.kernel - 1, shape.conv_dim()], dtype)?,
-            rec: ops::zeros_dtype(
-                &[rows, shape.v_heads, shape.v_dim, shape.k_dim],
+impl DeltaShape {
+    /// The zero state of `rows` rows: the convolution's inputs `[rows,
+    /// kernel - 1, conv_dim]` in `dtype`, the delta rule's matrices `[rows,
+    /// v_heads, v_dim, k_dim]` in f32 (what [`GatedDeltaNet::forward`] takes).
+    pub fn zero_state(&self, rows: i32, dtype: Dtype) -> Result<Vec<Array>> {
+        Ok(vec![
+            ops::zeros_dtype(&[rows, self.kernel - 1, self.conv_dim()], dtype)?,
+            ops::zeros_dtype(
+                &[rows, self.v_heads, self.v_dim, self.k_dim],
                 Dtype::Float32,
             )?,
-        })
+        ])
     }
 }
 
@@ -79,16 +73,21 @@ pub struct GatedDeltaNet {
 
 impl GatedDeltaNet {
     /// Loads `{prefix}.in_proj_{qkv,z,b,a}`, `conv1d.weight` `[conv_dim,
-    /// kernel, 1]`, `dt_bias`, `A_log`, `norm.weight`, `out_proj`.
+    /// kernel, 1]`, `dt_bias`, `A_log`, `norm.weight`, `out_proj`; `quant`
+    /// says how a projection is stored (mlx-lm's `(group_size, bits)` per
+    /// module path, None: dense).
     pub fn load(
         w: &mut Weights,
         prefix: &str,
         shape: DeltaShape,
         eps: f32,
         policy: WeightPolicy,
+        quant: impl Fn(&str) -> Option<(i32, i32)>,
     ) -> Result<Self> {
         let lin = |w: &mut Weights, name: &str| {
-            Linear::load(w, &format!("{prefix}.{name}"), None, policy)
+            let path = format!("{prefix}.{name}");
+            let q = quant(&path);
+            Linear::load(w, &path, q, policy)
         };
         let dt = policy.dtype;
         let conv = w.take(&format!("{prefix}.conv1d.weight"))?;
@@ -120,25 +119,75 @@ impl GatedDeltaNet {
         })
     }
 
-    /// The layer over `x` `[B, T, hidden]` from `state`: its output `[B, T,
-    /// hidden]` and the state after the `T` tokens.
-    pub fn forward(&self, x: &Array, state: &DeltaState) -> Result<(Array, DeltaState)> {
+    /// The projections, for load-time evaluation.
+    pub fn linears(&self) -> Vec<&Linear> {
+        vec![&self.in_qkv, &self.in_z, &self.in_b, &self.in_a, &self.out]
+    }
+
+    /// The other weights, for load-time evaluation.
+    pub fn arrays(&self) -> Vec<&Array> {
+        vec![&self.conv, &self.dt_bias, &self.neg_a, &self.norm]
+    }
+
+    /// The layer over `x` `[B, T, hidden]` from `state` (its two components,
+    /// as [`DeltaShape::zero_state`] orders them): its output `[B, T, hidden]` and the
+    /// state after each row's tokens. `last` `[B, 1, 1]` is each row's last
+    /// real token where rows are right-padded (None: all `T` are real); a
+    /// row's state then stops there: padded positions neither decay nor
+    /// write the state, and the convolution keeps the inputs before them.
+    pub fn forward(
+        &self,
+        x: &Array,
+        state: &[Array],
+        last: Option<&Array>,
+    ) -> Result<(Array, Vec<Array>)> {
+        let [conv, rec] = state else {
+            return Err(ModelError::Invalid(format!(
+                "a Gated DeltaNet state has 2 components, got {}",
+                state.len()
+            )));
+        };
         let s = self.shape;
         let xs = x.shape();
         let (b, t) = (xs[0], xs[1]);
         let qkv = self.in_qkv.forward(x)?;
         let z = self.in_z.forward(x)?.reshape(&[b, t, s.v_heads, s.v_dim])?;
-        let beta = ops::sigmoid(&self.in_b.forward(x)?)?;
+        let mut beta = ops::sigmoid(&self.in_b.forward(x)?)?;
         let a = self.in_a.forward(x)?;
         // Decay per token and value head, in f32.
         let sp = softplus(&ops::add(&a, &self.dt_bias)?.as_dtype(Dtype::Float32)?)?;
-        let g = ops::exp(&ops::multiply(&self.neg_a, &sp)?)?;
+        let mut g = ops::exp(&ops::multiply(&self.neg_a, &sp)?)?;
+        // Padding: decay 1 and write strength 0 leave the state exactly as is.
+        let ends = match last {
+            Some(l) => {
+                let l = l.reshape(&[b, 1])?;
+                let valid = ops::le(&ops::arange::<_, i32>(0, t, 1)?.reshape(&[1, t])?, &l)?
+                    .reshape(&[b, t, 1])?;
+                g = ops::select(&valid, &g, &ops::ones_like(&g)?)?;
+                beta = ops::select(&valid, &beta, &ops::zeros_like(&beta)?)?;
+                Some(ops::add(&l, &Array::from_int(1))?)
+            }
+            None => None,
+        };
 
         // The causal depthwise convolution over the state's inputs and these.
-        let inputs = ops::concatenate(&[&state.conv, &qkv], 1)?;
+        let conv = if conv.dtype() == qkv.dtype() {
+            conv.clone()
+        } else {
+            conv.as_dtype(qkv.dtype())?
+        };
+        let inputs = ops::concatenate(&[&conv, &qkv], 1)?;
         let keep = s.kernel - 1;
         let total = keep + t;
-        let conv_state = inputs.try_index((.., total - keep.., ..))?;
+        let conv_state = match &ends {
+            // Each row's last `keep` inputs end at its last real token.
+            Some(e) => {
+                let at = ops::add(e, &ops::arange::<_, i32>(0, keep, 1)?.reshape(&[1, keep])?)?
+                    .reshape(&[b, keep, 1])?;
+                inputs.take_along_axis(&at, 1)?
+            }
+            None => inputs.try_index((.., total - keep.., ..))?,
+        };
         let mut acc: Option<Array> = None;
         for j in 0..s.kernel {
             let tap = self.conv.try_index((.., j))?;
@@ -181,7 +230,7 @@ impl GatedDeltaNet {
             (q, k)
         };
 
-        let mut rec = state.rec.clone();
+        let mut rec = rec.clone();
         let mut ys = Vec::with_capacity(t as usize);
         for i in 0..t {
             let qt = q.try_index((.., i))?; // [B, Hv, Dk]
@@ -213,13 +262,7 @@ impl GatedDeltaNet {
         let out = self
             .out
             .forward(&o.reshape(&[b, t, s.v_heads * s.v_dim])?)?;
-        Ok((
-            out,
-            DeltaState {
-                conv: conv_state,
-                rec,
-            },
-        ))
+        Ok((out, vec![conv_state, rec]))
     }
 }
 

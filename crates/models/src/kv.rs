@@ -33,13 +33,15 @@ use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
 use weft_kv_pool::storage::{
-    AffineQuant, KvStorage, KvStorageConfig, RowStep as RowWrite, StepLayout,
+    AffineQuant, KvStorage, KvStorageConfig, RowStep as RowWrite, StateSpec, StateStorage,
+    StepLayout,
 };
-use weft_kv_pool::{AttentionKind, GroupSpec, KvGroups, RowBlocks, StorageOp};
+use weft_kv_pool::{AttentionKind, GroupSpec, KvGroups, RowBlocks, SlotBatch, StorageOp};
 
 use crate::composed_attention::{self, PrefillAttention, Visible};
 use crate::cpu_kernels::{self, Kernels};
 use crate::error::{ModelError, Result};
+use crate::gated_delta::DeltaShape;
 use crate::paged_attention::{PagedAttention, Pools};
 
 /// How much memory the KV pool takes.
@@ -175,7 +177,74 @@ pub struct KvShape {
     /// K/V stored affine-quantized (`--kv-bits`), with scales and biases in
     /// `dtype`; `None` stores them in `dtype`.
     pub quant: Option<AffineQuant>,
+    /// The layers that keep recurrent state instead of K/V, if any.
+    pub recurrent: Option<RecurrentLayers>,
 }
+
+/// Which layers are recurrent (Gated DeltaNet: per-row state in slots, no
+/// K/V) and the shape of their state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecurrentLayers {
+    /// Bit `i` set: layer `i` is recurrent (models of up to 128 layers).
+    pub layers: u128,
+    pub shape: DeltaShape,
+}
+
+impl RecurrentLayers {
+    /// From per-layer flags; None when no layer is recurrent.
+    pub fn from_flags(shape: Option<DeltaShape>, flags: &[bool]) -> Result<Option<Self>> {
+        if !flags.iter().any(|&f| f) {
+            return Ok(None);
+        }
+        let shape = shape
+            .ok_or_else(|| ModelError::Invalid("recurrent layers without a state shape".into()))?;
+        if flags.len() > 128 {
+            return Err(ModelError::Invalid(format!(
+                "recurrent models of {} layers are not supported (at most 128)",
+                flags.len()
+            )));
+        }
+        let layers = flags
+            .iter()
+            .enumerate()
+            .filter(|(_, &f)| f)
+            .fold(0u128, |m, (i, _)| m | (1u128 << i));
+        Ok(Some(Self { layers, shape }))
+    }
+
+    pub fn is_recurrent(&self, layer: usize) -> bool {
+        layer < 128 && self.layers & (1u128 << layer) != 0
+    }
+
+    pub fn count(&self) -> usize {
+        self.layers.count_ones() as usize
+    }
+
+    /// The state components of one slot: the convolution's last inputs in
+    /// the model dtype, the delta rule's matrices in f32.
+    pub fn specs(&self, dtype: Dtype) -> Vec<StateSpec> {
+        let s = self.shape;
+        vec![
+            StateSpec::new(&[s.kernel - 1, s.conv_dim()], dtype),
+            StateSpec::new(&[s.v_heads, s.v_dim, s.k_dim], Dtype::Float32),
+        ]
+    }
+
+    /// Bytes of one row's state over every recurrent layer.
+    pub fn bytes_per_slot(&self, dtype: Dtype) -> u64 {
+        let el = |d: Dtype| if d == Dtype::Float32 { 4u64 } else { 2 };
+        let per_layer: u64 = self
+            .specs(dtype)
+            .iter()
+            .map(|c| c.shape.iter().map(|&d| d.max(0) as u64).product::<u64>() * el(c.dtype))
+            .sum();
+        per_layer * self.count() as u64
+    }
+}
+
+/// State slots of a recurrent model's pool when the server's row count is
+/// not known ([`KvUse`] absent): tests and tools.
+pub const DEFAULT_STATE_SLOTS: u32 = 32;
 
 /// What a KV pool of `dtype` stores per element, for people: the dtype, or
 /// `q{bits}g{group}/` before it when quantized (`bfloat16`, `q4g64/bfloat16`).
@@ -226,9 +295,15 @@ impl SlidingLayers {
 }
 
 impl KvShape {
-    /// Bytes of K plus V of one token over all layers.
+    /// Bytes of K plus V of one token over all attention layers.
     pub fn bytes_per_token(&self) -> u64 {
-        self.layers as u64 * self.bytes_per_layer_token()
+        let (full, sliding) = self.layer_counts();
+        (full + sliding) as u64 * self.bytes_per_layer_token()
+    }
+
+    /// Whether layer `i` keeps recurrent state instead of K/V.
+    pub fn is_recurrent(&self, i: usize) -> bool {
+        self.recurrent.is_some_and(|r| r.is_recurrent(i))
     }
 
     /// Bytes of K plus V of one token in one layer (packed values, scales
@@ -271,12 +346,14 @@ impl KvShape {
         }
     }
 
-    /// (full-attention layers, sliding-window layers).
+    /// (full-attention layers, sliding-window layers); recurrent layers are
+    /// neither.
     pub fn layer_counts(&self) -> (usize, usize) {
         let sliding = (0..self.layers)
             .filter(|&i| self.sliding.is_some_and(|s| s.slides(i)))
             .count();
-        (self.layers - sliding, sliding)
+        let recurrent = self.recurrent.map_or(0, |r| r.count());
+        (self.layers - sliding - recurrent, sliding)
     }
 }
 
@@ -328,6 +405,12 @@ pub struct PagedKv {
     /// How multi-token queries attend (composed on the GPU: no per-shape plan).
     prefill: PrefillAttention,
     shape: KvShape,
+    /// Recurrent layers' state slots (the pool hands out `0..slots`; slot
+    /// `slots` is the null slot padding rows read), and each model layer's
+    /// index among the recurrent ones.
+    state: Option<RefCell<StateStorage>>,
+    state_slots: u32,
+    state_index: Vec<Option<usize>>,
 }
 
 impl PagedKv {
@@ -357,16 +440,28 @@ impl PagedKv {
         gpu_kernel: bool,
     ) -> Result<Self> {
         let per_block = shape.bytes_per_token() * u64::from(block_size);
+        // Recurrent layers: one state slot per row a step can hold, plus the
+        // null slot, taken from a byte budget before it is split into blocks.
+        let state_slots = match (shape.recurrent, usage) {
+            (None, _) => 0,
+            (Some(_), Some(u)) => u32::try_from(u.max_rows.max(1)).unwrap_or(u32::MAX),
+            (Some(_), None) => DEFAULT_STATE_SLOTS,
+        };
+        let state_bytes = shape.recurrent.map_or(0, |r| {
+            r.bytes_per_slot(shape.dtype) * (u64::from(state_slots) + 1)
+        });
         let budget = match memory {
             KvMemory::Blocks(n) => KvBudget::Blocks(u64::from(n)),
-            KvMemory::Bytes(b) => KvBudget::Bytes(b),
+            KvMemory::Bytes(b) => KvBudget::Bytes(b.saturating_sub(state_bytes)),
             KvMemory::FreeFraction(f) => {
                 if !(f > 0.0 && f < 1.0) {
                     return Err(ModelError::Invalid(format!(
                         "KV memory fraction {f} must be in (0, 1)"
                     )));
                 }
-                KvBudget::Bytes((free_device_memory()? as f64 * f) as u64)
+                KvBudget::Bytes(
+                    ((free_device_memory()? as f64 * f) as u64).saturating_sub(state_bytes),
+                )
             }
         };
         let split = KvSplit::plan(&shape, block_size, budget, usage);
@@ -385,28 +480,58 @@ impl PagedKv {
         // (the budget splits by layers); with one the sliding group gets what
         // its windows can use and the full group the rest (`KvSplit`).
         let slides = |i: usize| shape.sliding.is_some_and(|s| s.slides(i));
+        let attends = |i: usize| !shape.is_recurrent(i);
         let mut kinds: Vec<AttentionKind> = Vec::new();
-        if (0..shape.layers).any(|i| !slides(i)) {
+        if (0..shape.layers).any(|i| attends(i) && !slides(i)) {
             kinds.push(AttentionKind::Full);
         }
         if let Some(s) = shape.sliding.filter(|_| (0..shape.layers).any(slides)) {
             kinds.push(AttentionKind::SlidingWindow { window: s.window });
         }
-        let mut groups = KvGroups::new(block_size);
+        let mut groups = KvGroups::new(block_size).state_slots(state_slots);
         for (g, k) in kinds.iter().enumerate() {
             let n = if g == 1 { sliding_blocks } else { blocks };
             groups = groups.group(GroupSpec::new(*k, n));
         }
-        let group_of = |i: usize| usize::from(slides(i) && kinds.len() == 2);
+        // Recurrent layers have no group: `usize::MAX` (never indexed, see
+        // `KvStep::attend`).
+        let group_of = |i: usize| {
+            if attends(i) {
+                usize::from(slides(i) && kinds.len() == 2)
+            } else {
+                usize::MAX
+            }
+        };
         let layer_group: Vec<usize> = (0..shape.layers).map(group_of).collect();
         let mut counts = vec![0usize; kinds.len()];
         let layer_index: Vec<usize> = layer_group
             .iter()
-            .map(|&g| {
-                counts[g] += 1;
-                counts[g] - 1
+            .map(|&g| match counts.get_mut(g) {
+                Some(c) => {
+                    *c += 1;
+                    *c - 1
+                }
+                None => usize::MAX,
             })
             .collect();
+        let mut recurrent_seen = 0usize;
+        let state_index: Vec<Option<usize>> = (0..shape.layers)
+            .map(|i| {
+                (!attends(i)).then(|| {
+                    recurrent_seen += 1;
+                    recurrent_seen - 1
+                })
+            })
+            .collect();
+        let state = match shape.recurrent {
+            Some(r) => {
+                let st = StateStorage::new(state_slots + 1, r.count(), r.specs(shape.dtype))
+                    .map_err(storage_err)?;
+                mlx_rs::transforms::eval(st.arrays())?;
+                Some(RefCell::new(st))
+            }
+            None => None,
+        };
         let mut storage = Vec::with_capacity(kinds.len());
         for (g, &layers) in counts.iter().enumerate() {
             // One block more than the pool hands out: the null block, which
@@ -436,6 +561,9 @@ impl PagedKv {
             kernels,
             prefill: PrefillAttention::for_device(crate::loader::cuda_available()),
             shape,
+            state,
+            state_slots,
+            state_index,
         })
     }
 
@@ -449,12 +577,62 @@ impl PagedKv {
         self.shape
     }
 
-    /// Bytes of all storage.
+    /// Bytes of all storage (recurrent state slots included).
     pub fn bytes(&self) -> u64 {
-        self.storage
+        let kv: u64 = self
+            .storage
             .iter()
             .map(|s| s.borrow().config().bytes_per_layer() * s.borrow().config().layers as u64)
-            .sum()
+            .sum();
+        kv + self.state_bytes()
+    }
+
+    /// Bytes of the recurrent state slots (the null slot included).
+    pub fn state_bytes(&self) -> u64 {
+        self.state.as_ref().map_or(0, |s| {
+            let s = s.borrow();
+            s.bytes_per_slot() * u64::from(s.num_slots())
+        })
+    }
+
+    /// Whether the model keeps recurrent state: every row of a step needs a
+    /// state slot ([`KvStep::with_slots`]).
+    pub fn has_state(&self) -> bool {
+        self.state.is_some()
+    }
+
+    /// State slots the pool hands out (0 without recurrent layers).
+    pub fn state_slots(&self) -> u32 {
+        self.state_slots
+    }
+
+    /// Opens a step's state journal (see `StateStorage`): its writes until
+    /// the next `state_begin` undo together.
+    pub fn state_begin(&self) {
+        if let Some(s) = &self.state {
+            s.borrow_mut().begin();
+        }
+    }
+
+    /// Steps with an open state journal.
+    pub fn state_open(&self) -> usize {
+        self.state.as_ref().map_or(0, |s| s.borrow().open_steps())
+    }
+
+    /// Keeps the oldest open step's state.
+    pub fn state_commit(&self) -> Result<()> {
+        match &self.state {
+            Some(s) => s.borrow_mut().commit().map_err(storage_err),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes back the state the newest open step replaced.
+    pub fn state_rollback(&self) -> Result<()> {
+        match &self.state {
+            Some(s) => s.borrow_mut().rollback().map_err(storage_err),
+            None => Ok(()),
+        }
     }
 
     /// The reserved block padding rows point at in group 0: the storage's
@@ -472,7 +650,8 @@ impl PagedKv {
     /// group (its pool arrays are the step's inputs; sliding-window layers
     /// gather, which the trace does not).
     pub fn compilable(&self) -> bool {
-        matches!(self.groups.groups.as_slice(), [g] if g.kind == AttentionKind::Full)
+        self.state.is_none()
+            && matches!(self.groups.groups.as_slice(), [g] if g.kind == AttentionKind::Full)
     }
 
     /// Whether decode attention runs the paged GPU kernel.
@@ -547,17 +726,35 @@ impl PagedKv {
         for s in &self.storage {
             s.borrow_mut().apply(ops).map_err(storage_err)?;
         }
+        if let Some(st) = &self.state {
+            st.borrow_mut().apply(ops).map_err(storage_err)?;
+        } else if let Some(StorageOp::CopySlot { src: slot, .. } | StorageOp::ResetSlot(slot)) = ops
+            .iter()
+            .find(|o| matches!(o, StorageOp::CopySlot { .. } | StorageOp::ResetSlot(_)))
+        {
+            return Err(ModelError::Invalid(format!(
+                "a state slot operation (slot {slot}) for a model without recurrent layers"
+            )));
+        }
         Ok(())
     }
 
-    /// Every pool array, to evaluate with a step's outputs.
+    /// Every pool array (state slots and their open journals included), to
+    /// evaluate with a step's outputs.
     pub fn arrays(&self) -> Vec<Array> {
         // Handles are reference-counted views of the same buffers; they are
         // dropped right after evaluation, before the next write.
-        self.storage
+        let mut out: Vec<Array> = self
+            .storage
             .iter()
             .flat_map(|s| s.borrow().arrays().cloned().collect::<Vec<_>>())
-            .collect()
+            .collect();
+        if let Some(st) = &self.state {
+            let st = st.borrow();
+            out.extend(st.arrays().cloned());
+            out.extend(st.journal_arrays().cloned());
+        }
+        out
     }
 
     /// Plans one forward over `rows`: `(block tables per group, start, new
@@ -628,8 +825,19 @@ impl PagedKv {
             mode,
             t,
             kernel_inputs,
+            slots: None,
         })
     }
+}
+
+/// The state slots of one forward's rows.
+struct StepSlots {
+    /// Every row's slot, padding rows' the null slot.
+    read: SlotBatch,
+    /// The rows whose new state is kept: the first `write.len()`.
+    write: SlotBatch,
+    /// `[B, 1, 1, 1]`: the row starts at position 0 (its state is zero).
+    fresh: Array,
 }
 
 struct KernelInputs {
@@ -657,6 +865,7 @@ pub struct KvStep<'a> {
     mode: Mode,
     t: i32,
     kernel_inputs: Option<KernelInputs>,
+    slots: Option<StepSlots>,
 }
 
 #[derive(Clone)]
@@ -692,6 +901,20 @@ pub trait LayerKv {
         v: &Array,
         scale: f32,
     ) -> Result<Array>;
+    /// Recurrent layer `layer`'s state of the forward's rows (per component,
+    /// `[B, ...]`), zero for rows starting at position 0.
+    fn state(&mut self, layer: usize) -> Result<Vec<Array>> {
+        Err(ModelError::Invalid(format!(
+            "layer {layer}: this KV keeps no recurrent state"
+        )))
+    }
+    /// Replaces layer `layer`'s state of the forward's rows with `new` (as
+    /// [`state`](Self::state) returns it), undone if the step rolls back.
+    fn set_state(&mut self, layer: usize, _new: Vec<Array>) -> Result<()> {
+        Err(ModelError::Invalid(format!(
+            "layer {layer}: this KV keeps no recurrent state"
+        )))
+    }
     /// The fused one-token decode kernels, where this KV runs them (a
     /// compiled GPU decode step); `None` keeps the op-by-op layer.
     fn fused(&self) -> Option<std::rc::Rc<crate::decode_kernels::DecodeKernels>> {
@@ -717,6 +940,12 @@ pub trait LayerKv {
 }
 
 impl LayerKv for KvStep<'_> {
+    fn state(&mut self, layer: usize) -> Result<Vec<Array>> {
+        KvStep::state(self, layer)
+    }
+    fn set_state(&mut self, layer: usize, new: Vec<Array>) -> Result<()> {
+        KvStep::set_state(self, layer, new)
+    }
     fn batch(&self) -> usize {
         KvStep::batch(self)
     }
@@ -742,6 +971,93 @@ impl LayerKv for KvStep<'_> {
 }
 
 impl KvStep<'_> {
+    /// Gives the forward's rows their state slots (a model with recurrent
+    /// layers needs them): `slots[i]` is row `i`'s; the first `real` rows keep
+    /// their new state, the rest are padding that reads the null slot.
+    pub fn with_slots(mut self, slots: &[u32], real: usize) -> Result<Self> {
+        let b = self.batch();
+        if self.kv.state.is_none() {
+            return Err(ModelError::Invalid(
+                "state slots for a model without recurrent layers".into(),
+            ));
+        }
+        if real > b || slots.len() != real {
+            return Err(ModelError::Invalid(format!(
+                "{} state slots for {real} of {b} rows",
+                slots.len()
+            )));
+        }
+        if let Some(&bad) = slots.iter().find(|&&s| s >= self.kv.state_slots) {
+            return Err(ModelError::Invalid(format!(
+                "state slot {bad} out of range ({} slots)",
+                self.kv.state_slots
+            )));
+        }
+        let mut read = slots.to_vec();
+        read.resize(b, self.kv.state_slots);
+        let fresh = ops::eq(&self.offsets, &Array::from_int(0))?.reshape(&[b as i32, 1, 1, 1])?;
+        self.slots = Some(StepSlots {
+            read: SlotBatch::from_slots(read),
+            write: SlotBatch::from_slots(slots.to_vec()),
+            fresh,
+        });
+        Ok(self)
+    }
+
+    fn step_slots(&self, layer: usize) -> Result<(&StepSlots, usize, &RefCell<StateStorage>)> {
+        let li = self
+            .kv
+            .state_index
+            .get(layer)
+            .copied()
+            .flatten()
+            .ok_or_else(|| ModelError::Invalid(format!("layer {layer} is not recurrent")))?;
+        let st = self
+            .kv
+            .state
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("no recurrent state storage".into()))?;
+        let slots = self.slots.as_ref().ok_or_else(|| {
+            ModelError::Invalid("a step of a recurrent model without state slots".into())
+        })?;
+        Ok((slots, li, st))
+    }
+
+    /// See [`LayerKv::state`].
+    pub fn state(&mut self, layer: usize) -> Result<Vec<Array>> {
+        let (slots, li, st) = self.step_slots(layer)?;
+        let got = st.borrow().gather(li, &slots.read).map_err(storage_err)?;
+        got.into_iter()
+            .map(|a| {
+                let nd = a.ndim();
+                let fresh = slots.fresh.reshape(&[-1, 1, 1, 1][..nd.max(1)])?;
+                Ok(ops::select(&fresh, &ops::zeros_like(&a)?, &a)?)
+            })
+            .collect()
+    }
+
+    /// See [`LayerKv::set_state`].
+    pub fn set_state(&mut self, layer: usize, new: Vec<Array>) -> Result<()> {
+        let (slots, li, st) = self.step_slots(layer)?;
+        let real = slots.write.len() as i32;
+        let new = new
+            .into_iter()
+            .map(|a| {
+                if a.dim(0) == real {
+                    Ok(a)
+                } else {
+                    Ok(a.try_index(0..real)?)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if real == 0 {
+            return Ok(());
+        }
+        st.borrow_mut()
+            .write(li, &slots.write, new)
+            .map_err(storage_err)
+    }
+
     /// Rows in the forward.
     pub fn batch(&self) -> usize {
         self.layouts.first().map_or(0, |l| l.batch())
@@ -1032,6 +1348,7 @@ mod tests {
             dtype,
             sliding: SlidingLayers::from_flags(512, &flags).expect("flags"),
             quant: None,
+            recurrent: None,
         }
     }
 

@@ -6,6 +6,7 @@ use std::future::Future;
 
 use mlx_rs::error::Exception;
 use mlx_rs::fast;
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{ops, Array, Dtype};
 
@@ -13,6 +14,7 @@ use crate::config::{Activation, Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
 use crate::decode_kernels::{self, DecodeKernels, LoraIn, QkvHeads};
 use crate::error::{ModelError, Result};
+use crate::gated_delta::GatedDeltaNet;
 use crate::gemv::{Post, Pre};
 use crate::kv::{self, KvShape, KvStep, LayerKv};
 use crate::linear::{Linear, WeightPolicy};
@@ -168,8 +170,26 @@ struct Mlp {
     down: Linear,
 }
 
+/// What mixes a layer's tokens: attention over the KV cache, or a recurrent
+/// layer over per-row state.
+enum Mixer {
+    Attention(Attention),
+    Delta(GatedDeltaNet),
+}
+
+impl Mixer {
+    fn attn(&self, layer: usize) -> Result<&Attention> {
+        match self {
+            Mixer::Attention(a) => Ok(a),
+            Mixer::Delta(_) => Err(ModelError::Invalid(format!(
+                "layer {layer} is recurrent, not attention"
+            ))),
+        }
+    }
+}
+
 struct Layer {
-    attn: Attention,
+    mixer: Mixer,
     mlp: Mlp,
     input_norm: Array,
     /// The MLP input's norm (Llama's `post_attention_layernorm`, Gemma's
@@ -210,12 +230,17 @@ fn unfusable(layers: &[Layer], c: &ModelConfig, policy: WeightPolicy) -> Option<
     if c.arch == Arch::Gemma3 {
         return Some("Gemma 3 layers");
     }
+    if c.attn_output_gate || c.rotary_dim != c.head_dim {
+        return Some("gated or partially rotated attention");
+    }
     for l in layers {
-        if l.attn.q_norm.is_some() || l.attn.k_norm.is_some() {
+        let Mixer::Attention(attn) = &l.mixer else {
+            return Some("recurrent layers");
+        };
+        if attn.q_norm.is_some() || attn.k_norm.is_some() {
             return Some("per-head q/k norms");
         }
-        if !matches!(l.attn.qkv, Proj::Fused { .. }) || !matches!(l.mlp.gate_up, Proj::Fused { .. })
-        {
+        if !matches!(attn.qkv, Proj::Fused { .. }) || !matches!(l.mlp.gate_up, Proj::Fused { .. }) {
             return Some("unfused projections");
         }
     }
@@ -296,6 +321,8 @@ pub struct LlamaModel {
     rope_local: Option<Rope>,
     /// The sliding-window layers, for the KV layout.
     sliding: Option<kv::SlidingLayers>,
+    /// The recurrent layers, for the KV layout's state slots.
+    recurrent: Option<kv::RecurrentLayers>,
     /// `[1]` f32 RMSNorm epsilon for the fused kernels.
     eps: Array,
     /// Whether one-token steps may run the fused decode kernels.
@@ -311,7 +338,31 @@ impl LlamaModel {
                 .and_then(|qz| qz.for_module(path))
         };
         let dt = policy.dtype;
-        let offset = config.norm_offset;
+        let mut offset = config.norm_offset;
+        if config.arch == Arch::Qwen3_5 {
+            // mlx-lm's layout (`language_model.model.*`) or Hugging Face's
+            // (`model.language_model.*`, `lm_head`), without the vision tower.
+            w.rename(|n| {
+                if n.starts_with("model.visual")
+                    || n.starts_with("vision_tower")
+                    || n.starts_with("mtp.")
+                {
+                    None
+                } else if let Some(rest) = n.strip_prefix("language_model.") {
+                    Some(rest.to_string())
+                } else if let Some(rest) = n.strip_prefix("model.language_model.") {
+                    Some(format!("model.{rest}"))
+                } else {
+                    Some(n.to_string())
+                }
+            });
+            // A Hugging Face checkpoint keeps its convolutions `[C, 1, K]` and
+            // its norms (other than the gated one) as `w` of `1 + w`; mlx-lm
+            // converts both at load.
+            if w.convert_conv1d()? {
+                offset = 1.0;
+            }
+        }
         // Gemma's `(1 + w)` is added once here, in the model dtype as the
         // reference computes it each call.
         let norm = |w: &mut Weights, name: &str| -> Result<Array> {
@@ -334,7 +385,14 @@ impl LlamaModel {
                 let path = format!("{p}.{name}");
                 Linear::load(w, &path, q(&path), policy)
             };
-            let (q_norm, k_norm) = if matches!(config.arch, Arch::Qwen3 | Arch::Gemma3) {
+            let recurrent = config
+                .recurrent_layers
+                .get(i as usize)
+                .copied()
+                .unwrap_or(false);
+            let (q_norm, k_norm) = if recurrent {
+                (None, None)
+            } else if matches!(config.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3_5) {
                 (
                     Some(norm(&mut w, &format!("{p}.self_attn.q_norm.weight"))?),
                     Some(norm(&mut w, &format!("{p}.self_attn.k_norm.weight"))?),
@@ -342,8 +400,21 @@ impl LlamaModel {
             } else {
                 (None, None)
             };
-            layers.push(Layer {
-                attn: Attention {
+            let mixer = match (recurrent, config.delta) {
+                (true, Some(shape)) => Mixer::Delta(GatedDeltaNet::load(
+                    &mut w,
+                    &format!("{p}.linear_attn"),
+                    shape,
+                    config.rms_norm_eps,
+                    policy,
+                    |path| q(path),
+                )?),
+                (true, None) => {
+                    return Err(ModelError::Invalid(format!(
+                        "layer {i} is recurrent but the config has no state shape"
+                    )))
+                }
+                (false, _) => Mixer::Attention(Attention {
                     qkv: Proj::new(vec![
                         lin(&mut w, "self_attn.q_proj")?,
                         lin(&mut w, "self_attn.k_proj")?,
@@ -352,7 +423,10 @@ impl LlamaModel {
                     o: lin(&mut w, "self_attn.o_proj")?,
                     q_norm,
                     k_norm,
-                },
+                }),
+            };
+            layers.push(Layer {
+                mixer,
                 mlp: Mlp {
                     gate_up: Proj::new(vec![
                         lin(&mut w, "mlp.gate_proj")?,
@@ -416,6 +490,7 @@ impl LlamaModel {
             None => None,
         };
         let mut model = Self {
+            recurrent: kv::RecurrentLayers::from_flags(config.delta, &config.recurrent_layers)?,
             sliding,
             eps: Array::from_slice(&[config.rms_norm_eps], &[1]),
             fusable: why.is_none(),
@@ -439,9 +514,13 @@ impl LlamaModel {
     /// an MLX array for lookups and gets a packed copy as the output head.
     fn pack_linears(&mut self) -> Result<()> {
         for l in &mut self.layers {
-            l.attn.qkv.pack()?;
+            // A recurrent layer's projections stay MLX's (its recurrence is
+            // MLX ops between them either way).
+            if let Mixer::Attention(attn) = &mut l.mixer {
+                attn.qkv.pack()?;
+                pack_in_place(&mut attn.o)?;
+            }
             l.mlp.gate_up.pack()?;
-            pack_in_place(&mut l.attn.o)?;
             pack_in_place(&mut l.mlp.down)?;
         }
         match &mut self.lm_head {
@@ -475,15 +554,24 @@ impl LlamaModel {
             all.extend(lin(h));
         }
         for l in &self.layers {
-            let mut lins = l.attn.qkv.linears();
-            lins.extend(l.mlp.gate_up.linears());
-            lins.extend([&l.attn.o, &l.mlp.down]);
+            let mut lins = l.mlp.gate_up.linears();
+            lins.push(&l.mlp.down);
+            match &l.mixer {
+                Mixer::Attention(attn) => {
+                    lins.extend(attn.qkv.linears());
+                    lins.push(&attn.o);
+                    all.extend(attn.q_norm.iter().chain(attn.k_norm.iter()));
+                }
+                Mixer::Delta(d) => {
+                    lins.extend(d.linears());
+                    all.extend(d.arrays());
+                }
+            }
             for x in lins {
                 all.extend(lin(x));
             }
             all.extend([&l.input_norm, &l.post_norm]);
             all.extend(l.attn_out_norm.iter().chain(l.mlp_out_norm.iter()));
-            all.extend(l.attn.q_norm.iter().chain(l.attn.k_norm.iter()));
         }
         mlx_rs::transforms::eval(all)?;
         Ok(())
@@ -502,6 +590,7 @@ impl LlamaModel {
             dtype: self.policy.dtype,
             sliding: self.sliding,
             quant: None,
+            recurrent: self.recurrent,
         }
     }
 
@@ -645,7 +734,19 @@ impl LlamaModel {
         };
         for (i, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, Some(&layer.input_norm), eps)?;
-            let a = self.attention(i, layer, &x, kv, &offsets, lora).await?;
+            let a = match &layer.mixer {
+                Mixer::Attention(attn) => {
+                    self.attention(i, layer, attn, &x, kv, &offsets, lora)
+                        .await?
+                }
+                Mixer::Delta(d) => {
+                    let state = kv.state(i)?;
+                    let last = kv.last_index().cloned();
+                    let (y, new) = d.forward(&x.reshape(&[b, t, -1])?, &state, last.as_ref())?;
+                    kv.set_state(i, new)?;
+                    y.reshape(&[b * t, -1])?
+                }
+            };
             h = residual_add(&h, &out_norm(a, &layer.attn_out_norm)?)?;
             let x = fast::rms_norm(&h, Some(&layer.post_norm), eps)?;
             let m = &layer.mlp;
@@ -770,8 +871,9 @@ impl LlamaModel {
             k.add_rms_norm(h, &a, w, &self.eps, l.as_ref())
         };
         for (i, layer) in self.layers.iter().enumerate() {
+            let attn = layer.mixer.attn(i)?;
             let (Proj::Fused { lin: qkv, .. }, Proj::Fused { lin: gate_up, .. }) =
-                (&layer.attn.qkv, &layer.mlp.gate_up)
+                (&attn.qkv, &layer.mlp.gate_up)
             else {
                 return Err(ModelError::Invalid(format!(
                     "layer {i}: fused decode needs fused projections"
@@ -787,13 +889,7 @@ impl LlamaModel {
                 heads,
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
-            let a = adapt(
-                k.linear(&layer.attn.o, &a)?,
-                i,
-                Group::O,
-                &a,
-                &[c.hidden_size],
-            )?;
+            let a = adapt(k.linear(&attn.o, &a)?, i, Group::O, &a, &[c.hidden_size])?;
             let (s, n) = add_norm(&h, a, &layer.post_norm)?;
             let inter = c.intermediate_size;
             let (gu, l) = adapt(
@@ -848,8 +944,9 @@ impl LlamaModel {
     ) -> Result<Array> {
         let b = h.dim(0);
         for (i, layer) in self.layers.iter().enumerate() {
+            let attn = layer.mixer.attn(i)?;
             let (Proj::Fused { lin: qkv, .. }, Proj::Fused { lin: gate_up, .. }) =
-                (&layer.attn.qkv, &layer.mlp.gate_up)
+                (&attn.qkv, &layer.mlp.gate_up)
             else {
                 return Err(ModelError::Invalid(format!(
                     "layer {i}: fused decode needs fused projections"
@@ -865,7 +962,7 @@ impl LlamaModel {
                 heads,
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
-            let h1 = k.product(&layer.attn.o, &a, Pre::None, Post::Residual(&h))?;
+            let h1 = k.product(&attn.o, &a, Pre::None, Post::Residual(&h))?;
             let act = k.product(
                 gate_up,
                 &h1,
@@ -880,17 +977,18 @@ impl LlamaModel {
         Ok(logits.reshape(&[b, 1, -1])?)
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn attention<K: LayerKv + ?Sized>(
         &self,
         layer: usize,
         l: &Layer,
+        attn: &Attention,
         x: &Array,
         kv: &mut K,
         offsets: &Array,
         lora: Option<&LoraStep>,
     ) -> Result<Array> {
         let c = &self.config;
-        let attn = &l.attn;
         let deltas = |g: Group, x: &Array| match lora {
             Some(lr) => lr.deltas(layer, g, x),
             None => Ok(None),
@@ -903,12 +1001,18 @@ impl LlamaModel {
             };
             Ok(y.transpose_axes(&[0, 2, 1, 3])?)
         };
+        // A gated query projection holds, per head, the query then its gate.
+        let q_heads = if c.attn_output_gate {
+            2 * c.num_heads
+        } else {
+            c.num_heads
+        };
         let mut qkv = attn
             .qkv
             .forward_heads(
                 x,
                 (b, t),
-                &[c.num_heads, c.num_kv_heads, c.num_kv_heads],
+                &[q_heads, c.num_kv_heads, c.num_kv_heads],
                 c.head_dim,
                 deltas(Group::Qkv, x)?,
             )
@@ -918,7 +1022,17 @@ impl LlamaModel {
             qkv.next()
                 .ok_or_else(|| ModelError::Invalid("qkv split".into()))
         };
-        let q = heads(next()?, &attn.q_norm)?;
+        let (q, gate) = if c.attn_output_gate {
+            let qg = next()?.reshape(&[b, t, c.num_heads, 2, c.head_dim])?;
+            let q = qg.try_index((.., .., .., 0))?;
+            let gate = qg
+                .try_index((.., .., .., 1))?
+                .reshape(&[b * t, c.num_heads * c.head_dim])?;
+            (q, Some(gate))
+        } else {
+            (next()?, None)
+        };
+        let q = heads(q, &attn.q_norm)?;
         let k = heads(next()?, &attn.k_norm)?;
         let v = heads(next()?, &None)?;
         let rope = match (&self.rope_local, l.sliding) {
@@ -937,6 +1051,10 @@ impl LlamaModel {
             out.transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b * t, width])?
         };
+        let out = match gate {
+            Some(g) => ops::multiply(&out, &ops::sigmoid(&g)?)?,
+            None => out,
+        };
         let d = deltas(Group::O, &out)?;
         with_delta(attn.o.forward_async(&out).await?, d)
     }
@@ -949,7 +1067,7 @@ impl LlamaModel {
 
 impl Rope {
     fn from_config(c: &ModelConfig) -> Result<Self> {
-        let dims = c.head_dim;
+        let dims = c.rotary_dim;
         let mut rope = Rope {
             dims,
             base: Some(c.rope_theta),

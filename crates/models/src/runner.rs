@@ -9,10 +9,12 @@
 //! grouped by length into right-padded forwards, spread over CPU lanes when
 //! that pays.
 //!
-//! A step is a transaction without anything to stage here: its K/V writes land
-//! in slots past each row's committed length or in blocks the step allocated,
+//! A step is a transaction with little to undo here: its K/V writes land in
+//! slots past each row's committed length or in blocks the step allocated,
 //! which the scheduler's rollback returns to the pool as dead data. Only the
-//! scheduler's pool says what is committed.
+//! scheduler's pool says what is committed. Recurrent layers replace their
+//! rows' state in place, so each open step journals the rows it replaced
+//! ([`PagedKv::state_begin`]); [`BatchRunner::rollback`] writes them back.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -47,6 +49,10 @@ pub struct RowStep {
     /// The LoRA adapter this row runs with (resident in the runner's
     /// [`AdapterPool`]; None: the base model).
     pub adapter: Option<AdapterId>,
+    /// The row's recurrent-state slot (models with recurrent layers: every
+    /// row has one; [`PagedKv::state_slots`] of them). A row at position 0
+    /// starts from a zero state whatever its slot holds.
+    pub state_slot: Option<u32>,
 }
 
 impl RowStep {
@@ -391,7 +397,8 @@ impl BatchRunner {
         }
         if on && !self.kv.compilable() {
             return Err(ModelError::Invalid(
-                "compiled decode needs one full-attention KV group (this model has sliding-window layers)"
+                "compiled decode needs one full-attention KV group and no recurrent layers \
+                 (this model has sliding-window or recurrent layers)"
                     .into(),
             ));
         }
@@ -641,6 +648,7 @@ impl BatchRunner {
         };
         if let Some(why) = refused {
             // Open all the same: every submit is one step to commit or roll back.
+            self.kv.state_begin();
             self.open.push_back(OpenStep { queued: None });
             return Err(ModelError::Invalid(why.into()));
         }
@@ -761,8 +769,21 @@ impl BatchRunner {
         let result = f(self);
         if result.is_ok() {
             self.open.push_back(OpenStep { queued: None });
+        } else {
+            self.close_state_steps();
         }
         result
+    }
+
+    /// Rolls back state journals no open step owns (a forward that failed
+    /// after writing some layers' state).
+    fn close_state_steps(&mut self) {
+        while self.kv.state_open() > self.open.len() {
+            if let Err(e) = self.kv.state_rollback() {
+                tracing::error!(error = %e, "rolling back a failed step's recurrent state failed");
+                break;
+            }
+        }
     }
 
     fn forward_wanted(
@@ -771,6 +792,8 @@ impl BatchRunner {
         steps: &[RowStep],
         follow: Option<Follow<'_>>,
     ) -> Result<Wanted> {
+        // Every step gets a state journal, closed by commit or rollback.
+        self.kv.state_begin();
         let groups_needed = self.kv.groups().groups.len();
         let ids: std::collections::BTreeSet<AdapterId> =
             steps.iter().filter_map(|s| s.adapter).collect();
@@ -797,6 +820,19 @@ impl BatchRunner {
                     s.tokens.len(),
                     s.start_pos
                 )));
+            }
+            if s.state_slot.is_some() != self.kv.has_state() {
+                return Err(ModelError::Invalid(if self.kv.has_state() {
+                    format!(
+                        "row {} has no state slot (this model has recurrent layers)",
+                        s.row
+                    )
+                } else {
+                    format!(
+                        "row {} has a state slot (this model keeps no recurrent state)",
+                        s.row
+                    )
+                }));
             }
             if s.blocks.len() != groups_needed {
                 return Err(ModelError::Invalid(format!(
@@ -863,6 +899,7 @@ impl BatchRunner {
                     draft: 0,
                     blocks: nulls.clone(),
                     adapter: None,
+                    state_slot: None,
                 })
                 .collect()
         } else {
@@ -963,7 +1000,14 @@ impl BatchRunner {
                     .iter()
                     .map(|s| (s.blocks.as_slice(), s.start_pos, s.tokens.len()))
                     .collect();
-                kv.step(&r, *dec)
+                let step = kv.step(&r, *dec)?;
+                if !kv.has_state() {
+                    return Ok(step);
+                }
+                // Padding rows (the decode bucket's) come last and have no slot.
+                let slots: Vec<u32> = rows.iter().filter_map(|s| s.state_slot).collect();
+                let real = slots.len();
+                step.with_slots(&slots, real)
             })
             .collect::<Result<_>>()?;
         let mut outs: Vec<Array> = Vec::with_capacity(jobs.len());
@@ -1088,6 +1132,7 @@ impl BatchRunner {
                 "commit of a submitted step not collected yet".into(),
             )),
             Some(_) => {
+                self.kv.state_commit()?;
                 self.open.pop_front();
                 Ok(())
             }
@@ -1098,7 +1143,12 @@ impl BatchRunner {
     /// data once the scheduler's pool rolls back. A submitted step still
     /// computing is abandoned (its results are never read).
     pub fn rollback(&mut self) {
-        self.open.pop_back();
+        if self.open.pop_back().is_some() {
+            if let Err(e) = self.kv.state_rollback() {
+                tracing::error!(error = %e, "rolling back a step's recurrent state failed");
+            }
+        }
+        self.close_state_steps();
     }
 }
 
@@ -1321,6 +1371,7 @@ mod tests {
                 draft: 0,
                 blocks: Vec::new(),
                 adapter: None,
+                state_slot: None,
             })
             .collect()
     }

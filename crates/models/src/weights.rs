@@ -74,6 +74,28 @@ impl Weights {
         self.tensors.remove(name)
     }
 
+    /// Renames every tensor by `f` (None drops it).
+    pub fn rename(&mut self, f: impl Fn(&str) -> Option<String>) {
+        let old = std::mem::take(&mut self.tensors);
+        self.tensors = old
+            .into_iter()
+            .filter_map(|(n, a)| f(&n).map(|n| (n, a)))
+            .collect();
+    }
+
+    /// Puts depthwise convolution weights stored `[C, 1, K]` (Hugging Face's
+    /// layout) into MLX's `[C, K, 1]`; true when any was converted.
+    pub fn convert_conv1d(&mut self) -> Result<bool> {
+        let mut converted = false;
+        for (name, a) in self.tensors.iter_mut() {
+            if name.ends_with("conv1d.weight") && a.ndim() == 3 && a.shape()[2] != 1 {
+                *a = a.swap_axes(1, 2)?;
+                converted = true;
+            }
+        }
+        Ok(converted)
+    }
+
     pub fn remaining(&self) -> impl Iterator<Item = &String> {
         self.tensors.keys()
     }

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use weft_models::gated_delta::{DeltaShape, DeltaState, GatedDeltaNet};
+use weft_models::gated_delta::{DeltaShape, GatedDeltaNet};
 use weft_models::weights::Weights;
 use weft_models::{Kernels, WeightPolicy};
 
@@ -48,6 +48,7 @@ fn a_gated_deltanet_layer_matches_mlx_lm_across_two_calls() {
         shape,
         1e-6,
         policy,
+        |_| None,
     )
     .unwrap();
     let want = mlx_rs::Array::load_safetensors(&dump).unwrap();
@@ -56,16 +57,16 @@ fn a_gated_deltanet_layer_matches_mlx_lm_across_two_calls() {
             .unwrap_or_else(|| panic!("{k} in the dump"))
             .clone()
     };
-    let zero = DeltaState::zeros(shape, 2, mlx_rs::Dtype::Float32).unwrap();
-    let (y1, s1) = layer.forward(&get("x1"), &zero).unwrap();
-    let (y2, s2) = layer.forward(&get("x2"), &s1).unwrap();
+    let zero = shape.zero_state(2, mlx_rs::Dtype::Float32).unwrap();
+    let (y1, s1) = layer.forward(&get("x1"), &zero, None).unwrap();
+    let (y2, s2) = layer.forward(&get("x2"), &s1, None).unwrap();
     for (what, got, k) in [
         ("first output", &y1, "y1"),
-        ("conv state after the first call", &s1.conv, "conv1"),
-        ("recurrent state after the first call", &s1.rec, "rec1"),
+        ("conv state after the first call", &s1[0], "conv1"),
+        ("recurrent state after the first call", &s1[1], "rec1"),
         ("second output", &y2, "y2"),
-        ("conv state after the second call", &s2.conv, "conv2"),
-        ("recurrent state after the second call", &s2.rec, "rec2"),
+        ("conv state after the second call", &s2[0], "conv2"),
+        ("recurrent state after the second call", &s2[1], "rec2"),
     ] {
         let (g, w) = (to_vec_f32(got), to_vec_f32(&get(k)));
         assert_eq!(g.len(), w.len(), "{what}: sizes");

@@ -139,10 +139,14 @@ impl Kv {
             let seq = match self.seqs.get(&s.row) {
                 Some(&q) => q,
                 None => {
-                    let q = self
-                        .pool
-                        .allocate(SeqSpec::new(OwnerId(0)).salted(Salt(1)))
-                        .unwrap();
+                    // A recurrent model's rows each hold a state slot (and
+                    // share no prefix).
+                    let spec = if self.pool.slots().stats().total > 0 {
+                        SeqSpec::new(OwnerId(0)).with_state_slot()
+                    } else {
+                        SeqSpec::new(OwnerId(0)).salted(Salt(1))
+                    };
+                    let q = self.pool.allocate(spec).unwrap();
                     self.seqs.insert(s.row, q);
                     self.created.push(s.row);
                     q
@@ -155,6 +159,7 @@ impl Kv {
                 s.row
             );
             self.pool.append_tokens(seq, &s.tokens).unwrap();
+            s.state_slot = self.pool.sequence(seq).unwrap().state_slot;
             s.blocks = (0..self.pool.stats().groups.len())
                 .map(|g| {
                     let mut b = RowBlocks::default();
