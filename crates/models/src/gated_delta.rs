@@ -165,7 +165,7 @@ impl GatedDeltaNet {
                     .reshape(&[b, t, 1])?;
                 g = ops::select(&valid, &g, &ops::ones_like(&g)?)?;
                 beta = ops::select(&valid, &beta, &ops::zeros_like(&beta)?)?;
-                Some(ops::add(&l, &Array::from_int(1))?)
+                Some(ops::add(&l, Array::from_int(1))?)
             }
             None => None,
         };

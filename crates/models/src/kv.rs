@@ -995,7 +995,7 @@ impl KvStep<'_> {
         }
         let mut read = slots.to_vec();
         read.resize(b, self.kv.state_slots);
-        let fresh = ops::eq(&self.offsets, &Array::from_int(0))?.reshape(&[b as i32, 1, 1, 1])?;
+        let fresh = ops::eq(&self.offsets, Array::from_int(0))?.reshape(&[b as i32, 1, 1, 1])?;
         self.slots = Some(StepSlots {
             read: SlotBatch::from_slots(read),
             write: SlotBatch::from_slots(slots.to_vec()),
