@@ -524,8 +524,13 @@ pub struct ServedModel {
     pub quantization: String,
     /// Tokens a sliding-window layer attends (None: no such layers).
     pub sliding_window: Option<u32>,
-    /// Per layer: "full_attention" or "sliding_attention".
+    /// Per layer: "full_attention", "sliding_attention" or "linear_attention"
+    /// (recurrent).
     pub layer_kinds: Vec<String>,
+    /// Rows that can hold recurrent state at once (0: no recurrent layers).
+    pub state_slots: u32,
+    /// Bytes of one row's recurrent state.
+    pub state_bytes_per_row: u64,
     /// What the KV pool stores per element (`bfloat16`, `q4g64/bfloat16`).
     pub kv_dtype: String,
     pub eos_token_ids: Vec<u32>,
@@ -638,6 +643,10 @@ pub fn start_engine_with(
             if deq { " (dequantized at load)" } else { "" }
         ),
     };
+    let recurrent = weft_models::kv::RecurrentLayers::from_flags(
+        model_config.delta,
+        &model_config.recurrent_layers,
+    )?;
     let served = ServedModel {
         name: dir
             .file_name()
@@ -659,7 +668,14 @@ pub fn start_engine_with(
         layer_kinds: (0..model_config.num_layers as usize)
             .map(|i| {
                 let sliding = model_config.sliding_layers.get(i).copied().unwrap_or(false);
-                if sliding {
+                let recurrent = model_config
+                    .recurrent_layers
+                    .get(i)
+                    .copied()
+                    .unwrap_or(false);
+                if recurrent {
+                    "linear_attention"
+                } else if sliding {
                     "sliding_attention"
                 } else {
                     "full_attention"
@@ -667,6 +683,12 @@ pub fn start_engine_with(
                 .to_string()
             })
             .collect(),
+        state_slots: if recurrent.is_some() {
+            u32::try_from(config.max_batch_rows).unwrap_or(u32::MAX)
+        } else {
+            0
+        },
+        state_bytes_per_row: recurrent.map_or(0, |r| r.bytes_per_slot(policy.dtype)),
         eos_token_ids: eos.clone(),
         memory: Default::default(),
         adapters: Default::default(),
@@ -786,16 +808,26 @@ fn log_kv(runner: &BatchRunner, max_rows: usize, context: u64) {
     } else {
         String::new()
     };
+    let state = if runner.kv().has_state() {
+        format!(
+            "; recurrent layers' state: {} slots ({} bytes, one per row a step holds)",
+            runner.kv().state_slots(),
+            runner.kv().state_bytes()
+        )
+    } else {
+        String::new()
+    };
     tracing::info!(
         kv_blocks = blocks,
         kv_sliding_blocks = sliding,
+        kv_state_slots = runner.kv().state_slots(),
         kv_block_size = g.block_size,
         kv_bytes = runner.kv().bytes(),
         kv_bytes_per_token = shape.bytes_per_token(),
         kv_dtype = shape.kv_dtype(),
         kv_tokens = tokens,
         paged_decode_kernel = runner.kv().uses_kernel(),
-        "KV pool: {tokens} tokens = {rows} rows x {} tokens each, or {} rows at the model's full context of {context}{split}",
+        "KV pool: {tokens} tokens = {rows} rows x {} tokens each, or {} rows at the model's full context of {context}{split}{state}",
         tokens / rows,
         tokens / context.max(1),
     );

@@ -297,6 +297,8 @@ fn served() -> ServedModel {
         quantization: "none".into(),
         sliding_window: None,
         layer_kinds: vec!["full_attention".into(); 2],
+        state_slots: 0,
+        state_bytes_per_row: 0,
         kv_dtype: "float32".into(),
         eos_token_ids: vec![0],
         memory: Default::default(),

@@ -19,6 +19,10 @@ pub const KV_USAGE_RATIO: &str = "weft_kv_usage_ratio";
 /// ("used", "free", "cached"): the pool's groups one by one (the unlabelled
 /// `weft_kv_blocks_*` gauges are the full-attention group's).
 pub const KV_KIND_BLOCKS: &str = "weft_kv_kind_blocks";
+/// Recurrent-state slots (models with recurrent layers) by `state`: "used"
+/// (held by a running row) or "free". A row holds one from admission to
+/// release, so these bound the rows that can run at once.
+pub const STATE_SLOTS: &str = "weft_state_slots";
 pub const PREEMPTIONS: &str = "weft_preemptions_total";
 pub const STEP_ROLLBACKS: &str = "weft_step_rollbacks_total";
 pub const STEP_OUT_OF_MEMORY: &str = "weft_step_out_of_memory_total";
@@ -65,6 +69,10 @@ pub fn describe() {
     describe_gauge!(
         KV_KIND_BLOCKS,
         "KV pool blocks of each attention kind's group (kind), used / free / cached (state)"
+    );
+    describe_gauge!(
+        STATE_SLOTS,
+        "Recurrent-state slots (models with recurrent layers), used / free (state)"
     );
     describe_counter!(
         PREEMPTIONS,
@@ -188,6 +196,21 @@ impl KindMetrics {
             used: g("used"),
             free: g("free"),
             cached: g("cached"),
+        }
+    }
+}
+
+/// The recurrent-state slots' gauges: used, free.
+pub(crate) struct SlotMetrics {
+    pub used: Gauge,
+    pub free: Gauge,
+}
+
+impl SlotMetrics {
+    pub fn new() -> Self {
+        Self {
+            used: gauge!(STATE_SLOTS, "state" => "used"),
+            free: gauge!(STATE_SLOTS, "state" => "free"),
         }
     }
 }

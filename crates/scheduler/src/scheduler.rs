@@ -26,7 +26,7 @@ use crate::constraint::{Constraint, MaskTime};
 use crate::detok::{TextState, TextUpdate};
 use crate::draft::{self, Seq};
 use crate::fault::{FaultPlan, FaultPoint};
-use crate::metrics::{EngineMetrics, KindMetrics, TenantMetrics};
+use crate::metrics::{EngineMetrics, KindMetrics, SlotMetrics, TenantMetrics};
 use crate::model::{Detokenizer, Model, ModelError, ModelInfo, RowId, RowInput};
 use crate::model::{RowSampling, StepOutput};
 use crate::request::TokenLogprob;
@@ -644,6 +644,8 @@ pub struct Scheduler<M: Model> {
     metrics: EngineMetrics,
     /// Per KV group (in group order), its blocks by state.
     kind_metrics: Vec<KindMetrics>,
+    /// The recurrent-state slots' gauges, when the pool has slots.
+    slot_metrics: Option<SlotMetrics>,
     /// A pipelined step submitted to the model and not yet collected.
     inflight: Option<Vec<Planned>>,
     /// Sequences released while a pool step was open, with the number of steps open
@@ -723,6 +725,7 @@ impl<M: Model> Scheduler<M> {
             .iter()
             .map(|g| KindMetrics::new(g.kind.label()))
             .collect();
+        let slot_metrics = (kv.state_slots > 0).then(SlotMetrics::new);
         let pool = KvPool::new(kv)?;
         let bs = pool.block_size();
         let total = pool.group(0)?.total();
@@ -764,6 +767,7 @@ impl<M: Model> Scheduler<M> {
             stats: Stats::default(),
             metrics: EngineMetrics::new(),
             kind_metrics,
+            slot_metrics,
             inflight: None,
             released_open: Vec::new(),
             retiring: BTreeSet::new(),
@@ -2905,6 +2909,11 @@ impl<M: Model> Scheduler<M> {
             m.used.set(b.used as f64);
             m.free.set(b.free as f64);
             m.cached.set(b.cached as f64);
+        }
+        if let Some(m) = &self.slot_metrics {
+            let s = self.pool.slots().stats();
+            m.used.set(s.used as f64);
+            m.free.set(s.free as f64);
         }
         let b = self.pool.group(0).map(|g| g.stats()).unwrap_or_default();
         self.metrics.kv_used.set(b.used as f64);

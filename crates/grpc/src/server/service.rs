@@ -861,6 +861,8 @@ fn model_info(ready: &Ready) -> pb::ModelInfo {
             })
             .collect(),
         adapters: m.adapters.list().iter().map(|a| a.info()).collect(),
+        state_slots: m.state_slots,
+        state_bytes_per_row: m.state_bytes_per_row,
     }
 }
 
