@@ -1,6 +1,7 @@
 """mlx-lm as the parity oracle for Weft's tests.
 
-  fixture --arch llama|llama-tiny|llama-wide|qwen2|qwen3|gemma3 --out DIR [--quantize]
+  fixture --arch llama|llama-tiny|llama-wide|qwen2|qwen3|gemma3|qwen3_5|nemotron_h --out DIR
+          [--quantize]
                                                      random-weight model dir
   lora-fixture --model DIR --out DIR --rank R --scale S --seed N [--keys K,..] [--num-layers N]
                [--peft-out DIR [--rslora]]            random LoRA adapter (mlx-lm layout; the
@@ -31,7 +32,7 @@ from mlx.utils import tree_flatten, tree_map
 
 def make_fixture(arch, out, quantize):
     mx.random.seed({"llama": 7, "llama-tiny": 5, "llama-wide": 19, "qwen3": 11, "qwen2": 13,
-                    "gemma3": 17, "qwen3_5": 29}[arch])
+                    "gemma3": 17, "qwen3_5": 29, "nemotron_h": 31}[arch])
     if arch == "llama-tiny":
         from mlx_lm.models import llama as mod
 
@@ -69,6 +70,18 @@ def make_fixture(arch, out, quantize):
                    tie_word_embeddings=False, max_position_embeddings=4096,
                    rope_parameters={"type": "default", "rope_theta": 10000.0,
                                     "partial_rotary_factor": 0.25})
+    elif arch == "nemotron_h":
+        from mlx_lm.models import nemotron_h as mod
+
+        # Mamba-2 blocks (0, 3), attention blocks (1, 5) without RoPE, ReLU^2
+        # MLP blocks (2, 4); each block one mixer behind one norm.
+        cfg = dict(model_type="nemotron_h", vocab_size=512, hidden_size=128,
+                   intermediate_size=256, max_position_embeddings=4096,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   attention_bias=False, mamba_num_heads=4, mamba_head_dim=16,
+                   mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=2,
+                   mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False,
+                   use_conv_bias=True, hybrid_override_pattern=["M", "*", "-", "M", "-", "*"])
     elif arch == "llama-wide":
         from mlx_lm.models import llama as mod
 
@@ -335,7 +348,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fixture")
     f.add_argument("--arch", choices=["llama", "llama-tiny", "llama-wide", "qwen2", "qwen3",
-                                      "gemma3", "qwen3_5"],
+                                      "gemma3", "qwen3_5", "nemotron_h"],
                    required=True)
     f.add_argument("--out", required=True)
     f.add_argument("--quantize", action="store_true")

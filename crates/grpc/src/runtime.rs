@@ -644,7 +644,7 @@ pub fn start_engine_with(
         ),
     };
     let recurrent = weft_models::kv::RecurrentLayers::from_flags(
-        model_config.delta,
+        model_config.recurrent_state(),
         &model_config.recurrent_layers,
     )?;
     let served = ServedModel {

@@ -36,6 +36,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         sliding: None,
         quant: None,
         recurrent: None,
+        stateless: 0,
     };
     let budget = mib << 20;
     let before = active();

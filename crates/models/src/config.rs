@@ -7,6 +7,7 @@ use serde::Deserialize;
 
 use crate::error::ModelError;
 use crate::gated_delta::DeltaShape;
+use crate::mamba2::Mamba2Shape;
 
 /// Architectures this crate builds graphs for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +26,9 @@ pub enum Arch {
     /// gated full attention (the query projection carries a sigmoid output
     /// gate per head, q/k norms, partial rotary embedding).
     Qwen3_5,
+    /// Nemotron-H: a stack of blocks, each one norm and one mixer — Mamba-2,
+    /// attention without positional embedding, or a ReLU² MLP.
+    NemotronH,
 }
 
 /// The MLP's gate activation.
@@ -33,6 +37,8 @@ pub enum Activation {
     Silu,
     /// `gelu` with the tanh approximation (`gelu_pytorch_tanh`).
     GeluTanh,
+    /// `relu(x)^2` of an ungated MLP (Nemotron-H's MLP blocks).
+    Relu2,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -68,11 +74,12 @@ impl Quantization {
 struct RawConfig {
     model_type: String,
     hidden_size: i32,
-    num_hidden_layers: i32,
+    num_hidden_layers: Option<i32>,
     intermediate_size: i32,
     num_attention_heads: i32,
     num_key_value_heads: Option<i32>,
     head_dim: Option<i32>,
+    #[serde(alias = "layer_norm_epsilon")]
     rms_norm_eps: f32,
     vocab_size: i32,
     #[serde(default = "default_theta")]
@@ -104,6 +111,17 @@ struct RawConfig {
     rope_parameters: Option<serde_json::Value>,
     partial_rotary_factor: Option<f32>,
     num_experts: Option<i32>,
+    // Nemotron-H.
+    hybrid_override_pattern: Option<Vec<String>>,
+    layers_block_type: Option<Vec<String>>,
+    mamba_num_heads: Option<i32>,
+    mamba_head_dim: Option<i32>,
+    ssm_state_size: Option<i32>,
+    n_groups: Option<i32>,
+    conv_kernel: Option<i32>,
+    time_step_limit: Option<(f32, f32)>,
+    mlp_bias: Option<bool>,
+    mamba_proj_bias: Option<bool>,
 }
 
 fn default_theta() -> f32 {
@@ -166,9 +184,28 @@ pub struct ModelConfig {
     /// The query projection carries a sigmoid gate per head, applied to the
     /// attention output before `o_proj` (Qwen3.5).
     pub attn_output_gate: bool,
+    /// The Mamba-2 mixers' shape (Nemotron-H's recurrent layers).
+    pub mamba: Option<Mamba2Shape>,
+    /// Mamba-2's `dt` range after its softplus.
+    pub mamba_dt_limit: (f32, f32),
+    /// Per layer, whether it is a block of only an MLP (Nemotron-H's `-`):
+    /// no K/V, no state.
+    pub mlp_layers: Vec<bool>,
+    /// Each layer is one norm and one mixer (Nemotron-H), not attention and
+    /// an MLP.
+    pub single_mixer: bool,
+    /// Attention rotates q and k (false: no positional embedding at all).
+    pub use_rope: bool,
 }
 
 impl ModelConfig {
+    /// The recurrent layers' state shape (Gated DeltaNet or Mamba-2), if any.
+    pub fn recurrent_state(&self) -> Option<crate::kv::RecurrentState> {
+        self.delta
+            .map(Into::into)
+            .or_else(|| self.mamba.map(Into::into))
+    }
+
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Io {
@@ -196,11 +233,29 @@ impl ModelConfig {
             "qwen3" => Arch::Qwen3,
             "gemma3_text" => Arch::Gemma3,
             "qwen3_5" | "qwen3_5_text" => Arch::Qwen3_5,
+            "nemotron_h" => Arch::NemotronH,
             other => {
                 return Err(bad(format!(
-                "model_type {other:?} is not supported (llama, mistral, qwen2, qwen3, gemma3_text, qwen3_5)"
+                "model_type {other:?} is not supported (llama, mistral, qwen2, qwen3, gemma3_text, qwen3_5, nemotron_h)"
             )))
             }
+        };
+        let nemotron = arch == Arch::NemotronH;
+        let blocks = if nemotron {
+            Some(nemotron_blocks(&raw).map_err(bad)?)
+        } else {
+            None
+        };
+        let num_hidden_layers = match (&blocks, raw.num_hidden_layers) {
+            (Some(b), Some(n)) if n as usize != b.len() => {
+                return Err(bad(format!(
+                    "num_hidden_layers {n} but the block pattern lists {} blocks",
+                    b.len()
+                )))
+            }
+            (Some(b), _) => b.len() as i32,
+            (None, Some(n)) => n,
+            (None, None) => return Err(bad("num_hidden_layers is missing".into())),
         };
         if raw.num_attention_heads <= 0 || raw.hidden_size <= 0 {
             return Err(bad(
@@ -220,7 +275,7 @@ impl ModelConfig {
         // Sizes become array shapes and loop bounds: a zero or negative one
         // from a corrupt file must stop here, not inside MLX.
         for (name, v) in [
-            ("num_hidden_layers", raw.num_hidden_layers),
+            ("num_hidden_layers", num_hidden_layers),
             ("intermediate_size", raw.intermediate_size),
             ("vocab_size", raw.vocab_size),
             ("head_dim", head_dim),
@@ -259,7 +314,7 @@ impl ModelConfig {
             Some(other) => return Err(bad(format!("eos_token_id {other} is not an id or list"))),
         };
         let gemma = arch == Arch::Gemma3;
-        let layers = raw.num_hidden_layers as usize;
+        let layers = num_hidden_layers as usize;
         let (sliding_layers, sliding_window) = if gemma {
             let window = raw.sliding_window.unwrap_or(512);
             if window <= 0 {
@@ -303,6 +358,7 @@ impl ModelConfig {
         };
         let activation = match raw.hidden_activation.as_deref() {
             None if gemma => Activation::GeluTanh,
+            None if nemotron => Activation::Relu2,
             None | Some("silu") => Activation::Silu,
             Some("gelu_pytorch_tanh") | Some("gelu_approx") => Activation::GeluTanh,
             Some(other) => {
@@ -317,8 +373,15 @@ impl ModelConfig {
         let qwen35 = arch == Arch::Qwen3_5;
         let (recurrent_layers, delta) = if qwen35 {
             recurrent_layout(&raw, layers).map_err(bad)?
+        } else if let Some(b) = &blocks {
+            (b.iter().map(|&k| k == 'M').collect(), None)
         } else {
             (vec![false; layers], None)
+        };
+        let mamba = if nemotron {
+            Some(mamba_shape(&raw).map_err(bad)?)
+        } else {
+            None
         };
         // Qwen3.5 keeps its RoPE settings in `rope_parameters`; a text-only
         // forward's multimodal RoPE sections all see the same position, which
@@ -380,10 +443,18 @@ impl ModelConfig {
             delta,
             rotary_dim,
             attn_output_gate: qwen35,
+            mamba,
+            mamba_dt_limit: raw.time_step_limit.unwrap_or((0.0, f32::INFINITY)),
+            mlp_layers: match &blocks {
+                Some(b) => b.iter().map(|&k| k == '-').collect(),
+                None => vec![false; layers],
+            },
+            single_mixer: nemotron,
+            use_rope: !nemotron,
             arch,
             model_type: raw.model_type,
             hidden_size: raw.hidden_size,
-            num_layers: raw.num_hidden_layers,
+            num_layers: num_hidden_layers,
             intermediate_size: raw.intermediate_size,
             num_heads: raw.num_attention_heads,
             num_kv_heads,
@@ -419,6 +490,69 @@ fn text_model_config(mut v: serde_json::Value) -> serde_json::Value {
         }
     }
     serde_json::Value::Object(text)
+}
+
+/// Nemotron-H's block kinds, one char each as mlx-lm spells them: `M`
+/// Mamba-2, `*` attention, `-` MLP (`E`, mixture of experts, is refused).
+fn nemotron_blocks(raw: &RawConfig) -> Result<Vec<char>, String> {
+    if let Some(p) = &raw.hybrid_override_pattern {
+        return p
+            .iter()
+            .map(|k| match k.as_str() {
+                "M" => Ok('M'),
+                "*" => Ok('*'),
+                "-" => Ok('-'),
+                "E" => Err("mixture-of-experts blocks (E) are not supported".to_string()),
+                other => Err(format!("hybrid_override_pattern: unknown block {other:?}")),
+            })
+            .collect();
+    }
+    let types = raw
+        .layers_block_type
+        .as_ref()
+        .or(raw.layer_types.as_ref())
+        .ok_or("hybrid_override_pattern or layers_block_type is missing")?;
+    types
+        .iter()
+        .map(|k| match k.as_str() {
+            "mamba" | "linear_attention" | "conv" => Ok('M'),
+            "attention" | "full_attention" => Ok('*'),
+            "mlp" => Ok('-'),
+            "moe" => Err("mixture-of-experts blocks (moe) are not supported".to_string()),
+            other => Err(format!("layers_block_type: unknown block {other:?}")),
+        })
+        .collect()
+}
+
+/// Nemotron-H's Mamba-2 shape.
+fn mamba_shape(raw: &RawConfig) -> Result<Mamba2Shape, String> {
+    if raw.mlp_bias == Some(true) || raw.mamba_proj_bias == Some(true) {
+        return Err("mlp_bias / mamba_proj_bias are not supported".into());
+    }
+    let need = |name: &str, v: Option<i32>| -> Result<i32, String> {
+        match v {
+            Some(x) if x > 0 => Ok(x),
+            Some(x) => Err(format!("{name} must be positive, got {x}")),
+            None => Err(format!("{name} is missing")),
+        }
+    };
+    let s = Mamba2Shape {
+        heads: need("mamba_num_heads", raw.mamba_num_heads)?,
+        head_dim: need("mamba_head_dim", raw.mamba_head_dim)?,
+        state: need("ssm_state_size", raw.ssm_state_size)?,
+        groups: need("n_groups", raw.n_groups)?,
+        kernel: need("conv_kernel", raw.conv_kernel)?,
+    };
+    if s.heads % s.groups != 0 {
+        return Err(format!(
+            "mamba_num_heads {} must be a multiple of n_groups {}",
+            s.heads, s.groups
+        ));
+    }
+    if s.kernel < 2 {
+        return Err(format!("conv_kernel must be at least 2, got {}", s.kernel));
+    }
+    Ok(s)
 }
 
 /// Qwen3.5's layer kinds (`layer_types`, else every

@@ -42,6 +42,7 @@ use crate::composed_attention::{self, PrefillAttention, Visible};
 use crate::cpu_kernels::{self, Kernels};
 use crate::error::{ModelError, Result};
 use crate::gated_delta::DeltaShape;
+use crate::mamba2::Mamba2Shape;
 use crate::paged_attention::{PagedAttention, Pools};
 
 /// How much memory the KV pool takes.
@@ -179,20 +180,54 @@ pub struct KvShape {
     pub quant: Option<AffineQuant>,
     /// The layers that keep recurrent state instead of K/V, if any.
     pub recurrent: Option<RecurrentLayers>,
+    /// Bit `i` set: layer `i` keeps neither K/V nor state (Nemotron-H's MLP
+    /// blocks).
+    pub stateless: u128,
 }
 
-/// Which layers are recurrent (Gated DeltaNet: per-row state in slots, no
-/// K/V) and the shape of their state.
+/// One recurrent layer's state per row: the causal convolution's last
+/// `conv_keep` inputs of `conv_dim` channels (model dtype) and an f32 matrix
+/// per head (`matrix`: Gated DeltaNet's `[v_heads, v_dim, k_dim]`, Mamba-2's
+/// `[heads, head_dim, state]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecurrentState {
+    pub conv_keep: i32,
+    pub conv_dim: i32,
+    pub matrix: [i32; 3],
+}
+
+impl From<DeltaShape> for RecurrentState {
+    fn from(s: DeltaShape) -> Self {
+        Self {
+            conv_keep: s.kernel - 1,
+            conv_dim: s.conv_dim(),
+            matrix: [s.v_heads, s.v_dim, s.k_dim],
+        }
+    }
+}
+
+impl From<Mamba2Shape> for RecurrentState {
+    fn from(s: Mamba2Shape) -> Self {
+        Self {
+            conv_keep: s.kernel - 1,
+            conv_dim: s.conv_dim(),
+            matrix: [s.heads, s.head_dim, s.state],
+        }
+    }
+}
+
+/// Which layers are recurrent (Gated DeltaNet, Mamba-2: per-row state in
+/// slots, no K/V) and the shape of their state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecurrentLayers {
     /// Bit `i` set: layer `i` is recurrent (models of up to 128 layers).
     pub layers: u128,
-    pub shape: DeltaShape,
+    pub shape: RecurrentState,
 }
 
 impl RecurrentLayers {
     /// From per-layer flags; None when no layer is recurrent.
-    pub fn from_flags(shape: Option<DeltaShape>, flags: &[bool]) -> Result<Option<Self>> {
+    pub fn from_flags(shape: Option<RecurrentState>, flags: &[bool]) -> Result<Option<Self>> {
         if !flags.iter().any(|&f| f) {
             return Ok(None);
         }
@@ -225,8 +260,8 @@ impl RecurrentLayers {
     pub fn specs(&self, dtype: Dtype) -> Vec<StateSpec> {
         let s = self.shape;
         vec![
-            StateSpec::new(&[s.kernel - 1, s.conv_dim()], dtype),
-            StateSpec::new(&[s.v_heads, s.v_dim, s.k_dim], Dtype::Float32),
+            StateSpec::new(&[s.conv_keep, s.conv_dim], dtype),
+            StateSpec::new(&s.matrix, Dtype::Float32),
         ]
     }
 
@@ -306,6 +341,11 @@ impl KvShape {
         self.recurrent.is_some_and(|r| r.is_recurrent(i))
     }
 
+    /// Whether layer `i` attends (keeps K/V in a group).
+    pub fn attends(&self, i: usize) -> bool {
+        !self.is_recurrent(i) && !(i < 128 && self.stateless & (1u128 << i) != 0)
+    }
+
     /// Bytes of K plus V of one token in one layer (packed values, scales
     /// and biases when quantized).
     pub fn bytes_per_layer_token(&self) -> u64 {
@@ -352,8 +392,8 @@ impl KvShape {
         let sliding = (0..self.layers)
             .filter(|&i| self.sliding.is_some_and(|s| s.slides(i)))
             .count();
-        let recurrent = self.recurrent.map_or(0, |r| r.count());
-        (self.layers - sliding - recurrent, sliding)
+        let attending = (0..self.layers).filter(|&i| self.attends(i)).count();
+        (attending - sliding, sliding)
     }
 }
 
@@ -480,7 +520,7 @@ impl PagedKv {
         // (the budget splits by layers); with one the sliding group gets what
         // its windows can use and the full group the rest (`KvSplit`).
         let slides = |i: usize| shape.sliding.is_some_and(|s| s.slides(i));
-        let attends = |i: usize| !shape.is_recurrent(i);
+        let attends = |i: usize| shape.attends(i);
         let mut kinds: Vec<AttentionKind> = Vec::new();
         if (0..shape.layers).any(|i| attends(i) && !slides(i)) {
             kinds.push(AttentionKind::Full);
@@ -517,7 +557,7 @@ impl PagedKv {
         let mut recurrent_seen = 0usize;
         let state_index: Vec<Option<usize>> = (0..shape.layers)
             .map(|i| {
-                (!attends(i)).then(|| {
+                shape.is_recurrent(i).then(|| {
                     recurrent_seen += 1;
                     recurrent_seen - 1
                 })
@@ -1349,6 +1389,7 @@ mod tests {
             sliding: SlidingLayers::from_flags(512, &flags).expect("flags"),
             quant: None,
             recurrent: None,
+            stateless: 0,
         }
     }
 

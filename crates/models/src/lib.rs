@@ -21,6 +21,7 @@ pub mod linear;
 pub mod llama;
 pub mod loader;
 pub mod lora;
+pub mod mamba2;
 pub mod memory;
 pub mod paged_attention;
 pub mod runner;

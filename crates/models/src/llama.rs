@@ -19,6 +19,7 @@ use crate::gemv::{Post, Pre};
 use crate::kv::{self, KvShape, KvStep, LayerKv};
 use crate::linear::{Linear, WeightPolicy};
 use crate::lora::{Group, LoraStep};
+use crate::mamba2::Mamba2;
 use crate::weights::Weights;
 
 /// Projections computed by one matmul whose output is split.
@@ -175,14 +176,20 @@ struct Mlp {
 enum Mixer {
     Attention(Attention),
     Delta(GatedDeltaNet),
+    Mamba(Mamba2),
+    /// A block whose mixer is an ungated ReLU² MLP (Nemotron-H's `-`).
+    Mlp {
+        up: Linear,
+        down: Linear,
+    },
 }
 
 impl Mixer {
     fn attn(&self, layer: usize) -> Result<&Attention> {
         match self {
             Mixer::Attention(a) => Ok(a),
-            Mixer::Delta(_) => Err(ModelError::Invalid(format!(
-                "layer {layer} is recurrent, not attention"
+            _ => Err(ModelError::Invalid(format!(
+                "layer {layer} is not an attention layer"
             ))),
         }
     }
@@ -190,11 +197,11 @@ impl Mixer {
 
 struct Layer {
     mixer: Mixer,
-    mlp: Mlp,
+    /// The layer's MLP and its input's norm (Llama's
+    /// `post_attention_layernorm`, Gemma's `pre_feedforward_layernorm`);
+    /// None in single-mixer blocks (Nemotron-H).
+    mlp: Option<(Mlp, Array)>,
     input_norm: Array,
-    /// The MLP input's norm (Llama's `post_attention_layernorm`, Gemma's
-    /// `pre_feedforward_layernorm`).
-    post_norm: Array,
     /// Gemma's norms of the attention and MLP outputs before their residual
     /// adds (`post_attention_layernorm`, `post_feedforward_layernorm`).
     attn_out_norm: Option<Array>,
@@ -234,13 +241,13 @@ fn unfusable(layers: &[Layer], c: &ModelConfig, policy: WeightPolicy) -> Option<
         return Some("gated or partially rotated attention");
     }
     for l in layers {
-        let Mixer::Attention(attn) = &l.mixer else {
-            return Some("recurrent layers");
+        let (Mixer::Attention(attn), Some((mlp, _))) = (&l.mixer, &l.mlp) else {
+            return Some("recurrent or single-mixer layers");
         };
         if attn.q_norm.is_some() || attn.k_norm.is_some() {
             return Some("per-head q/k norms");
         }
-        if !matches!(attn.qkv, Proj::Fused { .. }) || !matches!(l.mlp.gate_up, Proj::Fused { .. }) {
+        if !matches!(attn.qkv, Proj::Fused { .. }) || !matches!(mlp.gate_up, Proj::Fused { .. }) {
             return Some("unfused projections");
         }
     }
@@ -363,6 +370,24 @@ impl LlamaModel {
                 offset = 1.0;
             }
         }
+        if config.arch == Arch::NemotronH {
+            // mlx-lm's names (`backbone.*`) mapped onto the shared ones.
+            w.rename(|n| {
+                if n.starts_with("mtp.") {
+                    return None;
+                }
+                Some(if let Some(rest) = n.strip_prefix("backbone.embeddings") {
+                    format!("model.embed_tokens{rest}")
+                } else if let Some(rest) = n.strip_prefix("backbone.norm_f") {
+                    format!("model.norm{rest}")
+                } else if let Some(rest) = n.strip_prefix("backbone.") {
+                    format!("model.{rest}")
+                } else {
+                    n.to_string()
+                })
+            });
+            w.convert_conv1d()?;
+        }
         // Gemma's `(1 + w)` is added once here, in the model dtype as the
         // reference computes it each call.
         let norm = |w: &mut Weights, name: &str| -> Result<Array> {
@@ -390,6 +415,48 @@ impl LlamaModel {
                 .get(i as usize)
                 .copied()
                 .unwrap_or(false);
+            if config.single_mixer {
+                let mlp_block = config.mlp_layers.get(i as usize).copied().unwrap_or(false);
+                let mixer = match (recurrent, mlp_block, config.mamba) {
+                    (true, _, Some(shape)) => Mixer::Mamba(Mamba2::load(
+                        &mut w,
+                        &format!("{p}.mixer"),
+                        shape,
+                        config.rms_norm_eps,
+                        config.mamba_dt_limit,
+                        policy,
+                        |path| q(path),
+                    )?),
+                    (true, _, None) => {
+                        return Err(ModelError::Invalid(format!(
+                            "layer {i} is a Mamba-2 block but the config has no Mamba-2 shape"
+                        )))
+                    }
+                    (false, true, _) => Mixer::Mlp {
+                        up: lin(&mut w, "mixer.up_proj")?,
+                        down: lin(&mut w, "mixer.down_proj")?,
+                    },
+                    (false, false, _) => Mixer::Attention(Attention {
+                        qkv: Proj::new(vec![
+                            lin(&mut w, "mixer.q_proj")?,
+                            lin(&mut w, "mixer.k_proj")?,
+                            lin(&mut w, "mixer.v_proj")?,
+                        ])?,
+                        o: lin(&mut w, "mixer.o_proj")?,
+                        q_norm: None,
+                        k_norm: None,
+                    }),
+                };
+                layers.push(Layer {
+                    mixer,
+                    mlp: None,
+                    input_norm: norm(&mut w, &format!("{p}.norm.weight"))?,
+                    attn_out_norm: None,
+                    mlp_out_norm: None,
+                    sliding: false,
+                });
+                continue;
+            }
             let (q_norm, k_norm) = if recurrent {
                 (None, None)
             } else if matches!(config.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3_5) {
@@ -425,21 +492,22 @@ impl LlamaModel {
                     k_norm,
                 }),
             };
+            let mlp = Mlp {
+                gate_up: Proj::new(vec![
+                    lin(&mut w, "mlp.gate_proj")?,
+                    lin(&mut w, "mlp.up_proj")?,
+                ])?,
+                down: lin(&mut w, "mlp.down_proj")?,
+            };
+            let post_norm = if config.sandwich_norms {
+                norm(&mut w, &format!("{p}.pre_feedforward_layernorm.weight"))?
+            } else {
+                norm(&mut w, &format!("{p}.post_attention_layernorm.weight"))?
+            };
             layers.push(Layer {
                 mixer,
-                mlp: Mlp {
-                    gate_up: Proj::new(vec![
-                        lin(&mut w, "mlp.gate_proj")?,
-                        lin(&mut w, "mlp.up_proj")?,
-                    ])?,
-                    down: lin(&mut w, "mlp.down_proj")?,
-                },
+                mlp: Some((mlp, post_norm)),
                 input_norm: norm(&mut w, &format!("{p}.input_layernorm.weight"))?,
-                post_norm: if config.sandwich_norms {
-                    norm(&mut w, &format!("{p}.pre_feedforward_layernorm.weight"))?
-                } else {
-                    norm(&mut w, &format!("{p}.post_attention_layernorm.weight"))?
-                },
                 attn_out_norm: config
                     .sandwich_norms
                     .then(|| norm(&mut w, &format!("{p}.post_attention_layernorm.weight")))
@@ -490,7 +558,10 @@ impl LlamaModel {
             None => None,
         };
         let mut model = Self {
-            recurrent: kv::RecurrentLayers::from_flags(config.delta, &config.recurrent_layers)?,
+            recurrent: kv::RecurrentLayers::from_flags(
+                config.recurrent_state(),
+                &config.recurrent_layers,
+            )?,
             sliding,
             eps: Array::from_slice(&[config.rms_norm_eps], &[1]),
             fusable: why.is_none(),
@@ -516,12 +587,21 @@ impl LlamaModel {
         for l in &mut self.layers {
             // A recurrent layer's projections stay MLX's (its recurrence is
             // MLX ops between them either way).
-            if let Mixer::Attention(attn) = &mut l.mixer {
-                attn.qkv.pack()?;
-                pack_in_place(&mut attn.o)?;
+            match &mut l.mixer {
+                Mixer::Attention(attn) => {
+                    attn.qkv.pack()?;
+                    pack_in_place(&mut attn.o)?;
+                }
+                Mixer::Mlp { up, down } => {
+                    pack_in_place(up)?;
+                    pack_in_place(down)?;
+                }
+                Mixer::Delta(_) | Mixer::Mamba(_) => {}
             }
-            l.mlp.gate_up.pack()?;
-            pack_in_place(&mut l.mlp.down)?;
+            if let Some((mlp, _)) = &mut l.mlp {
+                mlp.gate_up.pack()?;
+                pack_in_place(&mut mlp.down)?;
+            }
         }
         match &mut self.lm_head {
             Some(head) => pack_in_place(head)?,
@@ -554,8 +634,12 @@ impl LlamaModel {
             all.extend(lin(h));
         }
         for l in &self.layers {
-            let mut lins = l.mlp.gate_up.linears();
-            lins.push(&l.mlp.down);
+            let mut lins = Vec::new();
+            if let Some((mlp, post_norm)) = &l.mlp {
+                lins.extend(mlp.gate_up.linears());
+                lins.push(&mlp.down);
+                all.push(post_norm);
+            }
             match &l.mixer {
                 Mixer::Attention(attn) => {
                     lins.extend(attn.qkv.linears());
@@ -566,11 +650,16 @@ impl LlamaModel {
                     lins.extend(d.linears());
                     all.extend(d.arrays());
                 }
+                Mixer::Mamba(m) => {
+                    lins.extend(m.linears());
+                    all.extend(m.arrays());
+                }
+                Mixer::Mlp { up, down } => lins.extend([up, down]),
             }
             for x in lins {
                 all.extend(lin(x));
             }
-            all.extend([&l.input_norm, &l.post_norm]);
+            all.push(&l.input_norm);
             all.extend(l.attn_out_norm.iter().chain(l.mlp_out_norm.iter()));
         }
         mlx_rs::transforms::eval(all)?;
@@ -591,6 +680,13 @@ impl LlamaModel {
             sliding: self.sliding,
             quant: None,
             recurrent: self.recurrent,
+            stateless: self
+                .config
+                .mlp_layers
+                .iter()
+                .enumerate()
+                .filter(|&(i, &m)| m && i < 128)
+                .fold(0u128, |acc, (i, _)| acc | (1u128 << i)),
         }
     }
 
@@ -746,16 +842,36 @@ impl LlamaModel {
                     kv.set_state(i, new)?;
                     y.reshape(&[b * t, -1])?
                 }
+                Mixer::Mamba(m) => {
+                    let state = kv.state(i)?;
+                    let last = kv.last_index().cloned();
+                    let (y, new) = m.forward(&x.reshape(&[b, t, -1])?, &state, last.as_ref())?;
+                    kv.set_state(i, new)?;
+                    y.reshape(&[b * t, -1])?
+                }
+                Mixer::Mlp { up, down } => {
+                    let u = up.forward_async(&x).await?;
+                    let r = ops::maximum(&u, &Array::from_f32(0.0).as_dtype(u.dtype())?)?;
+                    down.forward_async(&ops::multiply(&r, &r)?).await?
+                }
             };
             h = residual_add(&h, &out_norm(a, &layer.attn_out_norm)?)?;
-            let x = fast::rms_norm(&h, Some(&layer.post_norm), eps)?;
-            let m = &layer.mlp;
+            let Some((m, post_norm)) = &layer.mlp else {
+                after_layer(i)?;
+                continue;
+            };
+            let x = fast::rms_norm(&h, Some(post_norm), eps)?;
             let gu = m.gate_up.forward(&x, deltas(i, Group::GateUp, &x)?).await?;
             let (g, u) = (&gu[0], &gu[1]);
             let act = match (self.config.activation, self.policy.kernels) {
                 (Activation::GeluTanh, _) => gelu_tanh_mul(g, u)?,
                 (Activation::Silu, Kernels::Stock) => fused_silu_mul(g, u)?,
                 (Activation::Silu, Kernels::CpuTuned) => cpu_kernels::silu_mul(g, u)?,
+                (Activation::Relu2, _) => {
+                    return Err(ModelError::Invalid(
+                        "ReLU² is the activation of ungated MLP blocks only".into(),
+                    ))
+                }
             };
             let down = with_delta(
                 m.down.forward_async(&act).await?,
@@ -847,8 +963,10 @@ impl LlamaModel {
             .embed
             .embed(&tokens.reshape(&[b])?, self.policy.dtype)?;
         let quantized = matches!(
-            self.layers.first().map(|l| &l.mlp.down),
-            Some(Linear::Quantized { .. })
+            self.layers
+                .first()
+                .map(|l| l.mlp.as_ref().map(|(m, _)| &m.down)),
+            Some(Some(Linear::Quantized { .. }))
         );
         // The GEMV path has no adapter deltas: steps with adapters (or a
         // compiled step traced with the adapter pool's inputs) take the
@@ -872,8 +990,11 @@ impl LlamaModel {
         };
         for (i, layer) in self.layers.iter().enumerate() {
             let attn = layer.mixer.attn(i)?;
+            let (mlp, post_norm) = layer.mlp.as_ref().ok_or_else(|| {
+                ModelError::Invalid(format!("layer {i}: fused decode needs an MLP"))
+            })?;
             let (Proj::Fused { lin: qkv, .. }, Proj::Fused { lin: gate_up, .. }) =
-                (&attn.qkv, &layer.mlp.gate_up)
+                (&attn.qkv, &mlp.gate_up)
             else {
                 return Err(ModelError::Invalid(format!(
                     "layer {i}: fused decode needs fused projections"
@@ -890,7 +1011,7 @@ impl LlamaModel {
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
             let a = adapt(k.linear(&attn.o, &a)?, i, Group::O, &a, &[c.hidden_size])?;
-            let (s, n) = add_norm(&h, a, &layer.post_norm)?;
+            let (s, n) = add_norm(&h, a, post_norm)?;
             let inter = c.intermediate_size;
             let (gu, l) = adapt(
                 k.linear(gate_up, &n)?,
@@ -901,7 +1022,7 @@ impl LlamaModel {
             )?;
             let act = k.silu_mul(&gu, l.as_ref())?;
             let m = adapt(
-                k.linear(&layer.mlp.down, &act)?,
+                k.linear(&mlp.down, &act)?,
                 i,
                 Group::Down,
                 &act,
@@ -945,8 +1066,11 @@ impl LlamaModel {
         let b = h.dim(0);
         for (i, layer) in self.layers.iter().enumerate() {
             let attn = layer.mixer.attn(i)?;
+            let (mlp, post_norm) = layer.mlp.as_ref().ok_or_else(|| {
+                ModelError::Invalid(format!("layer {i}: fused decode needs an MLP"))
+            })?;
             let (Proj::Fused { lin: qkv, .. }, Proj::Fused { lin: gate_up, .. }) =
-                (&attn.qkv, &layer.mlp.gate_up)
+                (&attn.qkv, &mlp.gate_up)
             else {
                 return Err(ModelError::Invalid(format!(
                     "layer {i}: fused decode needs fused projections"
@@ -963,13 +1087,8 @@ impl LlamaModel {
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
             let h1 = k.product(&attn.o, &a, Pre::None, Post::Residual(&h))?;
-            let act = k.product(
-                gate_up,
-                &h1,
-                self.pre_norm(&layer.post_norm),
-                Post::SiluPair,
-            )?;
-            h = k.product(&layer.mlp.down, &act, Pre::None, Post::Residual(&h1))?;
+            let act = k.product(gate_up, &h1, self.pre_norm(post_norm), Post::SiluPair)?;
+            h = k.product(&mlp.down, &act, Pre::None, Post::Residual(&h1))?;
             after_layer(i)?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
@@ -1039,8 +1158,12 @@ impl LlamaModel {
             (Some(local), true) => local,
             _ => &self.rope,
         };
-        let q = rope.apply(&q, offsets)?;
-        let k = rope.apply(&k, offsets)?;
+        // Nemotron-H's attention has no positional embedding.
+        let (q, k) = if c.use_rope {
+            (rope.apply(&q, offsets)?, rope.apply(&k, offsets)?)
+        } else {
+            (q, k)
+        };
         let out = kv.attend(layer, &q, &k, &v, c.attn_scale)?;
         // `[B, heads, T, D]` -> `[B * T, heads * D]`; with one token per row
         // the memory order already matches (no transpose copy).
