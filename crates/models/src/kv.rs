@@ -343,7 +343,8 @@ impl KvShape {
 
     /// Whether layer `i` attends (keeps K/V in a group).
     pub fn attends(&self, i: usize) -> bool {
-        !self.is_recurrent(i) && !(i < 128 && self.stateless & (1u128 << i) != 0)
+        let stateless = i < 128 && self.stateless & (1u128 << i) != 0;
+        !(self.is_recurrent(i) || stateless)
     }
 
     /// Bytes of K plus V of one token in one layer (packed values, scales
