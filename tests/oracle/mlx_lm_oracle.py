@@ -244,6 +244,15 @@ def dequantize_modules(model):
             setattr(parent, parts[-1], new)
 
 
+def quantized_cache(model, bits, group_size):
+    """The model's own cache with every attention layer's KVCache replaced by
+    a QuantizedKVCache (recurrent layers keep their ArraysCache)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+    return [QuantizedKVCache(group_size=group_size, bits=bits) if isinstance(c, KVCache) else c
+            for c in make_prompt_cache(model)]
+
+
 def run(model_dir, requests, dequantize=False, adapter=None, kv_bits=None, kv_group_size=64):
     from mlx_lm.utils import load_model, load_adapters
     from mlx_lm.generate import generate_step
@@ -273,8 +282,8 @@ def run(model_dir, requests, dequantize=False, adapter=None, kv_bits=None, kv_gr
             ids = p["ids"]
         # Quantized K/V from the prompt on: every attention, the prompt's own
         # included, reads the quantized cache (as Weft's pool stores it).
-        qcache = (lambda: [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits)
-                           for _ in model.layers]) if kv_bits else (lambda: None)
+        qcache = (lambda: quantized_cache(model, kv_bits, kv_group_size)) if kv_bits \
+            else (lambda: None)
         logits = model(mx.array(ids)[None], cache=qcache())[0, -1].astype(mx.float32)
         greedy = []
         margins = []

@@ -85,10 +85,36 @@ const NEAR_TIE: f64 = 1e-3;
 fn quantized_rows_joining_and_leaving_match_mlx_lm_quantized_cache_alone() {
     let dir = tempfile::tempdir().unwrap();
     let md = fixture(dir.path());
+    quantized_parity(
+        dir.path(),
+        &md,
+        &[AffineQuant::new(8, 64), AffineQuant::new(4, 32)],
+    );
+}
+
+/// The hybrids' attention layers over quantized K/V beside their recurrent
+/// state (heads of 32: groups of 32), each row against mlx-lm alone over its
+/// own cache with every attention layer's cache quantized.
+#[test]
+fn hybrid_rows_over_quantized_kv_match_mlx_lm_quantized_cache_alone() {
+    for arch in ["qwen3_5", "nemotron_h"] {
+        let dir = tempfile::tempdir().unwrap();
+        let md = fixture_dir(dir.path(), arch);
+        eprintln!("{arch}:");
+        quantized_parity(
+            dir.path(),
+            &md,
+            &[AffineQuant::new(8, 32), AffineQuant::new(4, 32)],
+        );
+    }
+}
+
+fn quantized_parity(dir: &std::path::Path, md: &std::path::Path, qs: &[AffineQuant]) {
+    let md = md.to_path_buf();
     let rs = rows();
-    let full = oracle_alone(dir.path(), &md, &rs, None);
-    for q in [AffineQuant::new(8, 64), AffineQuant::new(4, 32)] {
-        let want = oracle_alone(dir.path(), &md, &rs, Some(q));
+    let full = oracle_alone(dir, &md, &rs, None);
+    for &q in qs {
+        let want = oracle_alone(dir, &md, &rs, Some(q));
         let mut runner = quantized_runner(&md, q);
         assert_eq!(
             runner.kv().shape().kv_dtype(),
