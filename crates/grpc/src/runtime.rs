@@ -524,8 +524,8 @@ pub struct ServedModel {
     pub quantization: String,
     /// Tokens a sliding-window layer attends (None: no such layers).
     pub sliding_window: Option<u32>,
-    /// Per layer: "full_attention", "sliding_attention" or "linear_attention"
-    /// (recurrent).
+    /// Per layer: "full_attention", "sliding_attention", "linear_attention"
+    /// (recurrent) or "mlp" (a block of only an MLP).
     pub layer_kinds: Vec<String>,
     /// Rows that can hold recurrent state at once (0: no recurrent layers).
     pub state_slots: u32,
@@ -673,8 +673,11 @@ pub fn start_engine_with(
                     .get(i)
                     .copied()
                     .unwrap_or(false);
+                let mlp = model_config.mlp_layers.get(i).copied().unwrap_or(false);
                 if recurrent {
                     "linear_attention"
+                } else if mlp {
+                    "mlp"
                 } else if sliding {
                     "sliding_attention"
                 } else {

@@ -1,6 +1,8 @@
-//! A recurrent hybrid served end to end: `weft serve` on mlx-lm's random
-//! Qwen3.5 fixture (Gated DeltaNet layers beside gated attention; a
-//! word-level tokenizer `w0 .. w511` written beside it) with 4 state slots.
+//! Recurrent hybrids served end to end: `weft serve` on mlx-lm's random
+//! Qwen3.5 fixture (Gated DeltaNet layers beside gated attention) and its
+//! Nemotron-H fixture (Mamba-2 blocks beside attention and MLP blocks), each
+//! with a word-level tokenizer `w0 .. w511` written beside it, and 4 state
+//! slots.
 //! Six concurrent greedy requests of different lengths (more than there are
 //! slots, so rows wait for one and take over released ones) must each equal
 //! mlx-lm running that prompt alone; the API reports the layer kinds and the
@@ -55,12 +57,12 @@ fn oracle(args: &[&str]) -> serde_json::Value {
 }
 
 /// The fixture plus a whitespace word-level tokenizer: word `wN` is token N.
-fn model_dir(dir: &Path) -> PathBuf {
-    let md = dir.join("qwen35-fixture");
+fn model_dir(dir: &Path, arch: &str) -> PathBuf {
+    let md = dir.join(format!("{arch}-fixture"));
     oracle(&[
         "fixture",
         "--arch",
-        "qwen3_5",
+        arch,
         "--out",
         md.to_str().expect("utf-8 path"),
     ]);
@@ -149,9 +151,44 @@ fn check(got: &[Collected], want: &serde_json::Value, what: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_recurrent_hybrid_serves_more_rows_than_slots_as_each_runs_alone() {
+async fn qwen3_5_serves_more_rows_than_slots_as_each_runs_alone() {
+    // Per recurrent layer: the convolution's 3 x 256 inputs and 4 heads of
+    // 32 x 32 delta-rule state, f32 on the CPU; two such layers.
+    serves(
+        "qwen3_5",
+        &[
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        2 * (3 * 256 + 4 * 32 * 32) * 4,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemotron_h_serves_more_rows_than_slots_as_each_runs_alone() {
+    // Per Mamba-2 block: the convolution's 3 x 128 inputs and 4 heads of
+    // 16 x 16 SSM state, f32 on the CPU; two such blocks.
+    serves(
+        "nemotron_h",
+        &[
+            "linear_attention",
+            "full_attention",
+            "mlp",
+            "linear_attention",
+            "mlp",
+            "full_attention",
+        ],
+        2 * (3 * 128 + 4 * 16 * 16) * 4,
+    )
+    .await;
+}
+
+async fn serves(arch: &str, kinds: &[&str], state_bytes: u64) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let md = model_dir(dir.path());
+    let md = model_dir(dir.path(), arch);
     let req = dir.path().join("req.json");
     let ps: Vec<serde_json::Value> = prompts()
         .iter()
@@ -190,20 +227,10 @@ async fn a_recurrent_hybrid_serves_more_rows_than_slots_as_each_runs_alone() {
         .await
         .expect("GetModel")
         .into_inner();
-    assert_eq!(m.architecture, "qwen3_5");
-    assert_eq!(
-        m.layer_kinds,
-        [
-            "linear_attention",
-            "full_attention",
-            "linear_attention",
-            "full_attention"
-        ]
-    );
+    assert_eq!(m.architecture, arch);
+    assert_eq!(m.layer_kinds, kinds);
     assert_eq!(m.state_slots, SLOTS);
-    // Per recurrent layer: the convolution's 3 x 256 inputs and 4 heads of
-    // 32 x 32 delta-rule state, f32 on the CPU; two such layers.
-    assert_eq!(m.state_bytes_per_row, 2 * (3 * 256 + 4 * 32 * 32) * 4);
+    assert_eq!(m.state_bytes_per_row, state_bytes);
     let groups: Vec<(&str, u32)> = m
         .kv_groups
         .iter()
