@@ -47,6 +47,10 @@
 #           kernel's quantized read vs gather + dequantize + SDPA), then weft bench-engine at
 #           KVQ_STREAMS (default 128), prompt 128, gen 128: bf16 KV, --kv-bits 8 and 4 gathered,
 #           and --kv-bits 8 and 4 with WEFT_KV_QUANT_KERNEL=1 (the paged kernel reads them);
+#           hybrid: a random Qwen3.5-0.8B-shaped hybrid (benches/make_model.py --arch qwen3_5,
+#           bf16, the default model's vocabulary) made at /root/q35: Weft's engine vs mlx-lm's
+#           BatchGenerator at HYBRID_STREAMS (default 1,8,32,64), prompt 128, gen 128 (issue 15
+#           item 2: recurrent-state rows on the GPU, decode op by op);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
@@ -247,6 +251,13 @@ if has adapterpar; then
   WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
     timeout ${LP_TIMEOUT:-400} /root/lora_parity ${LP_FILTER-compiled_decode} --nocapture --test-threads 1 2>&1 \
     | grep --line-buffered -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
+fi
+if has hybrid; then
+  H=/root/q35
+  [ -f $H/model.safetensors ] || python3 benches/make_model.py $H --tokenizer $W/tokenizer.json --arch qwen3_5
+  echo "== engine vs mlx-lm BatchGenerator, Qwen3.5-shaped hybrid bf16, prompt 128, gen 128" | tee -a $R
+  python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $H \
+    --streams ${HYBRID_STREAMS:-1,8,32,64} --gen-tokens 128 2>&1 | tail -12 | tee -a $R
 fi
 if has kvq; then
   for bits in 8 4; do
