@@ -67,13 +67,19 @@ pub struct MemoryPlan {
     pub step_attention: u64,
     pub step_logits: u64,
     pub step_gather: u64,
+    /// Recurrent layers' state the step reads, writes and journals (hybrids).
+    pub step_recurrent: u64,
     /// MLX's buffer-cache cap; `None` when left to MLX (unbounded by the plan).
     pub cache_limit: Option<u64>,
 }
 
 impl MemoryPlan {
     pub fn step(&self) -> u64 {
-        self.step_activations + self.step_attention + self.step_logits + self.step_gather
+        self.step_activations
+            + self.step_attention
+            + self.step_logits
+            + self.step_gather
+            + self.step_recurrent
     }
 
     /// Everything MLX may hold at once under the plan; `None` when the cache
@@ -129,6 +135,7 @@ pub fn step_shape(
         // context: at most one per token of the step, and max_rows.
         gathered_rows: (max_rows as u64).min(tokens),
         gather_bytes_per_token: runner.kv().gather_bytes_per_token(),
+        rows: max_rows as u64,
     }
 }
 
@@ -176,6 +183,7 @@ pub fn plan(
         step_attention: step.attention,
         step_logits: step.logits,
         step_gather: step.gather,
+        step_recurrent: step.recurrent,
         cache_limit,
     })
 }
@@ -197,7 +205,7 @@ pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
         cache_limit_bytes = plan.cache_limit,
         total_bytes = plan.total(),
         warm_up_peak_bytes = warm_up_peak,
-        "memory plan: weights {} + KV pool {} + adapters {} + largest step {} (activations {}, attention scores {}, logits {}, gathered K/V {}) + MLX buffer cache {} = {total}; the warm-up peaked at {}",
+        "memory plan: weights {} + KV pool {} + adapters {} + largest step {} (activations {}, attention scores {}, logits {}, gathered K/V {}, recurrent state {}) + MLX buffer cache {} = {total}; the warm-up peaked at {}",
         mib(plan.weights),
         mib(plan.kv),
         mib(plan.adapters),
@@ -206,6 +214,7 @@ pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
         mib(plan.step_attention),
         mib(plan.step_logits),
         mib(plan.step_gather),
+        mib(plan.step_recurrent),
         plan.cache_limit.map_or_else(|| "uncapped".to_string(), mib),
         warm_up_peak.map_or_else(|| "?".to_string(), mib),
     );

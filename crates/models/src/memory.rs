@@ -51,6 +51,10 @@ pub fn set_cache_limit(bytes: u64) -> Result<u64> {
 /// intermediates as the next layer runs, so at most one layer's are live).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepMemory {
+    /// Recurrent layers (hybrid models): every row's state before the step,
+    /// kept as the step's undo journal until it commits, and per layer the
+    /// gathered state, the new one and the recurrence's intermediates.
+    pub recurrent: u64,
     /// One layer's hidden states, projections and MLP intermediates for every
     /// token of the step.
     pub activations: u64,
@@ -67,7 +71,7 @@ pub struct StepMemory {
 
 impl StepMemory {
     pub fn total(&self) -> u64 {
-        self.activations + self.attention + self.logits + self.gather
+        self.activations + self.attention + self.logits + self.gather + self.recurrent
     }
 }
 
@@ -89,6 +93,8 @@ pub struct StepShape {
     /// (K and V, with a quantized pool's packed parts before dequantizing).
     pub gathered_rows: u64,
     pub gather_bytes_per_token: u64,
+    /// Rows the step may hold (each with its recurrent state, in a hybrid).
+    pub rows: u64,
 }
 
 /// Upper bound of a step's allocations for `config` at `shape`.
@@ -123,10 +129,82 @@ pub fn step_memory(config: &ModelConfig, shape: StepShape) -> StepMemory {
         .gathered_rows
         .saturating_mul(shape.context)
         .saturating_mul(shape.gather_bytes_per_token);
+    // Per recurrent layer and row: the convolution's inputs (activation
+    // dtype) and the f32 matrices. The journal holds every recurrent layer's
+    // old rows to the step's end; one layer at a time holds its gathered
+    // state, its new one and a few of the recurrence's per-token states.
+    let recurrent = match config.recurrent_state() {
+        Some(r) => {
+            let layers = config.recurrent_layers.iter().filter(|&&x| x).count() as u64;
+            let per_layer = (r.conv_keep.max(0) as u64)
+                .saturating_mul(r.conv_dim.max(0) as u64)
+                .saturating_mul(shape.act_bytes)
+                + r.matrix
+                    .iter()
+                    .map(|&d| d.max(0) as u64)
+                    .product::<u64>()
+                    .saturating_mul(4);
+            shape
+                .rows
+                .saturating_mul(per_layer)
+                .saturating_mul(layers + 5)
+        }
+        None => 0,
+    };
     StepMemory {
         activations,
         attention,
         logits,
         gather,
+        recurrent,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(rows: u64) -> StepShape {
+        StepShape {
+            tokens: 256,
+            sampled: rows,
+            context: 1024,
+            act_bytes: 2,
+            chunked: true,
+            gathered_rows: 0,
+            gather_bytes_per_token: 0,
+            rows,
+        }
+    }
+
+    /// A hybrid's step counts every row's recurrent state: the journal of all
+    /// recurrent layers plus one layer's working copies; an attention-only
+    /// model's step counts none.
+    #[test]
+    fn recurrent_state_is_counted_per_row_and_layer() {
+        let hybrid = ModelConfig::parse(
+            r#"{"model_type": "qwen3_5", "hidden_size": 128, "num_hidden_layers": 4,
+                "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 32, "rms_norm_eps": 1e-6, "vocab_size": 512,
+                "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                "linear_conv_kernel_dim": 4, "full_attention_interval": 2}"#,
+        )
+        .expect("config");
+        // Conv: 3 x (2 * 2 * 32 + 4 * 32) bf16; matrices: 4 x 32 x 32 f32.
+        let per_layer = 3 * 256 * 2 + 4 * 32 * 32 * 4;
+        let m = step_memory(&hybrid, shape(8));
+        assert_eq!(m.recurrent, 8 * per_layer * (2 + 5));
+        assert_eq!(
+            m.total(),
+            m.activations + m.attention + m.logits + m.recurrent
+        );
+        let llama = ModelConfig::parse(
+            r#"{"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2,
+                "intermediate_size": 256, "num_attention_heads": 4, "rms_norm_eps": 1e-5,
+                "vocab_size": 512}"#,
+        )
+        .expect("config");
+        assert_eq!(step_memory(&llama, shape(8)).recurrent, 0);
     }
 }
