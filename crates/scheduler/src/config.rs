@@ -91,6 +91,13 @@ pub struct SchedulerConfig {
     /// it (on top of `decode_prefill_tokens`). Off by default here; `weft serve`
     /// defaults to [`ItlTarget::auto`].
     pub itl_target: ItlTarget,
+    /// Latency isolation between tenants: while more than one tenant has had
+    /// requests in the engine within this window, a step without decoding rows
+    /// is held to `itl_target` too, so a tenant arriving during another's burst
+    /// of prompts waits for one bounded step, not for a whole batch of prompts.
+    /// With one tenant active, such steps prefill as much as the token budget
+    /// allows (nobody waits on them). Zero turns it off.
+    pub isolation_window: Duration,
     /// Speculative decoding: the most draft tokens (from prompt lookup, see
     /// `draft.rs`) a decoding row verifies per step. Only greedy requests without
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
@@ -159,6 +166,7 @@ impl Default for SchedulerConfig {
             prefill_chunk: 512,
             decode_prefill_tokens: None,
             itl_target: ItlTarget::Off,
+            isolation_window: Duration::from_secs(5),
             speculate: 0,
             speculate_step_tokens: 8,
             max_waiting: 4096,

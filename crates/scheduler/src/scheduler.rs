@@ -163,6 +163,8 @@ struct Tenant {
     /// Prefix-cache domain: unique per tenant (from its index, which is never reused),
     /// so one tenant never hits another's blocks.
     salt: Salt,
+    /// The last step planned while the tenant had requests running or queued.
+    last_active: Option<Instant>,
 }
 
 struct Req {
@@ -961,6 +963,7 @@ impl<M: Model> Scheduler<M> {
             max_running: self.cfg.limits(name).max_running,
             label,
             salt: Salt(i as u64 + 1),
+            last_active: None,
         });
         self.tenant_ix.insert(name.to_string(), i);
         i
@@ -1215,6 +1218,11 @@ impl<M: Model> Scheduler<M> {
     }
 
     fn plan(&mut self, now: Instant) -> Plan {
+        for t in &mut self.tenants {
+            if t.running > 0 || !t.queue.is_empty() {
+                t.last_active = Some(now);
+            }
+        }
         if self.probation.is_empty() {
             if let Some(k) = self.room_victim() {
                 debug!(request = k.0, "preempting a row for a tenant holding none");
@@ -1453,10 +1461,12 @@ impl<M: Model> Scheduler<M> {
     /// with an inter-token latency target and decoding rows, every prefill chunk
     /// added is sized by the learned step cost to keep the step predicted within the
     /// target, at its own depth; the first chunk gets at least a block's worth, so
-    /// prompts always advance. Without decoding rows nobody waits on the step: no cap.
-    fn time_fit(&self, rows: &[Planned]) -> TimeFit {
+    /// prompts always advance. Without decoding rows nobody waits on the step — unless
+    /// another tenant was active lately ([`SchedulerConfig::isolation_window`]): its
+    /// next request would wait for the whole step.
+    fn time_fit(&self, rows: &[Planned], now: Instant) -> TimeFit {
         let shape = shape_of(rows);
-        let target = if rows.is_empty() {
+        let target = if rows.is_empty() && !self.tenants_share(now) {
             None
         } else {
             match self.cfg.itl_target {
@@ -1474,6 +1484,20 @@ impl<M: Model> Scheduler<M> {
             prefilled: false,
             full: false,
         }
+    }
+
+    /// Whether more than one tenant had requests in the engine within the
+    /// isolation window.
+    fn tenants_share(&self, now: Instant) -> bool {
+        let w = self.cfg.isolation_window;
+        if w.is_zero() {
+            return false;
+        }
+        self.tenants
+            .iter()
+            .filter(|t| t.last_active.is_some_and(|a| now.duration_since(a) <= w))
+            .nth(1)
+            .is_some()
     }
 
     /// Where a request of tenant `t` at `priority` stands for a step's prefill:
@@ -1552,7 +1576,7 @@ impl<M: Model> Scheduler<M> {
         free: &mut Blocks,
         joiners: bool,
     ) -> TimeFit {
-        let mut fit = self.time_fit(rows);
+        let mut fit = self.time_fit(rows, now);
         self.plan_prefills(now, xs, rows, budget, free, &mut fit, joiners);
         fit
     }

@@ -29,6 +29,8 @@ pub const DEFAULT_CPU_DECODE_PREFILL_TOKENS: usize = 512;
 /// while an 8-row step verifying drafts costs ~1.6x a plain one).
 pub const DEFAULT_SPECULATE: usize = 4;
 pub const DEFAULT_SPECULATE_STEP_TOKENS: usize = 8;
+/// `--isolation-window-ms` unless set: see `SchedulerConfig::isolation_window`.
+pub const DEFAULT_ISOLATION_WINDOW_MS: u64 = 5000;
 
 /// Serve the weft.v1 gRPC API, health, reflection and Prometheus metrics
 ///
@@ -131,6 +133,13 @@ pub struct ServeArgs {
     /// 20 ms on a GPU; "off": token budgets only [default: auto].
     #[arg(long, env = "WEFT_ITL_TARGET_MS", value_name = "MS|auto|off", value_parser = parse_itl_target)]
     pub itl_target_ms: Option<ItlSetting>,
+    /// Latency isolation between tenants: while more than one tenant has had
+    /// requests in the engine within this many milliseconds, steps with no
+    /// decoding rows (a burst of prompts) are held to the ITL target too, so
+    /// another tenant's next request waits for one bounded step. 0 turns it
+    /// off [default: 5000].
+    #[arg(long, env = "WEFT_ISOLATION_WINDOW_MS", value_name = "MS")]
+    pub isolation_window_ms: Option<u64>,
     /// Speculative decoding by prompt lookup: the most draft tokens a greedy
     /// request verifies per step (drafts are what followed the latest earlier
     /// occurrence of its last tokens; output is unchanged). 0 turns it off
@@ -217,6 +226,7 @@ struct FileConfig {
     prefill_chunk: Option<usize>,
     decode_prefill_tokens: Option<usize>,
     itl_target_ms: Option<ItlSetting>,
+    isolation_window_ms: Option<u64>,
     speculate: Option<usize>,
     speculate_step_tokens: Option<usize>,
     kv_blocks: Option<usize>,
@@ -411,6 +421,7 @@ pub struct Settings {
     pub prefill_chunk: usize,
     pub decode_prefill_tokens: Option<usize>,
     pub itl_target: weft_scheduler::ItlTarget,
+    pub isolation_window: Duration,
     pub speculate: usize,
     pub speculate_step_tokens: usize,
     pub kv_size: KvSize,
@@ -558,6 +569,11 @@ impl Settings {
             prefill_chunk: args.prefill_chunk.or(file.prefill_chunk).unwrap_or(512),
             decode_prefill_tokens,
             itl_target,
+            isolation_window: Duration::from_millis(
+                args.isolation_window_ms
+                    .or(file.isolation_window_ms)
+                    .unwrap_or(DEFAULT_ISOLATION_WINDOW_MS),
+            ),
             speculate: args
                 .speculate
                 .or(file.speculate)
@@ -710,6 +726,7 @@ impl Settings {
             prefill_chunk: self.prefill_chunk,
             decode_prefill_tokens: self.decode_prefill_tokens,
             itl_target: self.itl_target,
+            isolation_window: self.isolation_window,
             speculate: self.speculate,
             speculate_step_tokens: self.speculate_step_tokens,
             max_waiting: self.max_waiting,
@@ -822,6 +839,23 @@ mod tests {
             (3, 4),
             "flag beats file"
         );
+    }
+
+    #[test]
+    fn isolation_window_flag_and_file() {
+        let c = Settings::resolve(args("")).unwrap().scheduler_config();
+        assert_eq!(c.isolation_window, Duration::from_secs(5), "5 s by default");
+        let c = Settings::resolve(args("--isolation-window-ms 0"))
+            .unwrap()
+            .scheduler_config();
+        assert!(c.isolation_window.is_zero(), "0 turns it off");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("weft.toml");
+        std::fs::write(&p, "isolation_window_ms = 1500\n").unwrap();
+        let c = Settings::resolve(args(&format!("--config {}", p.display())))
+            .unwrap()
+            .scheduler_config();
+        assert_eq!(c.isolation_window, Duration::from_millis(1500));
     }
 
     #[test]
