@@ -27,7 +27,8 @@
 #           and columns per warp GEMV_COLS (1,2,4; WEFT_GEMV_COLS sets the engine's);
 #           GEMV_SWEEP="0 8": the engine again with WEFT_GEMV_MAX_ROWS at each value (0 = off);
 #           long: weft bench-engine --scenario long-prompts (issue 17 item 1);
-#           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase);
+#           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase), once per
+#           --isolation-window-ms in MIX_WINDOWS (default "5000 0": the window on, then off);
 #           soak: weft bench --scenario soak for SOAK_DURATION (default 300s);
 #           constrained: benches/constrained.sh on the 1.2B model (C_STREAMS, default 32);
 #           lora: LoRA throughput (issue 18 item 5) at LORA_STREAMS (default 64), prompt 128, gen 128:
@@ -291,14 +292,19 @@ sys.exit(1)
 PY
 }
 if has mix; then
-  echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16" | tee -a $R
-  /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off > $O/weft-mix.log 2>&1 &
+  # MIX_WINDOWS: --isolation-window-ms values to run one after the other (default: 5000 0,
+  # the isolation window on, then off).
+  for win in ${MIX_WINDOWS:-5000 0}; do
+  echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16, --isolation-window-ms $win" | tee -a $R
+  /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off \
+    --isolation-window-ms $win > $O/weft-mix-$win.log 2>&1 &
   P=$!
   up http://127.0.0.1:50563/metrics
-  for _ in $(seq 240); do grep -q "ready: serving" $O/weft-mix.log && break; sleep 0.5; done
+  for _ in $(seq 240); do grep -q "ready: serving" $O/weft-mix-$win.log && break; sleep 0.5; done
   /root/weft bench --scenario tenant-mix --target grpc://127.0.0.1:50561 --tenant flood:flood-key --tenant light:light-key \
-    --flood-streams ${MIX_FLOOD:-48} --phase-duration ${MIX_PHASE:-30s} --warmup 8 --quiet --json $O/mix.json 2>&1 | tee -a $R
+    --flood-streams ${MIX_FLOOD:-48} --phase-duration ${MIX_PHASE:-30s} --warmup 8 --quiet --json $O/mix-$win.json 2>&1 | tee -a $R
   kill -TERM $P; wait $P || true
+  done
 fi
 if has soak; then
   echo "== soak: weft bench --scenario soak for ${SOAK_DURATION:-300s}, 1.2B bf16, 32 workers, two tenants" | tee -a $R
