@@ -17,6 +17,7 @@
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{fast, ops, Array, Dtype};
 
+use crate::causal_conv::{softplus, CausalConv, Padding};
 use crate::error::{ModelError, Result};
 use crate::linear::{Linear, WeightPolicy};
 use crate::weights::Weights;
@@ -61,8 +62,7 @@ pub struct GatedDeltaNet {
     in_z: Linear,
     in_b: Linear,
     in_a: Linear,
-    /// Depthwise taps `[conv_dim, kernel]`.
-    conv: Array,
+    conv: CausalConv,
     dt_bias: Array,
     /// `-exp(A_log)` per value head, f32.
     neg_a: Array,
@@ -90,15 +90,7 @@ impl GatedDeltaNet {
             Linear::load(w, &path, q, policy)
         };
         let dt = policy.dtype;
-        let conv = w.take(&format!("{prefix}.conv1d.weight"))?;
-        let cs = conv.shape().to_vec();
-        if cs != [shape.conv_dim(), shape.kernel, 1] {
-            return Err(ModelError::Invalid(format!(
-                "{prefix}.conv1d.weight is {cs:?}, expected [{}, {}, 1]",
-                shape.conv_dim(),
-                shape.kernel
-            )));
-        }
+        let conv = CausalConv::load(w, prefix, shape.conv_dim(), shape.kernel, false, dt)?;
         let a_log = w
             .take(&format!("{prefix}.A_log"))?
             .as_dtype(Dtype::Float32)?;
@@ -107,9 +99,7 @@ impl GatedDeltaNet {
             in_z: lin(w, "in_proj_z")?,
             in_b: lin(w, "in_proj_b")?,
             in_a: lin(w, "in_proj_a")?,
-            conv: conv
-                .reshape(&[shape.conv_dim(), shape.kernel])?
-                .as_dtype(dt)?,
+            conv,
             dt_bias: w.take(&format!("{prefix}.dt_bias"))?.as_dtype(dt)?,
             neg_a: ops::negative(&ops::exp(&a_log)?)?,
             norm: w.take(&format!("{prefix}.norm.weight"))?.as_dtype(dt)?,
@@ -126,7 +116,9 @@ impl GatedDeltaNet {
 
     /// The other weights, for load-time evaluation.
     pub fn arrays(&self) -> Vec<&Array> {
-        vec![&self.conv, &self.dt_bias, &self.neg_a, &self.norm]
+        let mut v = self.conv.arrays();
+        v.extend([&self.dt_bias, &self.neg_a, &self.norm]);
+        v
     }
 
     /// The layer over `x` `[B, T, hidden]` from `state` (its two components,
@@ -158,47 +150,14 @@ impl GatedDeltaNet {
         let sp = softplus(&ops::add(&a, &self.dt_bias)?.as_dtype(Dtype::Float32)?)?;
         let mut g = ops::exp(&ops::multiply(&self.neg_a, &sp)?)?;
         // Padding: decay 1 and write strength 0 leave the state exactly as is.
-        let ends = match last {
-            Some(l) => {
-                let l = l.reshape(&[b, 1])?;
-                let valid = ops::le(&ops::arange::<_, i32>(0, t, 1)?.reshape(&[1, t])?, &l)?
-                    .reshape(&[b, t, 1])?;
-                g = ops::select(&valid, &g, &ops::ones_like(&g)?)?;
-                beta = ops::select(&valid, &beta, &ops::zeros_like(&beta)?)?;
-                Some(ops::add(&l, Array::from_int(1))?)
-            }
-            None => None,
-        };
-
-        // The causal depthwise convolution over the state's inputs and these.
-        let conv = if conv.dtype() == qkv.dtype() {
-            conv.clone()
-        } else {
-            conv.as_dtype(qkv.dtype())?
-        };
-        let inputs = ops::concatenate(&[&conv, &qkv], 1)?;
-        let keep = s.kernel - 1;
-        let total = keep + t;
-        let conv_state = match &ends {
-            // Each row's last `keep` inputs end at its last real token.
-            Some(e) => {
-                let at = ops::add(e, &ops::arange::<_, i32>(0, keep, 1)?.reshape(&[1, keep])?)?
-                    .reshape(&[b, keep, 1])?;
-                inputs.take_along_axis(&at, 1)?
-            }
-            None => inputs.try_index((.., total - keep.., ..))?,
-        };
-        let mut acc: Option<Array> = None;
-        for j in 0..s.kernel {
-            let tap = self.conv.try_index((.., j))?;
-            let term = ops::multiply(&inputs.try_index((.., j..j + t, ..))?, &tap)?;
-            acc = Some(match acc {
-                Some(a) => ops::add(&a, &term)?,
-                None => term,
-            });
+        let pad = last.map(|l| Padding::new(l, t)).transpose()?;
+        if let Some(p) = &pad {
+            g = p.mask(&g, 1.0)?;
+            beta = p.mask(&beta, 0.0)?;
         }
-        let conv_out = acc.ok_or_else(|| ModelError::Invalid("empty convolution".into()))?;
-        let conv_out = ops::multiply(&conv_out, &ops::sigmoid(&conv_out)?)?;
+        let (conv_out, conv_state) =
+            self.conv
+                .forward(&qkv, conv, pad.as_ref().map(|p| &p.ends))?;
 
         let kd = s.k_heads * s.k_dim;
         let q = conv_out
@@ -264,9 +223,4 @@ impl GatedDeltaNet {
             .forward(&o.reshape(&[b, t, s.v_heads * s.v_dim])?)?;
         Ok((out, vec![conv_state, rec]))
     }
-}
-
-/// `log(1 + exp(x))`, as MLX's `nn.softplus` (`logaddexp(x, 0)`).
-fn softplus(x: &Array) -> Result<Array> {
-    Ok(ops::logaddexp(x, Array::from_f32(0.0))?)
 }

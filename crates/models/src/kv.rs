@@ -233,18 +233,10 @@ impl RecurrentLayers {
         }
         let shape = shape
             .ok_or_else(|| ModelError::Invalid("recurrent layers without a state shape".into()))?;
-        if flags.len() > 128 {
-            return Err(ModelError::Invalid(format!(
-                "recurrent models of {} layers are not supported (at most 128)",
-                flags.len()
-            )));
-        }
-        let layers = flags
-            .iter()
-            .enumerate()
-            .filter(|(_, &f)| f)
-            .fold(0u128, |m, (i, _)| m | (1u128 << i));
-        Ok(Some(Self { layers, shape }))
+        Ok(Some(Self {
+            layers: layer_bits(flags, "recurrent")?,
+            shape,
+        }))
     }
 
     pub fn is_recurrent(&self, layer: usize) -> bool {
@@ -295,6 +287,22 @@ pub fn kv_dtype_label(dtype: Dtype, quant: Option<AffineQuant>) -> String {
     }
 }
 
+/// Per-layer flags as a bit set (bit `i`: layer `i`); `kind` names the
+/// layers for the error of a model of more than 128.
+pub fn layer_bits(flags: &[bool], kind: &str) -> Result<u128> {
+    if flags.len() > 128 {
+        return Err(ModelError::Invalid(format!(
+            "{kind} models of {} layers are not supported (at most 128)",
+            flags.len()
+        )));
+    }
+    Ok(flags
+        .iter()
+        .enumerate()
+        .filter(|(_, &f)| f)
+        .fold(0u128, |m, (i, _)| m | (1u128 << i)))
+}
+
 /// Which layers attend over a sliding window, and its length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlidingLayers {
@@ -310,18 +318,10 @@ impl SlidingLayers {
         if !flags.iter().any(|&f| f) {
             return Ok(None);
         }
-        if flags.len() > 128 {
-            return Err(ModelError::Invalid(format!(
-                "sliding-window models of {} layers are not supported (at most 128)",
-                flags.len()
-            )));
-        }
-        let layers = flags
-            .iter()
-            .enumerate()
-            .filter(|(_, &f)| f)
-            .fold(0u128, |m, (i, _)| m | (1u128 << i));
-        Ok(Some(Self { window, layers }))
+        Ok(Some(Self {
+            window,
+            layers: layer_bits(flags, "sliding-window")?,
+        }))
     }
 
     pub fn slides(&self, layer: usize) -> bool {

@@ -3,6 +3,7 @@
 //! Everything here runs on the engine thread: MLX arrays never cross threads.
 
 pub mod adapter;
+pub mod causal_conv;
 pub mod compiled_decode;
 pub mod composed_attention;
 pub mod config;

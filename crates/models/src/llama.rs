@@ -330,6 +330,9 @@ pub struct LlamaModel {
     sliding: Option<kv::SlidingLayers>,
     /// The recurrent layers, for the KV layout's state slots.
     recurrent: Option<kv::RecurrentLayers>,
+    /// Layers with neither K/V nor state (Nemotron-H's MLP blocks), as
+    /// `KvShape::stateless`.
+    stateless: u128,
     /// `[1]` f32 RMSNorm epsilon for the fused kernels.
     eps: Array,
     /// Whether one-token steps may run the fused decode kernels.
@@ -558,6 +561,7 @@ impl LlamaModel {
             None => None,
         };
         let mut model = Self {
+            stateless: kv::layer_bits(&config.mlp_layers, "block")?,
             recurrent: kv::RecurrentLayers::from_flags(
                 config.recurrent_state(),
                 &config.recurrent_layers,
@@ -680,13 +684,7 @@ impl LlamaModel {
             sliding: self.sliding,
             quant: None,
             recurrent: self.recurrent,
-            stateless: self
-                .config
-                .mlp_layers
-                .iter()
-                .enumerate()
-                .filter(|&(i, &m)| m && i < 128)
-                .fold(0u128, |acc, (i, _)| acc | (1u128 << i)),
+            stateless: self.stateless,
         }
     }
 

@@ -17,6 +17,7 @@
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{fast, ops, Array, Dtype};
 
+use crate::causal_conv::{softplus, CausalConv, Padding};
 use crate::error::{ModelError, Result};
 use crate::linear::{Linear, WeightPolicy};
 use crate::weights::Weights;
@@ -62,9 +63,7 @@ impl Mamba2Shape {
 pub struct Mamba2 {
     shape: Mamba2Shape,
     in_proj: Linear,
-    /// Depthwise taps `[conv_dim, kernel]`.
-    conv: Array,
-    conv_bias: Option<Array>,
+    conv: CausalConv,
     dt_bias: Array,
     /// `-exp(A_log)` per head, f32.
     neg_a: Array,
@@ -95,27 +94,13 @@ impl Mamba2 {
             Linear::load(w, &path, q, policy)
         };
         let dt = policy.dtype;
-        let conv = w.take(&format!("{prefix}.conv1d.weight"))?;
-        let cs = conv.shape().to_vec();
-        if cs != [shape.conv_dim(), shape.kernel, 1] {
-            return Err(ModelError::Invalid(format!(
-                "{prefix}.conv1d.weight is {cs:?}, expected [{}, {}, 1]",
-                shape.conv_dim(),
-                shape.kernel
-            )));
-        }
+        let conv = CausalConv::load(w, prefix, shape.conv_dim(), shape.kernel, true, dt)?;
         let a_log = w
             .take(&format!("{prefix}.A_log"))?
             .as_dtype(Dtype::Float32)?;
         Ok(Self {
             in_proj: lin(w, "in_proj")?,
-            conv: conv
-                .reshape(&[shape.conv_dim(), shape.kernel])?
-                .as_dtype(dt)?,
-            conv_bias: w
-                .take_opt(&format!("{prefix}.conv1d.bias"))
-                .map(|b| b.as_dtype(dt))
-                .transpose()?,
+            conv,
             dt_bias: w.take(&format!("{prefix}.dt_bias"))?.as_dtype(dt)?,
             neg_a: ops::negative(&ops::exp(&a_log)?)?,
             d: w.take(&format!("{prefix}.D"))?.as_dtype(dt)?,
@@ -134,8 +119,8 @@ impl Mamba2 {
 
     /// The other weights, for load-time evaluation.
     pub fn arrays(&self) -> Vec<&Array> {
-        let mut v = vec![&self.conv, &self.dt_bias, &self.neg_a, &self.d, &self.norm];
-        v.extend(self.conv_bias.iter());
+        let mut v = self.conv.arrays();
+        v.extend([&self.dt_bias, &self.neg_a, &self.d, &self.norm]);
         v
     }
 
@@ -165,10 +150,7 @@ impl Mamba2 {
         let gate = proj.try_index((.., .., 0..inner))?;
         let conv_in = proj.try_index((.., .., inner..inner + s.conv_dim()))?;
         let dt_raw = proj.try_index((.., .., inner + s.conv_dim()..))?;
-        let dt = ops::logaddexp(
-            &ops::add(&dt_raw, &self.dt_bias)?.as_dtype(Dtype::Float32)?,
-            Array::from_f32(0.0),
-        )?;
+        let dt = softplus(&ops::add(&dt_raw, &self.dt_bias)?.as_dtype(Dtype::Float32)?)?;
         let mut dt = ops::clip(
             &dt,
             (
@@ -176,47 +158,14 @@ impl Mamba2 {
                 Array::from_f32(self.dt_limit.1),
             ),
         )?;
-        let ends = match last {
-            Some(l) => {
-                let l = l.reshape(&[b, 1])?;
-                let valid = ops::le(&ops::arange::<_, i32>(0, t, 1)?.reshape(&[1, t])?, &l)?
-                    .reshape(&[b, t, 1])?;
-                dt = ops::select(&valid, &dt, &ops::zeros_like(&dt)?)?;
-                Some(ops::add(&l, Array::from_int(1))?)
-            }
-            None => None,
-        };
-
-        // The causal depthwise convolution over the state's inputs and these.
-        let conv = if conv.dtype() == conv_in.dtype() {
-            conv.clone()
-        } else {
-            conv.as_dtype(conv_in.dtype())?
-        };
-        let inputs = ops::concatenate(&[&conv, &conv_in], 1)?;
-        let keep = s.kernel - 1;
-        let conv_state = match &ends {
-            Some(e) => {
-                let at = ops::add(e, &ops::arange::<_, i32>(0, keep, 1)?.reshape(&[1, keep])?)?
-                    .reshape(&[b, keep, 1])?;
-                inputs.take_along_axis(&at, 1)?
-            }
-            None => inputs.try_index((.., t.., ..))?,
-        };
-        let mut acc: Option<Array> = None;
-        for j in 0..s.kernel {
-            let tap = self.conv.try_index((.., j))?;
-            let term = ops::multiply(&inputs.try_index((.., j..j + t, ..))?, &tap)?;
-            acc = Some(match acc {
-                Some(a) => ops::add(&a, &term)?,
-                None => term,
-            });
+        // Padding: dt = 0 leaves the state exactly as is.
+        let pad = last.map(|l| Padding::new(l, t)).transpose()?;
+        if let Some(p) = &pad {
+            dt = p.mask(&dt, 0.0)?;
         }
-        let mut conv_out = acc.ok_or_else(|| ModelError::Invalid("empty convolution".into()))?;
-        if let Some(bias) = &self.conv_bias {
-            conv_out = ops::add(&conv_out, bias)?;
-        }
-        let conv_out = ops::multiply(&conv_out, &ops::sigmoid(&conv_out)?)?;
+        let (conv_out, conv_state) =
+            self.conv
+                .forward(&conv_in, conv, pad.as_ref().map(|p| &p.ends))?;
         let gs = s.groups * s.state;
         let xh = conv_out
             .try_index((.., .., 0..inner))?
