@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -31,14 +30,6 @@ fn enabled() -> bool {
         eprintln!("skipped: WEFT_GEMMA3_TESTS=off");
     }
     !off
-}
-
-fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .expect("workspace root")
-        .to_path_buf()
 }
 
 /// A prompt of `n` numbered notes (~20 tokens each) and a question.
@@ -125,9 +116,7 @@ fn oracle(
         serde_json::json!({ "max_tokens": NEW_TOKENS, "prompts": prompts }).to_string(),
     )
     .expect("write requests");
-    let python = std::env::var_os("WEFT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
+    let python = oracle_python();
     let out = Command::new(&python)
         .arg(workspace_root().join("tests/oracle/mlx_lm_oracle.py"))
         .args(["run", "--model"])

@@ -25,22 +25,8 @@ const NEW_TOKENS: u32 = 12;
 const NEAR_TIE: f64 = 1e-3;
 const SLOTS: u32 = 4;
 
-fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .expect("workspace root")
-        .to_path_buf()
-}
-
-fn python() -> PathBuf {
-    std::env::var_os("WEFT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
-}
-
 fn oracle(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(python())
+    let out = Command::new(oracle_python())
         .arg(workspace_root().join("tests/oracle/mlx_lm_oracle.py"))
         .args(args)
         .output()

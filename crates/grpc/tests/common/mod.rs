@@ -421,3 +421,22 @@ pub fn retry_after_ms(s: &Status) -> u64 {
 pub fn reason(f: &pb::Finished) -> pb::FinishReason {
     pb::FinishReason::try_from(f.reason).unwrap()
 }
+
+/// The workspace's root directory.
+#[allow(dead_code)]
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// The Python with mlx-lm the oracle runs in (`WEFT_PYTHON`, else the
+/// workspace's `.venv`).
+#[allow(dead_code)]
+pub fn oracle_python() -> PathBuf {
+    std::env::var_os("WEFT_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
+}
