@@ -97,7 +97,11 @@ if adapter:
     print(f"mlx-lm: adapter {adapter} loaded by {loader}", file=sys.stderr)
 if not native:
     model.set_dtype(mx.float32)
-vocab = model.args.vocab_size
+# Multimodal configs (Qwen3.5's) keep the text model's vocabulary in text_config.
+args = model.args
+vocab = getattr(args, "vocab_size", None) or (getattr(args, "text_config", None) or {}).get("vocab_size")
+if vocab is None:
+    vocab = model.language_model.args.vocab_size
 prompts = [[100 + ((s * 7919 + i * 104729) % (vocab - 200)) for i in range(p)] for s in range(n)]
 def run(prompts, g):
     gen = BatchGenerator(model, completion_batch_size=max(n, 1), prefill_batch_size=min(max(n, 1), 8),

@@ -46,8 +46,8 @@
 #           LP_FILTER= runs all, ~2 min each), the oracle on the CPU;
 #           kvq: quantized KV (issue 15 item 3): paged_attention_check with KV_BITS=8 and 4 (the
 #           kernel's quantized read vs gather + dequantize + SDPA), then weft bench-engine at
-#           KVQ_STREAMS (default 128), prompt 128, gen 128: bf16 KV, --kv-bits 8 and 4 gathered,
-#           and --kv-bits 8 and 4 with WEFT_KV_QUANT_KERNEL=1 (the paged kernel reads them);
+#           KVQ_STREAMS (default 128), prompt 128, gen 128: bf16 KV, --kv-bits 8 and 4 (the paged
+#           kernel reads them, the default), and --kv-bits 8 and 4 gathered (WEFT_KV_QUANT_KERNEL=0);
 #           hybrid: a random Qwen3.5-0.8B-shaped hybrid (benches/make_model.py --arch qwen3_5,
 #           bf16, the default model's vocabulary) made at /root/q35: Weft's engine vs mlx-lm's
 #           BatchGenerator at HYBRID_STREAMS (default 1,8,32,64), prompt 128, gen 128 (issue 15
@@ -273,7 +273,7 @@ if has kvq; then
   for bits in 8 4; do
     KQ_ARGS="--kv-bits $bits"
     kq WEFT_X=0
-    kq WEFT_KV_QUANT_KERNEL=1
+    kq WEFT_KV_QUANT_KERNEL=0
   done
   KQ_ARGS=""
 fi

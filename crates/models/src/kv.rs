@@ -416,10 +416,13 @@ pub fn free_device_memory() -> Result<u64> {
     Ok(limit.saturating_sub(active + cache) as u64)
 }
 
-/// `WEFT_KV_QUANT_KERNEL=1`: decode over quantized pools reads them in place
-/// with the paged kernel instead of gathering and dequantizing them.
-fn quant_kernel_opted_in() -> bool {
-    std::env::var("WEFT_KV_QUANT_KERNEL").is_ok_and(|v| v == "1")
+/// Decode over quantized pools reads them in place with the paged kernel
+/// (checked against gather + dequantize + SDPA on the H200: within 7.8e-3 at
+/// 4 and 8 bits; 3.1-3.4x the gathered path's throughput at 128 rows,
+/// benches/RESULTS.md); `WEFT_KV_QUANT_KERNEL=0` gathers and dequantizes
+/// instead.
+fn quant_kernel_enabled() -> bool {
+    std::env::var("WEFT_KV_QUANT_KERNEL").map_or(true, |v| v != "0")
 }
 
 /// One forward's attention mode (see the module docs).
@@ -588,11 +591,10 @@ impl PagedKv {
             layer_group,
             layer_index,
             // The kernel keeps 8 elements of a head per lane: head_dim 64,
-            // 128 or 256; other shapes attend by gather + SDPA. Quantized
-            // pools too, unless `WEFT_KV_QUANT_KERNEL=1` (the kernel's
-            // quantized read is not yet checked on a GPU).
+            // 128 or 256; other shapes attend by gather + SDPA, and so do
+            // quantized pools with `WEFT_KV_QUANT_KERNEL=0`.
             kernel: if gpu_kernel
-                && (shape.quant.is_none() || quant_kernel_opted_in())
+                && (shape.quant.is_none() || quant_kernel_enabled())
                 && matches!(shape.head_dim, 64 | 128 | 256)
             {
                 Some(std::rc::Rc::new(PagedAttention::new()?))
