@@ -37,6 +37,8 @@
 #           no adapter and with /root/lora8/adapter-1 on every row (load_adapters: mlx-lm serving
 #           one adapter at a time); prints Weft 8 adapters / none (target >= 0.8x) and
 #           Weft 8 adapters / mlx-lm one adapter;
+#           lorastep: decode_timing (pipelined, compiled, census) at LORA_STREAMS rows with 8 random
+#           rank-16 adapters vs none, twice each: the step's host time and primitives;
 #           lorasweep: Weft alone at LORA_STREAMS, no adapters then 8 under each of LORA_VARIANTS
 #           (env settings; default: as is, MLX_MAX_MB_PER_BUFFER=1000000, WEFT_LORA_LAYOUT=gathered),
 #           ~30 s each;
@@ -155,6 +157,13 @@ if has decode; then
   done
   echo "== runner decode step, 128 rows, host sampling" | tee -a $R
   SAMPLE=host /root/decode_timing $M 128 128 40 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+fi
+if has lorastep; then
+  # The decode step's host time and primitives with 8 mixed adapters vs none (issue 18 item 5).
+  for a in 0 8 0 8; do
+    echo "== runner decode step, ${LORA_STREAMS:-64} rows, pipelined, compiled, ADAPTERS=$a (rank 16, all projections)" | tee -a $R
+    ADAPTERS=$a CENSUS=1 PIPELINE=1 /root/decode_timing $M ${LORA_STREAMS:-64} 128 60 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+  done
 fi
 if has engine; then
   echo "== engine vs mlx-lm BatchGenerator, 1.2B bf16, prompt 128, gen 128" | tee -a $R

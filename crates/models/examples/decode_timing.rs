@@ -14,11 +14,16 @@
 //! pool's `begin_next`). Each step's graph build and evaluation wait are
 //! reported apart. `CENSUS=1` prints the primitives of the second decode
 //! step's graph (one dispatch each); `DTYPE=bf16|f16|f32` overrides the
-//! device's default dtype.
+//! device's default dtype; `ADAPTERS=n` (`ADAPTER_RANK=r`, default 16) gives
+//! the runner a pool of n random LoRA adapters on all seven projections and
+//! spreads the rows over them round-robin (the step cost of mixed adapters).
 use std::time::Instant;
 
 use weft_kv_pool::{KvPool, OwnerId, Salt, SeqId, SeqSpec};
-use weft_models::{load, BatchRunner, KvMemory, Lanes, LoadOptions, RowBlocks, RowStep, SampleRow};
+use weft_models::{
+    load, write_random_mlx_lm, AdapterFiles, AdapterId, AdapterPoolConfig, BatchRunner, KvMemory,
+    Lanes, LoadOptions, RandomAdapter, RowBlocks, RowStep, SampleRow, Target,
+};
 
 fn env_num(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -66,6 +71,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
     )?
     .model;
+    let config = m.config.clone();
     let per_row = (p + 8 + (steps + 1) * dt).div_ceil(16) + 1;
     // POOL_BLOCKS: a larger pool than the rows need (a step's cost must not grow with it).
     let blocks = env_num("POOL_BLOCKS", b * per_row + 16);
@@ -79,6 +85,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         runner.kv().bytes() as f64 / (1 << 20) as f64,
         runner.kv().uses_kernel()
     );
+    // Random adapters, written to a temporary directory and loaded now.
+    let n_adapters = env_num("ADAPTERS", 0);
+    let adapter_of = |r: usize| (n_adapters > 0).then(|| AdapterId(1 + (r % n_adapters) as u64));
+    if n_adapters > 0 {
+        let rank = env_num("ADAPTER_RANK", 16);
+        let tmp = tempfile::tempdir()?;
+        runner.set_adapter_pool(Some(AdapterPoolConfig::new(n_adapters, rank)))?;
+        for i in 0..n_adapters {
+            let dir = tmp.path().join(format!("adapter-{i}"));
+            let spec = RandomAdapter {
+                rank,
+                targets: Target::ALL.to_vec(),
+                scale: 2.0,
+                seed: i as u64 + 1,
+                bf16: true,
+            };
+            write_random_mlx_lm(&dir, &config, &spec)?;
+            runner.register_adapter(AdapterId(1 + i as u64), AdapterFiles::read(&dir)?)?;
+        }
+        let ids: Vec<AdapterId> = (1..=n_adapters as u64).map(AdapterId).collect();
+        runner.preload_adapters(&ids)?;
+        println!("{n_adapters} random adapters of rank {rank}, rows round-robin");
+    }
     let mut pool = KvPool::new(runner.kv_groups().clone().hash_key(1))?;
     let seqs: Vec<SeqId> = (0..b)
         .map(|_| pool.allocate(SeqSpec::new(OwnerId(0)).salted(Salt(1))))
@@ -93,6 +122,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .collect(),
                 start_pos: 0,
                 want_logits: true,
+                adapter: adapter_of(r),
                 ..Default::default()
             }
         })
@@ -109,7 +139,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let host_sampling = std::env::var("SAMPLE").is_ok_and(|v| v == "host");
     let census = std::env::var("CENSUS").is_ok_and(|v| v == "1");
     if std::env::var("PIPELINE").is_ok_and(|v| v == "1") {
-        return pipelined(&mut runner, &mut pool, &seqs, steps, census);
+        return pipelined(&mut runner, &mut pool, &seqs, steps, census, &adapter_of);
     }
     let mut live: Vec<usize> = (0..b).collect();
     let mut times = vec![];
@@ -128,6 +158,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     start_pos: start,
                     want_logits: true,
                     draft: dt - 1,
+                    adapter: adapter_of(r),
                     ..Default::default()
                 }
             })
@@ -198,6 +229,7 @@ fn pipelined(
     seqs: &[SeqId],
     steps: usize,
     census: bool,
+    adapter_of: &dyn Fn(usize) -> Option<AdapterId>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let b = seqs.len();
     let greedy: Vec<SampleRow> = (0..b).map(|_| SampleRow::default()).collect();
@@ -219,6 +251,7 @@ fn pipelined(
                 start_pos: start,
                 want_logits: true,
                 blocks: vec![blocks],
+                adapter: adapter_of(r),
                 ..Default::default()
             });
         }
