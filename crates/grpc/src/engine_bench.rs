@@ -96,6 +96,10 @@ pub struct EngineBenchArgs {
     pub adapter_dtype: AdapterDtype,
     #[command(flatten)]
     pub kv_quant: crate::server::config::KvQuantArgs,
+    /// Bytes of freed buffers MLX keeps for reuse, as `weft serve
+    /// --mlx-cache-limit` (auto: one full decode step; off: MLX's default).
+    #[arg(long, value_name = "BYTES|auto|off", default_value = "auto")]
+    pub mlx_cache_limit: crate::memory_plan::CacheLimit,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -289,7 +293,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             block_size: 16,
             memory: weft_models::KvMemory::Blocks(u32::try_from(blocks)?),
             max_batch_rows: args.streams,
-            cache_limit: crate::memory_plan::CacheLimit::Auto,
+            cache_limit: args.mlx_cache_limit,
             quant: args.kv_quant.quant()?,
         },
         Default::default(),
