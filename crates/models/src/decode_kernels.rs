@@ -79,6 +79,46 @@ const ADD_NORM_SOURCE: &str = r#"
     }
 "#;
 
+/// The epilogue of [`ADD_NORM_SOURCE`] that also computes the next
+/// projection's LoRA shrink of the row's normed input (`WEFT_LORA_SHRINK=fused`):
+/// `sz` `[N, SQ * SS * SR]` in the dense stack `sa` `[H, SQ * SS * SR]`'s
+/// (part, slot, rank) column order, only the row's own slot's block written
+/// (the consumer's [`lora_prelude`] reads no other; slot 0 rows write
+/// nothing). Thread `t` sums the rank column `t % SR` over every `G`-th
+/// input element (`G = blockDim / SR`), so a half-warp reads 16 contiguous
+/// values of a stack row; the `G` partial sums meet in shared memory.
+const ADD_NORM_SHRINK_SOURCE: &str = r#"
+    __syncthreads();
+    const int s_slot = (int)sslots[row / (N / sslots_shape[0])];
+    if (s_slot != 0) {
+        __shared__ float sred[1024];
+        const int G = blockDim.x / SR;
+        const int t = threadIdx.x;
+        const int r = t % SR;
+        const int g = t / SR;
+        constexpr int W = SQ * SS * SR;
+        for (int p = 0; p < SQ; ++p) {
+            const int col = (p * SS + s_slot) * SR + r;
+            float acc = 0.f;
+            if (g < G) {
+                for (int k = g; k < H; k += G) {
+                    acc += static_cast<float>(normed[base + k]) * static_cast<float>(sa[(size_t)k * W + col]);
+                }
+            }
+            sred[t] = acc;
+            __syncthreads();
+            if (t < SR) {
+                float v = 0.f;
+                for (int q = 0; q < G; ++q) {
+                    v += sred[q * SR + t];
+                }
+                sz[(size_t)row * W + col] = static_cast<DT>(v);
+            }
+            __syncthreads();
+        }
+    }
+"#;
+
 /// RoPE of the query and key heads of a fused `[B, (HQ + 2 KVH) * HD]`
 /// projection (MLX's non-traditional layout: element `i` pairs with
 /// `i + HD / 2`), the value heads copied: one thread per (row, head, pair).
@@ -221,6 +261,13 @@ impl Consumer {
 
     /// The kernel with `parts` adapted parts of its projection (0: none).
     pub fn source(self, parts: usize) -> KernelSource {
+        self.source_with_shrink(parts, 0)
+    }
+
+    /// [`Self::source`], the add-norm kernel also computing the next
+    /// projection's LoRA shrink over `shrink` parts (0: none;
+    /// [`ADD_NORM_SHRINK_SOURCE`]).
+    pub fn source_with_shrink(self, parts: usize, shrink: usize) -> KernelSource {
         let (name, inputs, outputs, body): (_, &[&str], _, _) = match self {
             Self::AddNorm => (
                 "weft_add_rms_norm",
@@ -244,11 +291,21 @@ impl Consumer {
             inputs.extend((0..parts).map(|k| format!("lb{k}")));
             format!("{name}_lora{parts}")
         };
+        let mut outputs = outputs;
+        let mut source = lora_prelude(parts) + body;
+        let name = if shrink > 0 && self == Self::AddNorm {
+            inputs.extend(["sa".into(), "sslots".into()]);
+            outputs.push("sz");
+            source.push_str(ADD_NORM_SHRINK_SOURCE);
+            format!("{name}_shrink{shrink}")
+        } else {
+            name
+        };
         KernelSource {
             name,
             inputs,
             outputs,
-            source: lora_prelude(parts) + body,
+            source,
         }
     }
 
@@ -337,6 +394,9 @@ const THREADS: i32 = 256;
 pub struct DecodeKernels {
     /// Each by the adapted parts of the projection it reads (0: none).
     add_norm: Vec<Kernel>,
+    /// `add_norm` with the next projection's LoRA shrink: by its parts
+    /// (1 ..= [`LORA_MAX_PARTS`]), then as `add_norm`.
+    add_norm_shrink: Vec<Vec<Kernel>>,
     rope_qkv: Vec<Kernel>,
     silu_mul: Vec<Kernel>,
     gemv: Gemv,
@@ -355,6 +415,9 @@ impl DecodeKernels {
     pub fn new() -> Result<Self> {
         Ok(Self {
             add_norm: variants(Consumer::AddNorm)?,
+            add_norm_shrink: (1..=LORA_MAX_PARTS)
+                .map(|q| shrink_variants(q))
+                .collect::<Result<_>>()?,
             rope_qkv: variants(Consumer::RopeQkv)?,
             silu_mul: variants(Consumer::SiluMul)?,
             gemv: Gemv::new()?,
@@ -412,7 +475,10 @@ impl DecodeKernels {
     }
 
     /// `(h + a, rms_norm(h + a) * w)` for `h`, `a` `[N, H]` and `w` `[H]`
-    /// (`eps` `[1]` f32), `a` plus its adapters' delta where `lora` says.
+    /// (`eps` `[1]` f32), `a` plus its adapters' delta where `lora` says;
+    /// with `shrink` also the next projection's LoRA shrink of the normed
+    /// rows (the `z` its consumer's [`lora_prelude`] reads; only each row's
+    /// own slot's block is written).
     pub(crate) fn add_rms_norm(
         &self,
         h: &Array,
@@ -420,7 +486,8 @@ impl DecodeKernels {
         w: &Array,
         eps: &Array,
         lora: Option<&LoraIn>,
-    ) -> Result<(Array, Array)> {
+        shrink: Option<&ShrinkIn>,
+    ) -> Result<(Array, Array, Option<Array>)> {
         let s = h.shape();
         if s.len() != 2 || a.shape() != s || w.shape() != [s[1]] || h.dtype() != a.dtype() {
             return Err(ModelError::Invalid(format!(
@@ -432,20 +499,64 @@ impl DecodeKernels {
             )));
         }
         let dt = h.dtype();
+        let Some(sh) = shrink else {
+            let mut out = launch(
+                &self.add_norm,
+                vec![h, a, w, eps],
+                lora,
+                (s[0], s[1]),
+                &[(s, dt), (s, dt)],
+                (s[0] * THREADS, 1),
+                &[],
+                &[],
+            )?;
+            let normed = out.pop();
+            return match (out.pop(), normed) {
+                (Some(sum), Some(normed)) => Ok((sum, normed, None)),
+                _ => Err(ModelError::Invalid(
+                    "add_rms_norm: expected 2 outputs".into(),
+                )),
+            };
+        };
+        let width = sh.parts * sh.slots_n * sh.rank;
+        let rows = sh.slots.dim(0);
+        if sh.parts < 1
+            || sh.parts as usize > LORA_MAX_PARTS
+            || sh.rank < 1
+            || sh.rank > THREADS
+            || sh.a.shape() != [s[1], width]
+            || sh.a.dtype() != dt
+            || sh.slots.dtype() != Dtype::Uint32
+            || rows == 0
+            || s[0] % rows != 0
+        {
+            return Err(ModelError::Invalid(format!(
+                "add_rms_norm: LoRA shrink a {:?} {:?} for {} parts x {} slots x rank {}, slots {:?}, rows {s:?} {dt:?}",
+                sh.a.shape(),
+                sh.a.dtype(),
+                sh.parts,
+                sh.slots_n,
+                sh.rank,
+                sh.slots.shape()
+            )));
+        }
+        let kernels = &self.add_norm_shrink[sh.parts as usize - 1];
         let mut out = launch(
-            &self.add_norm,
+            kernels,
             vec![h, a, w, eps],
             lora,
             (s[0], s[1]),
-            &[(s, dt), (s, dt)],
+            &[(s, dt), (s, dt), (&[s[0], width], dt)],
             (s[0] * THREADS, 1),
-            &[],
+            &[("SQ", sh.parts), ("SS", sh.slots_n), ("SR", sh.rank)],
+            &[&sh.a, &sh.slots],
         )?;
+        let z = out.pop();
         let normed = out.pop();
-        match (out.pop(), normed) {
-            (Some(sum), Some(normed)) => Ok((sum, normed)),
+        match (out.pop(), normed, z) {
+            (Some(sum), Some(normed), Some(z)) => Ok((sum, normed, Some(z))),
             _ => Err(ModelError::Invalid(
-                "add_rms_norm: expected 2 outputs".into(),
+                "add_rms_norm: expected 3 outputs".into(),
             )),
         }
     }
@@ -490,6 +601,7 @@ impl DecodeKernels {
             &[(&q, dt), (&kv, dt), (&kv, dt)],
             (grid, 1),
             &[("HQ", heads.q), ("KVH", heads.kv), ("HD", heads.dim)],
+            &[],
         )?;
         let [q, k, v]: [Array; 3] = out
             .try_into()
@@ -515,6 +627,7 @@ impl DecodeKernels {
             &[(&[n, f], dt)],
             (grid, 1),
             &[],
+            &[],
         )?;
         out.pop()
             .ok_or_else(|| ModelError::Invalid("silu_mul: no output".into()))
@@ -532,9 +645,33 @@ fn variants(c: Consumer) -> Result<Vec<Kernel>> {
         .collect()
 }
 
+/// The add-norm kernel's variants with a shrink of `shrink` parts, by the
+/// adapted parts of the projection it reads (0 ..= 1).
+fn shrink_variants(shrink: usize) -> Result<Vec<Kernel>> {
+    (0..=Consumer::AddNorm.max_parts())
+        .map(|p| {
+            let k = Consumer::AddNorm.source_with_shrink(p, shrink);
+            let ins: Vec<&str> = k.inputs.iter().map(String::as_str).collect();
+            Kernel::new(&k.name, &ins, &k.outputs, &k.source)
+        })
+        .collect()
+}
+
+/// The next projection's LoRA shrink, computed by the add-norm kernel that
+/// makes its input: `a` `[H, parts * slots_n * rank]` the dense stack of
+/// `A`s (in the rows' dtype), `slots` `[B]` uint32 each row's slot.
+pub struct ShrinkIn {
+    pub a: Array,
+    pub slots: Array,
+    pub parts: i32,
+    pub slots_n: i32,
+    pub rank: i32,
+}
+
 /// Launches the variant of `kernels` for `lora`'s parts (none without it)
-/// over `inputs` and `lora`'s inputs; `y` (rows, columns) is the shape of
-/// the projection output the kernel reads.
+/// over `inputs`, `lora`'s inputs and then `extra`; `y` (rows, columns) is
+/// the shape of the projection output the kernel reads.
+#[allow(clippy::too_many_arguments)]
 fn launch<'a>(
     kernels: &[Kernel],
     mut inputs: Vec<&'a Array>,
@@ -543,6 +680,7 @@ fn launch<'a>(
     outputs: &[(&[i32], Dtype)],
     grid: (i32, i32),
     ints: &[(&str, i32)],
+    extra: &[&'a Array],
 ) -> Result<Vec<Array>> {
     let dt = inputs[0].dtype();
     let mut ints: Vec<(String, i32)> = ints.iter().map(|&(k, v)| (k.to_string(), v)).collect();
@@ -553,6 +691,7 @@ fn launch<'a>(
         }
         None => 0,
     };
+    inputs.extend_from_slice(extra);
     let kernel = kernels.get(parts).ok_or_else(|| {
         ModelError::Invalid(format!("no fused decode kernel for {parts} adapted parts"))
     })?;
