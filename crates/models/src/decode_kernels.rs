@@ -416,7 +416,7 @@ impl DecodeKernels {
         Ok(Self {
             add_norm: variants(Consumer::AddNorm)?,
             add_norm_shrink: (1..=LORA_MAX_PARTS)
-                .map(|q| shrink_variants(q))
+                .map(shrink_variants)
                 .collect::<Result<_>>()?,
             rope_qkv: variants(Consumer::RopeQkv)?,
             silu_mul: variants(Consumer::SiluMul)?,
