@@ -40,7 +40,8 @@
 #           cache: bench-engine at CACHE_STREAMS (64) with --mlx-cache-limit in CACHE_LIMITS ("auto off
 #           auto off"), no adapters and 8 rank-16 adapters each;
 #           lorastep: decode_timing (pipelined, compiled, census) at LORA_STREAMS rows with 8 random
-#           rank-16 adapters vs none, twice each: the step's host time and primitives;
+#           rank-16 adapters vs none, twice each: the step's host time and primitives (LORASTEP_RUNS,
+#           default "0 8 8f 0 8 8f"; 8f: WEFT_LORA_SHRINK=fused);
 #           lorasweep: Weft alone at LORA_STREAMS, no adapters then 8 under each of LORA_VARIANTS
 #           (env settings; default: as is, MLX_MAX_MB_PER_BUFFER=1000000, WEFT_LORA_LAYOUT=gathered),
 #           ~30 s each;
@@ -175,9 +176,12 @@ if has cache; then
 fi
 if has lorastep; then
   # The decode step's host time and primitives with 8 mixed adapters vs none (issue 18 item 5).
-  for a in 0 8 0 8; do
+  # 8f: 8 adapters with WEFT_LORA_SHRINK=fused (the add-norm kernels compute the QKV and gate/up shrinks).
+  for a in ${LORASTEP_RUNS:-0 8 8f 0 8 8f}; do
     echo "== runner decode step, ${LORA_STREAMS:-64} rows, pipelined, compiled, ADAPTERS=$a (rank 16, all projections)" | tee -a $R
-    ADAPTERS=$a CENSUS=1 PIPELINE=1 /root/decode_timing $M ${LORA_STREAMS:-64} 128 60 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+    sh=matmul; [[ $a == *f ]] && sh=fused
+    WEFT_LORA_SHRINK=$sh ADAPTERS=${a%f} CENSUS=1 PIPELINE=1 /root/decode_timing $M ${LORA_STREAMS:-64} 128 60 2>&1 \
+      | grep -v '^KV\|^prefill' | tee -a $R
   done
 fi
 if has engine; then
