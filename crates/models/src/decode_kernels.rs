@@ -79,45 +79,51 @@ const ADD_NORM_SOURCE: &str = r#"
     }
 "#;
 
-/// The epilogue of [`ADD_NORM_SOURCE`] that also computes the next
-/// projection's LoRA shrink of the row's normed input (`WEFT_LORA_SHRINK=fused`):
-/// `sz` `[N, SQ * SS * SR]` in the dense stack `sa` `[H, SQ * SS * SR]`'s
+/// The epilogue of the add-norm and (row-wise) SwiGLU kernels that also
+/// computes the next projection's LoRA shrink of the row they wrote
+/// (`WEFT_LORA_SHRINK=fused`): `src` `[N, len]` is that row's output, `sz`
+/// `[N, SQ * SS * SR]` in the dense stack `sa` `[len, SQ * SS * SR]`'s
 /// (part, slot, rank) column order, only the row's own slot's block written
 /// (the consumer's [`lora_prelude`] reads no other; slot 0 rows write
 /// nothing). Thread `t` sums the rank column `t % SR` over every `G`-th
 /// input element (`G = blockDim / SR`), so a half-warp reads 16 contiguous
-/// values of a stack row; the `G` partial sums meet in shared memory.
-const ADD_NORM_SHRINK_SOURCE: &str = r#"
+/// values of a stack row; the `G` partial sums meet in shared memory. The
+/// kernel's block is one row (`row`, `base = row * len`).
+fn shrink_epilogue(src: &str, len: &str) -> String {
+    format!(
+        r#"
     __syncthreads();
     const int s_slot = (int)sslots[row / (N / sslots_shape[0])];
-    if (s_slot != 0) {
+    if (s_slot != 0) {{
         __shared__ float sred[1024];
         const int G = blockDim.x / SR;
         const int t = threadIdx.x;
         const int r = t % SR;
         const int g = t / SR;
         constexpr int W = SQ * SS * SR;
-        for (int p = 0; p < SQ; ++p) {
+        for (int p = 0; p < SQ; ++p) {{
             const int col = (p * SS + s_slot) * SR + r;
             float acc = 0.f;
-            if (g < G) {
-                for (int k = g; k < H; k += G) {
-                    acc += static_cast<float>(normed[base + k]) * static_cast<float>(sa[(size_t)k * W + col]);
-                }
-            }
+            if (g < G) {{
+                for (int k = g; k < {len}; k += G) {{
+                    acc += static_cast<float>({src}[base + k]) * static_cast<float>(sa[(size_t)k * W + col]);
+                }}
+            }}
             sred[t] = acc;
             __syncthreads();
-            if (t < SR) {
+            if (t < SR) {{
                 float v = 0.f;
-                for (int q = 0; q < G; ++q) {
+                for (int q = 0; q < G; ++q) {{
                     v += sred[q * SR + t];
-                }
+                }}
                 sz[(size_t)row * W + col] = static_cast<DT>(v);
-            }
+            }}
             __syncthreads();
-        }
-    }
-"#;
+        }}
+    }}
+"#
+    )
+}
 
 /// RoPE of the query and key heads of a fused `[B, (HQ + 2 KVH) * HD]`
 /// projection (MLX's non-traditional layout: element `i` pairs with
@@ -175,6 +181,25 @@ const SILU_MUL_SOURCE: &str = r#"
     const DT sig = static_cast<DT>(1.f / (1.f + expf(-g)));
     const DT gs = static_cast<DT>(g * static_cast<float>(sig));
     out[idx] = static_cast<DT>(static_cast<float>(gs) * u);
+"#;
+
+/// [`SILU_MUL_SOURCE`] one thread block per row, for the variant that also
+/// computes the down projection's LoRA shrink ([`shrink_epilogue`]).
+const SILU_MUL_ROW_SOURCE: &str = r#"
+    const int N = gu_shape[0];
+    const int F = gu_shape[1] / 2;
+    const int row = blockIdx.x;
+    if (row >= N) {
+        return;
+    }
+    const size_t base = (size_t)row * F;
+    for (int j = threadIdx.x; j < F; j += blockDim.x) {
+        const float g = ld(gu[base * 2 + j], row, j);
+        const float u = ld(gu[base * 2 + F + j], row, F + j);
+        const DT sig = static_cast<DT>(1.f / (1.f + expf(-g)));
+        const DT gs = static_cast<DT>(g * static_cast<float>(sig));
+        out[base + j] = static_cast<DT>(static_cast<float>(gs) * u);
+    }
 "#;
 
 /// The adapted parts (up to three) of one fused projection.
@@ -264,9 +289,9 @@ impl Consumer {
         self.source_with_shrink(parts, 0)
     }
 
-    /// [`Self::source`], the add-norm kernel also computing the next
-    /// projection's LoRA shrink over `shrink` parts (0: none;
-    /// [`ADD_NORM_SHRINK_SOURCE`]).
+    /// [`Self::source`], the add-norm or SwiGLU kernel also computing the
+    /// next projection's LoRA shrink over `shrink` parts (0: none;
+    /// [`shrink_epilogue`]; the SwiGLU variant runs a block per row).
     pub fn source_with_shrink(self, parts: usize, shrink: usize) -> KernelSource {
         let (name, inputs, outputs, body): (_, &[&str], _, _) = match self {
             Self::AddNorm => (
@@ -292,13 +317,21 @@ impl Consumer {
             format!("{name}_lora{parts}")
         };
         let mut outputs = outputs;
-        let mut source = lora_prelude(parts) + body;
-        let name = if shrink > 0 && self == Self::AddNorm {
+        let shrink = if self == Self::RopeQkv { 0 } else { shrink };
+        let mut source = lora_prelude(parts);
+        let name = if shrink > 0 {
             inputs.extend(["sa".into(), "sslots".into()]);
             outputs.push("sz");
-            source.push_str(ADD_NORM_SHRINK_SOURCE);
+            if self == Self::AddNorm {
+                source.push_str(body);
+                source.push_str(&shrink_epilogue("normed", "H"));
+            } else {
+                source.push_str(SILU_MUL_ROW_SOURCE);
+                source.push_str(&shrink_epilogue("out", "F"));
+            }
             format!("{name}_shrink{shrink}")
         } else {
+            source.push_str(body);
             name
         };
         KernelSource {
@@ -397,6 +430,9 @@ pub struct DecodeKernels {
     /// `add_norm` with the next projection's LoRA shrink: by its parts
     /// (1 ..= [`LORA_MAX_PARTS`]), then as `add_norm`.
     add_norm_shrink: Vec<Vec<Kernel>>,
+    /// `silu_mul` a block per row with the down projection's (one part)
+    /// LoRA shrink, as `silu_mul`.
+    silu_mul_shrink: Vec<Kernel>,
     rope_qkv: Vec<Kernel>,
     silu_mul: Vec<Kernel>,
     gemv: Gemv,
@@ -416,8 +452,9 @@ impl DecodeKernels {
         Ok(Self {
             add_norm: variants(Consumer::AddNorm)?,
             add_norm_shrink: (1..=LORA_MAX_PARTS)
-                .map(shrink_variants)
+                .map(|q| shrink_variants(Consumer::AddNorm, q))
                 .collect::<Result<_>>()?,
+            silu_mul_shrink: shrink_variants(Consumer::SiluMul, 1)?,
             rope_qkv: variants(Consumer::RopeQkv)?,
             silu_mul: variants(Consumer::SiluMul)?,
             gemv: Gemv::new()?,
@@ -470,7 +507,7 @@ impl DecodeKernels {
                 };
                 Ok(mlx_rs::ops::add(r, &y)?)
             }
-            Post::SiluPair => self.silu_mul(&y, None),
+            Post::SiluPair => Ok(self.silu_mul(&y, None, None)?.0),
         }
     }
 
@@ -518,28 +555,7 @@ impl DecodeKernels {
                 )),
             };
         };
-        let width = sh.parts * sh.slots_n * sh.rank;
-        let rows = sh.slots.dim(0);
-        if sh.parts < 1
-            || sh.parts as usize > LORA_MAX_PARTS
-            || sh.rank < 1
-            || sh.rank > THREADS
-            || sh.a.shape() != [s[1], width]
-            || sh.a.dtype() != dt
-            || sh.slots.dtype() != Dtype::Uint32
-            || rows == 0
-            || s[0] % rows != 0
-        {
-            return Err(ModelError::Invalid(format!(
-                "add_rms_norm: LoRA shrink a {:?} {:?} for {} parts x {} slots x rank {}, slots {:?}, rows {s:?} {dt:?}",
-                sh.a.shape(),
-                sh.a.dtype(),
-                sh.parts,
-                sh.slots_n,
-                sh.rank,
-                sh.slots.shape()
-            )));
-        }
+        let width = sh.check("add_rms_norm", s[0], s[1], dt)?;
         let kernels = &self.add_norm_shrink[sh.parts as usize - 1];
         let mut out = launch(
             kernels,
@@ -611,26 +627,53 @@ impl DecodeKernels {
 
     /// `silu(g) * u` `[N, F]` of the fused gate/up projection `gu` `[N, 2F]`,
     /// plus its adapters' delta where `lora` says.
-    pub(crate) fn silu_mul(&self, gu: &Array, lora: Option<&LoraIn>) -> Result<Array> {
+    /// With `shrink`, also the down projection's LoRA shrink of the output
+    /// (as [`Self::add_rms_norm`]'s).
+    pub(crate) fn silu_mul(
+        &self,
+        gu: &Array,
+        lora: Option<&LoraIn>,
+        shrink: Option<&ShrinkIn>,
+    ) -> Result<(Array, Option<Array>)> {
         let s = gu.shape();
         if s.len() != 2 || s[1] % 2 != 0 {
             return Err(ModelError::Invalid(format!("silu_mul: gate/up {s:?}")));
         }
         let (n, f) = (s[0], s[1] / 2);
-        let grid = (n * f + THREADS - 1) / THREADS * THREADS;
         let dt = gu.dtype();
+        let Some(sh) = shrink else {
+            let grid = (n * f + THREADS - 1) / THREADS * THREADS;
+            let mut out = launch(
+                &self.silu_mul,
+                vec![gu],
+                lora,
+                (n, 2 * f),
+                &[(&[n, f], dt)],
+                (grid, 1),
+                &[],
+                &[],
+            )?;
+            let act = out
+                .pop()
+                .ok_or_else(|| ModelError::Invalid("silu_mul: no output".into()))?;
+            return Ok((act, None));
+        };
+        let width = sh.check("silu_mul", n, f, dt)?;
         let mut out = launch(
-            &self.silu_mul,
+            &self.silu_mul_shrink,
             vec![gu],
             lora,
             (n, 2 * f),
-            &[(&[n, f], dt)],
-            (grid, 1),
-            &[],
-            &[],
+            &[(&[n, f], dt), (&[n, width], dt)],
+            (n * THREADS, 1),
+            &[("SQ", sh.parts), ("SS", sh.slots_n), ("SR", sh.rank)],
+            &[&sh.a, &sh.slots],
         )?;
-        out.pop()
-            .ok_or_else(|| ModelError::Invalid("silu_mul: no output".into()))
+        let z = out.pop();
+        match (out.pop(), z) {
+            (Some(act), Some(z)) => Ok((act, Some(z))),
+            _ => Err(ModelError::Invalid("silu_mul: expected 2 outputs".into())),
+        }
     }
 }
 
@@ -645,12 +688,12 @@ fn variants(c: Consumer) -> Result<Vec<Kernel>> {
         .collect()
 }
 
-/// The add-norm kernel's variants with a shrink of `shrink` parts, by the
-/// adapted parts of the projection it reads (0 ..= 1).
-fn shrink_variants(shrink: usize) -> Result<Vec<Kernel>> {
-    (0..=Consumer::AddNorm.max_parts())
+/// The add-norm or SwiGLU kernel's variants with a shrink of `shrink`
+/// parts, by the adapted parts of the projection it reads.
+fn shrink_variants(c: Consumer, shrink: usize) -> Result<Vec<Kernel>> {
+    (0..=c.max_parts())
         .map(|p| {
-            let k = Consumer::AddNorm.source_with_shrink(p, shrink);
+            let k = c.source_with_shrink(p, shrink);
             let ins: Vec<&str> = k.inputs.iter().map(String::as_str).collect();
             Kernel::new(&k.name, &ins, &k.outputs, &k.source)
         })
@@ -666,6 +709,36 @@ pub struct ShrinkIn {
     pub parts: i32,
     pub slots_n: i32,
     pub rank: i32,
+}
+
+impl ShrinkIn {
+    /// Checks it against the `[n, len]` rows it shrinks (dtype `dt`);
+    /// returns the shrink's width (`parts * slots_n * rank`).
+    fn check(&self, what: &str, n: i32, len: i32, dt: Dtype) -> Result<i32> {
+        let width = self.parts * self.slots_n * self.rank;
+        let rows = self.slots.dim(0);
+        if self.parts < 1
+            || self.parts as usize > LORA_MAX_PARTS
+            || self.rank < 1
+            || self.rank > THREADS
+            || self.a.shape() != [len, width]
+            || self.a.dtype() != dt
+            || self.slots.dtype() != Dtype::Uint32
+            || rows == 0
+            || n % rows != 0
+        {
+            return Err(ModelError::Invalid(format!(
+                "{what}: LoRA shrink a {:?} {:?} for {} parts x {} slots x rank {}, slots {:?}, rows [{n}, {len}] {dt:?}",
+                self.a.shape(),
+                self.a.dtype(),
+                self.parts,
+                self.slots_n,
+                self.rank,
+                self.slots.shape()
+            )));
+        }
+        Ok(width)
+    }
 }
 
 /// Launches the variant of `kernels` for `lora`'s parts (none without it)

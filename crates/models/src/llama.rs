@@ -1064,14 +1064,15 @@ impl LlamaModel {
                 &[inter, inter],
                 nz,
             )?;
-            let act = k.silu_mul(&gu, l.as_ref())?;
+            let down_shrink = shrink_for(i, Group::Down, gu.dtype())?;
+            let (act, dz) = k.silu_mul(&gu, l.as_ref(), down_shrink.as_ref())?;
             let m = adapt(
                 k.linear(&mlp.down, &act)?,
                 i,
                 Group::Down,
                 &act,
                 &[c.hidden_size],
-                None,
+                dz,
             )?;
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
             let next_shrink = if i + 1 < self.layers.len() {

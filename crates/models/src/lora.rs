@@ -544,11 +544,13 @@ impl AdapterPool {
     }
 }
 
-/// `WEFT_LORA_SHRINK=fused`: on the GPU's fused decode layer, the add-norm
-/// kernel that makes the QKV and gate/up projections' input also computes
-/// their LoRA shrink (`crate::decode_kernels::ShrinkIn`): 43 fewer matmuls
-/// per step of a 22-layer model; otherwise (the default until its parity is
-/// checked on a GPU) each shrink is a matmul.
+/// `WEFT_LORA_SHRINK=fused`: on the GPU's fused decode layer, the kernels
+/// that make the QKV, gate/up and down projections' inputs (add-norm,
+/// SwiGLU) also compute their LoRA shrinks
+/// (`crate::decode_kernels::ShrinkIn`): 65 fewer matmuls per step of a
+/// 22-layer model (the first layer's QKV and every output projection keep
+/// theirs); otherwise (the default until its parity is checked on a GPU)
+/// each shrink is a matmul.
 pub(crate) fn fused_shrink() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("WEFT_LORA_SHRINK").is_ok_and(|v| v == "fused"))

@@ -85,8 +85,8 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
 /// (`decode_kernels::Consumer`: residual add + RMS norm, RoPE of the fused
 /// QKV, SwiGLU of the fused gate/up), plain and with the LoRA expand of one
 /// to all of the projection's parts read in (`decode_kernels::lora_prelude`),
-/// each dtype, ranks 16, 12 and 64; the add-norm kernel also with the
-/// next projection's LoRA shrink.
+/// each dtype, ranks 16, 12 and 64; the add-norm and SwiGLU kernels also
+/// with the next projection's LoRA shrink.
 #[test]
 fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
     use weft_models::decode_kernels::*;
@@ -100,8 +100,12 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
             Consumer::SiluMul => &[(0, 5632), (5632, 5632)],
         };
         // The add-norm kernel also with the next projection's LoRA shrink
-        // (1-3 parts).
-        let shrinks = if c == Consumer::AddNorm { 0..=3 } else { 0..=0 };
+        // (1-3 parts), the SwiGLU one with the down projection's (1).
+        let shrinks = match c {
+            Consumer::AddNorm => 0..=3,
+            Consumer::SiluMul => 0..=1,
+            Consumer::RopeQkv => 0..=0,
+        };
         for (parts, shrink) in
             (0..=c.max_parts()).flat_map(|p| shrinks.clone().map(move |q| (p, q)))
         {
