@@ -37,8 +37,9 @@
 #           no adapter and with /root/lora8/adapter-1 on every row (load_adapters: mlx-lm serving
 #           one adapter at a time); prints Weft 8 adapters / none (target >= 0.8x) and
 #           Weft 8 adapters / mlx-lm one adapter;
-#           cache: bench-engine at CACHE_STREAMS (64) with --mlx-cache-limit in CACHE_LIMITS ("auto off
-#           auto off"), no adapters and 8 rank-16 adapters each;
+#           cache: bench-engine at CACHE_STREAMS (64) with --mlx-cache-limit in CACHE_LIMITS ("40MiB auto
+#           off": one decode step's bound, the GPU's auto, MLX's default), no adapters and 8 rank-16
+#           adapters each;
 #           lorastep: decode_timing (pipelined, compiled, census) at LORA_STREAMS rows with 8 random
 #           rank-16 adapters vs none, twice each: the step's host time and primitives (LORASTEP_RUNS,
 #           default "0 8 8f 0 8 8f"; 8f: WEFT_LORA_SHRINK=fused);
@@ -165,7 +166,7 @@ if has cache; then
   # The engine's step with MLX's buffer cache capped at one decode step (auto) vs uncapped (off),
   # no adapters and 8 (CACHE_STREAMS rows, default 64; prompt 128, gen 128).
   echo "== bench-engine, --mlx-cache-limit auto vs off (steady tok/s, step ms, build ms, eval wait ms)" | tee -a $R
-  for cl in ${CACHE_LIMITS:-auto off auto off}; do
+  for cl in ${CACHE_LIMITS:-40MiB auto off}; do
     for ad in "" "--adapters 8 --adapter-rank 16"; do
       /root/weft bench-engine --model $M --streams ${CACHE_STREAMS:-64} --prompt-tokens 128 --gen-tokens 128 \
         --rounds 2 --mlx-cache-limit $cl $ad 2>/dev/null | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); \

@@ -18,12 +18,16 @@ pub const RESIDENT: &str = "weft_process_resident_memory_bytes";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
 #[serde(try_from = "String")]
 pub enum CacheLimit {
-    /// One full decode step's worth (every row decoding with its longest
-    /// draft; [`decode_shape`]): the steady steps reuse what the previous one
-    /// freed, and a prefill's larger buffers go back to the system allocator.
-    /// (Measured on the CPU: capped at the largest step's bound, the cache
-    /// filled to it with buffers of the many prefill shapes and RSS grew 59%
-    /// over a 90 s mixed run.)
+    /// What the steady decode steps free and allocate again (every row
+    /// decoding with its longest draft; [`decode_shape`]), so they reuse
+    /// buffers and a prefill's larger ones go back to the system allocator.
+    /// On the CPU one step's bound (MLX frees each layer's intermediates as
+    /// the next layer runs). On a GPU a step's buffers are all released when
+    /// the device completes it, and two steps are in flight (the pipelined
+    /// loop), so twice every layer's activations and the logits
+    /// ([`auto_cache_limit`]). (Measured on the CPU: capped at the largest
+    /// step's bound, the cache filled to it with buffers of the many prefill
+    /// shapes and RSS grew 59% over a 90 s mixed run.)
     Auto,
     Bytes(u64),
     /// MLX's own default (up to its memory limit: not bounded by the plan).
@@ -157,6 +161,25 @@ pub fn decode_shape(shape: StepShape, decode_gathers: bool) -> StepShape {
     }
 }
 
+/// [`CacheLimit::Auto`]'s bytes for the decode step bound `decode` of a
+/// model of `layers` layers: the bound itself on the CPU; on a GPU
+/// (`gpu`), where a step's intermediates live until the device completes
+/// it and the next step is built meanwhile, two steps of every layer's
+/// activations, logits, gathers and recurrent state. Below that, freed
+/// buffers go back to the device allocator every step and the next step
+/// allocates them again, a host cost per buffer on the step's critical path.
+pub fn auto_cache_limit(decode: StepMemory, layers: i32, gpu: bool) -> u64 {
+    if !gpu {
+        return decode.total();
+    }
+    let layers = u64::try_from(layers.max(1)).unwrap_or(1);
+    let step = decode
+        .activations
+        .saturating_mul(layers)
+        .saturating_add(decode.total() - decode.activations);
+    step.saturating_mul(2)
+}
+
 /// Plans memory once the runner holds its KV pool: `weights` is what the
 /// model took to load. Caps MLX's buffer cache as `limit` says (`decode`:
 /// the full decode step's bound, for [`CacheLimit::Auto`]).
@@ -168,7 +191,11 @@ pub fn plan(
     limit: CacheLimit,
 ) -> anyhow::Result<MemoryPlan> {
     let cache_limit = match limit {
-        CacheLimit::Auto => Some(decode.total()),
+        CacheLimit::Auto => Some(auto_cache_limit(
+            decode,
+            runner.model().config.num_layers,
+            weft_models::loader::cuda_available(),
+        )),
         CacheLimit::Bytes(b) => Some(b),
         CacheLimit::Off => None,
     };
@@ -332,5 +359,27 @@ impl PeakWatch {
         }
         self.last = self.last.max(m.peak);
         self.in_flight.pop_front();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_auto_cache_limit_holds_two_whole_decode_steps_on_a_gpu() {
+        let decode = StepMemory {
+            activations: 4_620_288,
+            logits: 37_748_736,
+            gather: 1000,
+            recurrent: 10,
+            attention: 0,
+        };
+        // CPU: one step's bound (one layer's intermediates live at a time).
+        assert_eq!(auto_cache_limit(decode, 22, false), decode.total());
+        // GPU: every layer's activations and the rest, for two steps in flight.
+        let step = 22 * 4_620_288 + 37_748_736 + 1000 + 10;
+        assert_eq!(auto_cache_limit(decode, 22, true), 2 * step);
+        assert!(auto_cache_limit(decode, 0, true) >= 2 * decode.total());
     }
 }

@@ -165,9 +165,10 @@ pub struct ServeArgs {
     pub kv_memory: Option<String>,
     #[command(flatten)]
     pub kv_quant: KvQuantArgs,
-    /// Freed buffers MLX keeps for reuse: a size, "auto" (one largest step's
-    /// bound, as the startup memory plan states it) or "off" (MLX's own
-    /// default, not bounded by the plan) [default: auto].
+    /// Freed buffers MLX keeps for reuse: a size, "auto" (what steady decode
+    /// steps reuse: one decode step's bound on the CPU, two whole steps on a
+    /// GPU; the startup memory plan states it) or "off" (MLX's own default,
+    /// not bounded by the plan) [default: auto].
     #[arg(long, env = "WEFT_MLX_CACHE_LIMIT", value_name = "BYTES|auto|off")]
     pub mlx_cache_limit: Option<CacheLimit>,
     /// max_tokens of requests that leave it 0 [default: 256].
