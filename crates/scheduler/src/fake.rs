@@ -95,6 +95,9 @@ pub struct FakeStepCost {
     pub per_decode_row: f64,
     pub per_prefill_token: f64,
     pub per_attention: f64,
+    /// Per context key a prefill chunk reads, whatever its length (a chunk gathers
+    /// its whole context out of the pool before attending).
+    pub per_context_key: f64,
     /// Each forward's cost times `1 + jitter * u`, `u` in [-1, 1) from a hash of the
     /// forward's number: a device shared with other work (0: none).
     pub jitter: f64,
@@ -115,7 +118,8 @@ impl FakeStepCost {
                 decode += self.per_decode_row;
             } else {
                 prefill += self.per_prefill_token * n as f64
-                    + self.per_attention * n as f64 * (r.start_pos as f64 + n as f64 / 2.0);
+                    + self.per_attention * n as f64 * (r.start_pos as f64 + n as f64 / 2.0)
+                    + self.per_context_key * r.start_pos as f64;
             }
         }
         let mixed = if batch.iter().any(|r| r.tokens.len() > 1) {

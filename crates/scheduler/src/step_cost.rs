@@ -7,7 +7,10 @@
 //! host overhead), decoding rows, their summed context (decode attention reads it),
 //! prefill tokens, the prefill's attention work `sum n * (start + n / 2)` over its
 //! chunks (each of a chunk's `n` queries attends its `start` earlier tokens and half
-//! the chunk on average), and whether the step prefills at all: the fixed cost of a
+//! the chunk on average), the keys the chunks read `sum start` (a chunk gathers its
+//! whole context out of the paged pool once, whatever its length: deep in a long
+//! prompt that read, not the chunk's own tokens, is most of a small chunk's cost),
+//! and whether the step prefills at all: the fixed cost of a
 //! step that is not a plain decode step (on a GPU plain decode steps run compiled and
 //! the others op by op, ~13 ms more per step at the 1.2B shape on an H200). The
 //! scheduler uses it to size the prefill of a step that also decodes rows so the step stays within an inter-token latency target
@@ -24,6 +27,8 @@ pub struct StepShape {
     pub prefill_tokens: usize,
     /// `sum n * (start + n / 2)` over the step's prefill chunks.
     pub prefill_attention: f64,
+    /// `sum start` over the step's prefill chunks: the context keys they read.
+    pub prefill_context: usize,
 }
 
 impl StepShape {
@@ -36,6 +41,7 @@ impl StepShape {
         } else {
             self.prefill_tokens += n;
             self.prefill_attention += n as f64 * (start as f64 + n as f64 / 2.0);
+            self.prefill_context += start;
         }
     }
 
@@ -48,12 +54,13 @@ impl StepShape {
             self.decode_context as f64 / 65536.0,
             self.prefill_tokens as f64 / 512.0,
             self.prefill_attention / (512.0 * 2048.0),
+            self.prefill_context as f64 / 65536.0,
             if self.prefill_tokens > 0 { 1.0 } else { 0.0 },
         ]
     }
 }
 
-const K: usize = 6;
+const K: usize = 7;
 /// Recent steps weigh more: an observation's weight halves after ~70 steps.
 const FORGET: f64 = 0.99;
 /// Steps observed before predictions are used.
@@ -174,8 +181,10 @@ impl StepCost {
         let cost = |n: usize| {
             let mut s = *base;
             if n > 0 {
+                // A prefill chunk even at one token (`add` would call it decoding).
                 s.prefill_tokens += n;
                 s.prefill_attention += n as f64 * (start as f64 + n as f64 / 2.0);
+                s.prefill_context += start;
             }
             self.predict(&s)
         };
@@ -295,6 +304,42 @@ mod tests {
         assert_eq!(c.prefill_within(&base, 0, 16, 2048, 1e-3), 16);
         // A generous target: the whole chunk.
         assert_eq!(c.prefill_within(&base, 0, 16, 512, 1.0), 512);
+    }
+
+    /// A device whose chunks read their whole context from the pool before attending
+    /// (a gather): 1 us per context key, whatever the chunk's length, so deep in a
+    /// prompt a small chunk costs mostly its read.
+    fn gathering(s: &StepShape) -> f64 {
+        truth(s) + 1e-6 * s.prefill_context as f64
+    }
+
+    #[test]
+    fn a_chunks_context_read_is_learned_apart_from_its_attention() {
+        let mut c = StepCost::new();
+        for i in 0..400 {
+            let s = shape(i);
+            c.observe(&s, gathering(&s));
+        }
+        let mut base = StepShape::default();
+        for r in 0..8 {
+            base.add(200 + r, 1);
+        }
+        // At depth 3000 the read alone is 3 ms: a 10 ms target leaves fewer tokens
+        // than at depth 0, and the chunk it gives fits.
+        let target = 10e-3;
+        for start in [0, 1000, 3000, 4000] {
+            let n = c.prefill_within(&base, start, 16, 2048, target);
+            let mut s = base;
+            s.add(start, n);
+            let t = gathering(&s);
+            assert!(t <= target * 1.05, "{n} tokens at {start}: {t}");
+            let mut more = base;
+            more.add(start, n + 32);
+            assert!(
+                gathering(&more) > target,
+                "{n} at {start} is not the most that fits"
+            );
+        }
     }
 
     #[test]
