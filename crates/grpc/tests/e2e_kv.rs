@@ -171,7 +171,9 @@ async fn a_long_and_many_short_requests_stay_inside_the_pool() {
     };
     let watch = async {
         let mut max_used: f64 = 0.0;
-        for _ in 0..600 {
+        // A hang guard, not a speed bound: a debug build on a loaded 2-core
+        // machine has taken over a minute.
+        for _ in 0..3000 {
             let text = s.metrics().await;
             let used = metric(&text, "weft_kv_blocks_used", &[]).unwrap_or(0.0);
             assert_eq!(pool_total(&text), total, "the pool never grows");
@@ -183,7 +185,7 @@ async fn a_long_and_many_short_requests_stay_inside_the_pool() {
     };
     let out = tokio::select! {
         out = done => out,
-        _ = watch => panic!("the burst did not finish in a minute"),
+        _ = watch => panic!("the burst did not finish in five minutes"),
     };
     let rss1 = rss_mib(s.pid());
     let text = s.metrics().await;

@@ -16,13 +16,16 @@
 //!
 //! * decode rows on a CUDA GPU: Weft's paged decode kernel reads K/V in place
 //!   through the block table ([`crate::paged_attention`]);
-//! * decode rows on the CPU (f32): the same in Rust over the evaluated pool
-//!   ([`crate::host_attention`]);
-//! * a prefill group whose rows all start at 0: causal attention over the
-//!   forward's own K/V (nothing older exists), while the pool is written for
-//!   later steps;
-//! * anything else (decode on the CPU, chunks continuing a row, rows after a
-//!   prefix hit): the rows' blocks gathered into a padded layout with a mask.
+//! * every row on the CPU with an f32 pool (decode, and prefill with the
+//!   CPU-tuned kernels): the same in Rust over the evaluated pool
+//!   ([`crate::host_attention`]); MLX's CPU ops took 5-10x its time to score
+//!   a prefill chunk (`chunk_attention_timing`);
+//! * a prefill group whose rows all start at 0, elsewhere: causal attention
+//!   over the forward's own K/V (nothing older exists), while the pool is
+//!   written for later steps;
+//! * anything else (chunks continuing a row on a GPU, quantized pools on the
+//!   CPU, sliding layers past a fresh start): the rows' blocks gathered into a
+//!   padded layout with a mask.
 //!
 //! A new layer kind (sliding window, SSM rows) is a new group and a new arm
 //! here; `BatchRunner` never sees it.
@@ -825,20 +828,20 @@ impl PagedKv {
         let starts: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
         let ntok: Vec<i32> = rows.iter().map(|r| r.2 as i32).collect();
         let b = rows.len() as i32;
+        let t = ntok.iter().copied().max().unwrap_or(1);
+        let host_reads = self.kernel.is_none()
+            && self.shape.dtype == Dtype::Float32
+            && self.shape.quant.is_none();
+        let fresh = rows.iter().all(|r| r.1 == 0);
         let mode = if decode && self.kernel.is_some() {
             Mode::Kernel
-        } else if decode
-            && self.kernel.is_none()
-            && self.shape.dtype == Dtype::Float32
-            && self.shape.quant.is_none()
-        {
+        } else if host_reads && (decode || self.kernels == Kernels::CpuTuned) {
             Mode::Host
-        } else if rows.iter().all(|r| r.1 == 0) {
+        } else if fresh {
             Mode::Fresh
         } else {
             Mode::Gather
         };
-        let t = ntok.iter().copied().max().unwrap_or(1);
         let kernel_inputs = if mode == Mode::Kernel {
             // The paged kernel reads full-attention tables (group 0 when the
             // model has full layers; sliding layers gather, see `attend`).
@@ -866,6 +869,7 @@ impl PagedKv {
             fresh_window_mask: None,
             layouts,
             mode,
+            fresh,
             t,
             kernel_inputs,
             slots: None,
@@ -906,6 +910,8 @@ pub struct KvStep<'a> {
     /// the window).
     fresh_window_mask: Option<Mask>,
     mode: Mode,
+    /// Every row starts at position 0 (nothing older in the pool).
+    fresh: bool,
     t: i32,
     kernel_inputs: Option<KernelInputs>,
     slots: Option<StepSlots>,
@@ -1143,9 +1149,11 @@ impl KvStep<'_> {
         let sliding = matches!(layout.kind(), AttentionKind::SlidingWindow { .. });
         let mut storage = self.kv.storage[g].borrow_mut();
         storage.write(li, layout, k, v).map_err(storage_err)?;
-        // The paged kernel and the host decode walk whole rows: sliding
-        // layers read their in-window blocks through the gathered layout.
+        // The paged kernel and the host attention walk whole rows: sliding
+        // layers read their in-window blocks through the gathered layout (or
+        // attend the forward's own K/V when every row starts fresh).
         let mode = match self.mode {
+            Mode::Host if sliding && self.fresh => Mode::Fresh,
             Mode::Kernel | Mode::Host if sliding => Mode::Gather,
             m => m,
         };
