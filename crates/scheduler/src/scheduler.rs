@@ -409,7 +409,7 @@ struct TimeFit {
     target: Option<f64>,
     /// The step so far.
     shape: StepShape,
-    /// Tokens the first chunk gets at least (a block).
+    /// Tokens the first chunk gets when none fits the target (a block).
     min: usize,
     prefilled: bool,
     /// A chunk was cut to fit: nothing more goes in.
@@ -1460,8 +1460,8 @@ impl<M: Model> Scheduler<M> {
     /// The time budget of a step whose decoding rows (and their drafts) are `rows`:
     /// with an inter-token latency target and decoding rows, every prefill chunk
     /// added is sized by the learned step cost to keep the step predicted within the
-    /// target, at its own depth; the first chunk gets at least a block's worth, so
-    /// prompts always advance. Without decoding rows nobody waits on the step — unless
+    /// target, at its own depth; the first chunk gets a block's worth when nothing
+    /// fits, so prompts always advance. Without decoding rows nobody waits on the step — unless
     /// another tenant was active lately ([`SchedulerConfig::isolation_window`]): its
     /// next request would wait for the whole step.
     fn time_fit(&self, rows: &[Planned], now: Instant) -> TimeFit {

@@ -163,8 +163,11 @@ impl StepCost {
 
     /// The most prefill tokens (up to `max`) a chunk starting after `start` committed
     /// tokens may add to `base` (the step's other rows) with the step predicted within
-    /// `target` seconds; at least `min` (prompts always advance), and `max` when
-    /// nothing is predicted yet. Never fewer than the chunk whose tokens cost as much
+    /// `target` seconds, however few (deep in a prompt even a block's worth may not
+    /// fit); when none fits, one token if the step's other rows fit alone (the
+    /// chunk's depth is what costs) and `min` if they do not (the target is tighter
+    /// than the decoding rows: prompts must still advance); `max` when nothing is
+    /// predicted yet. Never fewer than the chunk whose tokens cost as much
     /// as the step's [`prefill_overhead`](Self::prefill_overhead) (all of the step's
     /// chunks together, beside its decoding rows): a smaller one would
     /// spend most of its step on that overhead (a target tighter than the overhead
@@ -223,7 +226,18 @@ impl StepCost {
             }
             _ => 0,
         };
-        fit.max(amortized).max(min.min(max))
+        let alone_fits = self.predict(&decoding).is_some_and(|t| t <= target);
+        if fit > 0 {
+            // Fewer than `min` when that is what fits: deep in a long prompt a
+            // block's worth of queries can cost more than the target alone.
+            fit.max(amortized)
+        } else if alone_fits {
+            // Not even one token fits, by the prediction, beside rows that do:
+            // the chunk's depth is what costs, so the least of it.
+            amortized.max(1.min(max))
+        } else {
+            amortized.max(min.min(max))
+        }
     }
 }
 
