@@ -17,7 +17,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tracing::{debug, error, warn};
+use tracing::{debug, error, trace, warn};
 
 use crate::admission::Admission;
 use crate::chan;
@@ -2082,6 +2082,15 @@ impl<M: Model> Scheduler<M> {
     /// Learns from a committed step of `rows` that took `seconds`.
     fn observe_cost(&mut self, rows: &[Planned], seconds: f64) {
         let shape = shape_of(rows);
+        trace!(
+            predicted_ms = self.cost.predict(&shape).map(|t| t * 1e3),
+            ms = seconds * 1e3,
+            decode_rows = shape.decode_rows,
+            decode_context = shape.decode_context,
+            prefill_tokens = shape.prefill_tokens,
+            prefill_context = shape.prefill_context,
+            "step cost"
+        );
         self.cost.observe(&shape, seconds);
         if shape.prefill_tokens == 0 && seconds.is_finite() && seconds >= 0.0 {
             if self.decode_times.len() == DECODE_TIMES {
