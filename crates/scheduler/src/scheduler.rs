@@ -392,6 +392,8 @@ struct Planned {
     want_logits: bool,
     /// Draft tokens after the decoded one (`n == 1 + draft` when > 0).
     draft: usize,
+    /// A chunk of a prompt (even of one token), not a decoding row.
+    prefill: bool,
 }
 
 struct Plan {
@@ -432,7 +434,7 @@ impl TimeFit {
         if self.target.is_none() || n == 0 {
             return;
         }
-        self.shape.add(start, n);
+        self.shape.add_chunk(start, n);
         self.prefilled = true;
         self.full |= n < wanted;
     }
@@ -1274,6 +1276,7 @@ impl<M: Model> Scheduler<M> {
                         n: 1,
                         want_logits: true,
                         draft: 0,
+                        prefill: false,
                     });
                 } else if rem > 1 {
                     prefills.push(x);
@@ -1359,6 +1362,7 @@ impl<M: Model> Scheduler<M> {
                     n: 1,
                     want_logits: true,
                     draft: 0,
+                    prefill: false,
                 });
                 i += 1;
             }
@@ -1644,6 +1648,7 @@ impl<M: Model> Scheduler<M> {
                 n,
                 want_logits: n == rem,
                 draft: 0,
+                prefill: true,
             });
         }
     }
@@ -1835,6 +1840,7 @@ impl<M: Model> Scheduler<M> {
                 n,
                 want_logits: cached + n == total,
                 draft: 0,
+                prefill: true,
             });
         }
         self.bufs.joiner = toks;
@@ -2092,6 +2098,8 @@ impl<M: Model> Scheduler<M> {
             "step cost"
         );
         self.cost.observe(&shape, seconds);
+        // (A step whose prompt chunks are all of one token is not a decode step:
+        // the ITL target, a multiple of the decode steps' median, must not follow it.)
         if shape.prefill_tokens == 0 && seconds.is_finite() && seconds >= 0.0 {
             if self.decode_times.len() == DECODE_TIMES {
                 self.decode_times.pop_front();
@@ -2208,7 +2216,12 @@ impl<M: Model> Scheduler<M> {
             // appended them), which is also the base of the next step's append.
             let start = p.start + p.n;
             need = need.plus(self.grow(p.seq, start, 1));
-            next.push(Planned { start, n: 1, ..*p });
+            next.push(Planned {
+                start,
+                n: 1,
+                prefill: false,
+                ..*p
+            });
         }
         // A running request this step left out (a prompt waiting for budget or
         // memory) would be planned by the next plain step: so plan that one.
@@ -3119,7 +3132,11 @@ impl<M: Model> Scheduler<M> {
 fn shape_of(rows: &[Planned]) -> StepShape {
     let mut s = StepShape::default();
     for p in rows {
-        s.add(p.start, p.n);
+        if p.prefill {
+            s.add_chunk(p.start, p.n);
+        } else {
+            s.add(p.start, p.n);
+        }
     }
     s
 }

@@ -45,10 +45,16 @@ impl StepShape {
             self.decode_rows += 1;
             self.decode_context += start;
         } else {
-            self.prefill_tokens += n;
-            self.prefill_attention += n as f64 * (start as f64 + n as f64 / 2.0);
-            self.prefill_context += start;
+            self.add_chunk(start, n);
         }
+    }
+
+    /// Adds a prompt chunk of `n > 0` tokens after `start` committed ones (one token
+    /// too: it pays for the prefill path, not a decoding row's).
+    pub fn add_chunk(&mut self, start: usize, n: usize) {
+        self.prefill_tokens += n;
+        self.prefill_attention += n as f64 * (start as f64 + n as f64 / 2.0);
+        self.prefill_context += start;
     }
 
     /// The features, scaled to be of order one at typical serving sizes (the fit's
@@ -199,10 +205,7 @@ impl StepCost {
         let cost = |n: usize| {
             let mut s = *base;
             if n > 0 {
-                // A prefill chunk even at one token (`add` would call it decoding).
-                s.prefill_tokens += n;
-                s.prefill_attention += n as f64 * (start as f64 + n as f64 / 2.0);
-                s.prefill_context += start;
+                s.add_chunk(start, n);
             }
             self.predict(&s)
         };
