@@ -485,6 +485,13 @@ struct StepBufs {
 
 /// Decode-only steps whose seconds `ItlTarget::Auto` takes the median of.
 const DECODE_TIMES: usize = 33;
+/// Under an ITL target, after this many steps in a row that carried prompt chunks
+/// beside decoding rows, one step decodes alone. While every step prefills, the
+/// step cost's constant and its prefill flag are one direction of the data: the
+/// cost of the decoding rows alone (what says whether any chunk fits) is then a
+/// guess, and the auto target's decode median goes stale. One plain step in 33
+/// keeps both measured, for ~3% of a long prompt's pace.
+const DECODE_PROBE_EVERY: u32 = 32;
 
 /// The token a pipelined step's row is appended with until the pick it follows is read
 /// (any id inside every vocabulary; the model feeds the real pick).
@@ -627,6 +634,8 @@ pub struct Scheduler<M: Model> {
     /// then), and a fit extrapolates it. A median also shrugs off a busy host's
     /// spikes.
     decode_times: VecDeque<f64>,
+    /// Committed steps since the last that carried no prompt chunk.
+    prefill_streak: u32,
     /// When the last pipelined step was collected while its successor was queued.
     last_collect: Option<Instant>,
     tenants: Vec<Tenant>,
@@ -746,6 +755,7 @@ impl<M: Model> Scheduler<M> {
             faults: cfg.faults.clone(),
             cost: StepCost::new(),
             decode_times: VecDeque::new(),
+            prefill_streak: 0,
             last_collect: None,
             cfg,
             info,
@@ -1486,7 +1496,9 @@ impl<M: Model> Scheduler<M> {
             shape,
             min: self.bs,
             prefilled: false,
-            full: false,
+            full: target.is_some()
+                && shape.decode_rows > 0
+                && self.prefill_streak >= DECODE_PROBE_EVERY,
         }
     }
 
@@ -2098,6 +2110,11 @@ impl<M: Model> Scheduler<M> {
             "step cost"
         );
         self.cost.observe(&shape, seconds);
+        self.prefill_streak = if shape.prefill_tokens == 0 {
+            0
+        } else {
+            self.prefill_streak.saturating_add(1)
+        };
         // (A step whose prompt chunks are all of one token is not a decode step:
         // the ITL target, a multiple of the decode steps' median, must not follow it.)
         if shape.prefill_tokens == 0 && seconds.is_finite() && seconds >= 0.0 {
