@@ -630,8 +630,8 @@ pub struct Scheduler<M: Model> {
     /// prompts join every step carries the same rows and a similar prefill, so that
     /// fit cannot tell the rows' share, and on a CPU whose lanes overlap decoding and
     /// prefill a step's cost is not a sum. Not a fit of decode steps either: their
-    /// context grows past anything seen while prompts join (no decode-only step
-    /// then), and a fit extrapolates it. A median also shrugs off a busy host's
+    /// context grows while prompts join (decode-only steps are then only the probe
+    /// of [`DECODE_PROBE_EVERY`]), and a fit extrapolates it. A median also shrugs off a busy host's
     /// spikes.
     decode_times: VecDeque<f64>,
     /// Committed steps since the last that carried no prompt chunk.
