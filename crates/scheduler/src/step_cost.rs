@@ -237,14 +237,15 @@ impl StepCost {
             decode_context: base.decode_context,
             ..StepShape::default()
         };
-        let amortized = match (self.predict(&decoding), self.prefill_overhead()) {
+        let alone = self.predict(&decoding);
+        let amortized = match (alone, self.prefill_overhead()) {
             // (A limit within the target cannot add to `fit`: no second search.)
             (Some(alone), Some(f)) if f > 0.0 && alone + 2.0 * f > target => {
                 largest_within(alone + 2.0 * f)
             }
             _ => 0,
         };
-        let alone_fits = self.predict(&decoding).is_some_and(|t| t <= target);
+        let alone_fits = alone.is_some_and(|t| t <= target);
         if fit > 0 {
             // Fewer than `min` when that is what fits: deep in a long prompt a
             // block's worth of queries can cost more than the target alone.
@@ -286,6 +287,15 @@ mod tests {
         s
     }
 
+    /// 8 rows decoding at ~200 tokens of context.
+    fn eight_rows() -> StepShape {
+        let mut base = StepShape::default();
+        for r in 0..8 {
+            base.add(200 + r, 1);
+        }
+        base
+    }
+
     #[test]
     fn learns_a_linear_device_and_predicts_within_a_few_percent() {
         let mut c = StepCost::new();
@@ -311,10 +321,7 @@ mod tests {
             let s = shape(i);
             c.observe(&s, truth(&s));
         }
-        let mut base = StepShape::default();
-        for r in 0..8 {
-            base.add(200 + r, 1);
-        }
+        let base = eight_rows();
         // 8 rows alone: ~3.4 ms; a 10 ms target leaves ~330 tokens at depth 0.
         let target = 10e-3;
         let n = c.prefill_within(&base, 0, 16, 2048, target);
@@ -352,10 +359,7 @@ mod tests {
             let s = shape(i);
             c.observe(&s, gathering(&s));
         }
-        let mut base = StepShape::default();
-        for r in 0..8 {
-            base.add(200 + r, 1);
-        }
+        let base = eight_rows();
         // At depth 3000 the read alone is 3 ms: a 10 ms target leaves fewer tokens
         // than at depth 0, and the chunk it gives fits.
         let target = 10e-3;
