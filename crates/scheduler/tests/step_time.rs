@@ -77,6 +77,11 @@ fn mixed_steps(run: &Run) -> Vec<f64> {
         .collect()
 }
 
+/// A run with the fake model's simulated cost, no faults, nothing observed.
+fn run_timed(cfg: SchedulerConfig, fake: FakeConfig, specs: &[Spec]) -> Run {
+    run(cfg, fake, FakeFaults::default(), specs, |_, _, _| {})
+}
+
 fn p99(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
@@ -86,20 +91,8 @@ fn p99(v: &[f64]) -> f64 {
 #[test]
 fn long_prompts_join_decoding_streams_within_the_itl_target() {
     let specs = workload();
-    let bounded = run(
-        config(Some(TARGET)),
-        fake(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
-    let unbounded = run(
-        config(None),
-        fake(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let bounded = run_timed(config(Some(TARGET)), fake(), &specs);
+    let unbounded = run_timed(config(None), fake(), &specs);
     assert_clean(&bounded);
     assert_clean(&unbounded);
     assert_same_streams(&bounded, &unbounded);
@@ -168,20 +161,8 @@ fn deep_chunks_that_read_their_context_stay_within_the_target() {
             Request::new("short", prompt(&mut g, 48 + (i as usize % 5) * 40), 2),
         ));
     }
-    let bounded = run(
-        config(Some(target)),
-        fake(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
-    let unbounded = run(
-        config(None),
-        fake(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let bounded = run_timed(config(Some(target)), fake(), &specs);
+    let unbounded = run_timed(config(None), fake(), &specs);
     assert_clean(&bounded);
     assert_same_streams(&bounded, &unbounded);
     let target = target.as_secs_f64();
@@ -234,13 +215,7 @@ fn a_prompt_whose_depth_is_what_costs_keeps_the_rows_own_cost_measured() {
         step_cost: Some(cost),
         ..fake()
     };
-    let bounded = run(
-        config(Some(target)),
-        fake,
-        FakeFaults::default(),
-        &workload(),
-        |_, _, _| {},
-    );
+    let bounded = run_timed(config(Some(target)), fake, &workload());
     assert_clean(&bounded);
     let costs = bounded.sched.model().step_costs();
     // While the prompts join (from the first mixed step to the last), a step that
@@ -277,20 +252,8 @@ fn a_step_without_decoding_rows_is_not_capped() {
     let mut r = Request::new("long", prompt(&mut g, 3000), 2);
     r.request_id = Some("alone".into());
     let specs = vec![Spec::at(0, r)];
-    let a = run(
-        config(Some(TARGET)),
-        fake(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
-    let b = run(
-        config(None),
-        fake(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let a = run_timed(config(Some(TARGET)), fake(), &specs);
+    let b = run_timed(config(None), fake(), &specs);
     assert_clean(&a);
     assert_same_streams(&a, &b);
     assert_eq!(
@@ -412,13 +375,7 @@ fn the_auto_target_follows_the_decode_step_cost() {
         let auto = run(cfg, fake(), FakeFaults::default(), &specs, |_, s, _| {
             targets.extend(s.stats().itl_target);
         });
-        let plain = run(
-            config(None),
-            fake(),
-            FakeFaults::default(),
-            &specs,
-            |_, _, _| {},
-        );
+        let plain = run_timed(config(None), fake(), &specs);
         assert_clean(&auto);
         assert_same_streams(&auto, &plain);
         // 8 decoding rows alone: 10 ms + 8 x 1 ms.
@@ -481,7 +438,7 @@ fn chunks_amortize_the_fixed_cost_of_a_mixed_step() {
         factor: 3.0,
         min: Duration::from_millis(5),
     };
-    let r = run(cfg, fake, FakeFaults::default(), &specs, |_, _, _| {});
+    let r = run_timed(cfg, fake, &specs);
     assert_clean(&r);
     assert!(r.outcomes.iter().all(|o| o.finished.is_some()));
     let steps = r.sched.model().step_costs();
@@ -546,20 +503,8 @@ fn another_tenants_burst_of_prompts_is_held_to_the_target() {
         isolation_window: window,
         ..config(Some(TARGET))
     };
-    let isolated = run(
-        with(Duration::from_secs(3600)),
-        fake(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
-    let open = run(
-        with(Duration::ZERO),
-        fake(),
-        FakeFaults::default(),
-        &specs,
-        |_, _, _| {},
-    );
+    let isolated = run_timed(with(Duration::from_secs(3600)), fake(), &specs);
+    let open = run_timed(with(Duration::ZERO), fake(), &specs);
     assert_clean(&isolated);
     assert_clean(&open);
     assert_same_streams(&isolated, &open);
