@@ -72,6 +72,10 @@ impl ItlTarget {
     }
 }
 
+/// [`SchedulerConfig::burst_step_factor`]'s default: a lone tenant's prompt-only
+/// step runs up to 4 targets (on a CPU ~0.6 s, its fixed cost ~5% of it).
+pub const BURST_STEP_FACTOR: f64 = 4.0;
+
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// Rows in one forward call.
@@ -95,9 +99,17 @@ pub struct SchedulerConfig {
     /// requests in the engine within this window, a step without decoding rows
     /// is held to `itl_target` too, so a tenant arriving during another's burst
     /// of prompts waits for one bounded step, not for a whole batch of prompts.
-    /// With one tenant active, such steps prefill as much as the token budget
-    /// allows (nobody waits on them). Zero turns it off.
+    /// With one tenant active, such steps are held to `burst_step_factor` times
+    /// the target instead. Zero turns it off.
     pub isolation_window: Duration,
+    /// A step without decoding rows and without another tenant active within
+    /// `isolation_window` is held to this many times `itl_target`: long enough
+    /// that a step's fixed cost is a small part of it (prompt throughput), short
+    /// enough that a request arriving during a burst of prompts — another tenant
+    /// idle until then, or the same tenant's next one — and a cancel wait for a
+    /// bounded step, not for a whole batch of prompts. `f64::INFINITY`: such steps
+    /// prefill as much as the token budget allows.
+    pub burst_step_factor: f64,
     /// Speculative decoding: the most draft tokens (from prompt lookup, see
     /// `draft.rs`) a decoding row verifies per step. Only greedy requests without
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
@@ -167,6 +179,7 @@ impl Default for SchedulerConfig {
             decode_prefill_tokens: None,
             itl_target: ItlTarget::Off,
             isolation_window: Duration::from_secs(5),
+            burst_step_factor: BURST_STEP_FACTOR,
             speculate: 0,
             speculate_step_tokens: 8,
             max_waiting: 4096,

@@ -1475,21 +1475,25 @@ impl<M: Model> Scheduler<M> {
     /// with an inter-token latency target and decoding rows, every prefill chunk
     /// added is sized by the learned step cost to keep the step predicted within the
     /// target, at its own depth; the first chunk gets a block's worth when nothing
-    /// fits, so prompts always advance. Without decoding rows nobody waits on the step — unless
-    /// another tenant was active lately ([`SchedulerConfig::isolation_window`]): its
-    /// next request would wait for the whole step.
+    /// fits, so prompts always advance. Without decoding rows nobody waits on the step
+    /// yet, but whoever arrives during it will: it is held to the target while another
+    /// tenant was active lately ([`SchedulerConfig::isolation_window`]), and to
+    /// [`SchedulerConfig::burst_step_factor`] targets otherwise.
     fn time_fit(&self, rows: &[Planned], now: Instant) -> TimeFit {
         let shape = shape_of(rows);
+        let target = match self.cfg.itl_target {
+            ItlTarget::Off => None,
+            ItlTarget::Fixed(t) => Some(t.as_secs_f64()),
+            ItlTarget::Auto { factor, min } => self
+                .decode_median()
+                .map(|d| (d * factor).max(min.as_secs_f64())),
+        };
         let target = if rows.is_empty() && !self.tenants_share(now) {
-            None
+            target
+                .map(|t| t * self.cfg.burst_step_factor)
+                .filter(|t| t.is_finite())
         } else {
-            match self.cfg.itl_target {
-                ItlTarget::Off => None,
-                ItlTarget::Fixed(t) => Some(t.as_secs_f64()),
-                ItlTarget::Auto { factor, min } => self
-                    .decode_median()
-                    .map(|d| (d * factor).max(min.as_secs_f64())),
-            }
+            target
         };
         TimeFit {
             target,

@@ -136,8 +136,8 @@ pub struct ServeArgs {
     /// Latency isolation between tenants: while more than one tenant has had
     /// requests in the engine within this many milliseconds, steps with no
     /// decoding rows (a burst of prompts) are held to the ITL target too, so
-    /// another tenant's next request waits for one bounded step. 0 turns it
-    /// off [default: 5000].
+    /// another tenant's next request waits for one bounded step (otherwise
+    /// they are held to 4x the target). 0 turns it off [default: 5000].
     #[arg(long, env = "WEFT_ISOLATION_WINDOW_MS", value_name = "MS")]
     pub isolation_window_ms: Option<u64>,
     /// Speculative decoding by prompt lookup: the most draft tokens a greedy
