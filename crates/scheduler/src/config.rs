@@ -53,10 +53,12 @@ pub enum ItlTarget {
     Off,
     /// This many seconds a step.
     Fixed(Duration),
-    /// `factor` times the predicted cost of the step's decoding rows alone, and at
-    /// least `min`: follows the device, the model and the batch (a bigger batch's
-    /// streams already wait longer per token, so a prompt may take a proportional
-    /// share). No bound until the cost model has seen enough steps.
+    /// `factor` times the cost of a decode-only step (the median of the latest,
+    /// or the predicted cost of the batch once the waiting requests are in it when
+    /// that is more), and at least `min`: follows the device, the model and the
+    /// batch (a bigger batch's streams already wait longer per token, so a prompt
+    /// may take a proportional share). No bound until the cost model has seen
+    /// enough steps.
     Auto { factor: f64, min: Duration },
 }
 

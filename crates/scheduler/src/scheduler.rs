@@ -407,6 +407,8 @@ type FairKey = (Reverse<i32>, u64, usize);
 /// What is left of a step's time under an inter-token latency target, as its
 /// prefill chunks are added (see [`Scheduler::time_fit`]).
 struct TimeFit {
+    /// The inter-token latency target in effect (None: none).
+    itl: Option<f64>,
     /// Seconds the step is to stay within; None: no time bound.
     target: Option<f64>,
     /// The step so far.
@@ -1321,7 +1323,7 @@ impl<M: Model> Scheduler<M> {
                 if joiners {
                     self.admit_joiners(now, &mut rows, &mut budget, &mut free, &mut fit, None);
                 }
-                self.stats.itl_target = fit.target.or(self.stats.itl_target);
+                self.stats.itl_target = fit.itl.or(self.stats.itl_target);
                 break group.is_some();
             }
 
@@ -1397,7 +1399,7 @@ impl<M: Model> Scheduler<M> {
             if joiners {
                 self.admit_joiners(now, &mut rows, &mut budget, &mut free, &mut fit, None);
             }
-            self.stats.itl_target = fit.target.or(self.stats.itl_target);
+            self.stats.itl_target = fit.itl.or(self.stats.itl_target);
             break group.is_some();
         };
         self.bufs.order = order;
@@ -1481,21 +1483,21 @@ impl<M: Model> Scheduler<M> {
     /// [`SchedulerConfig::burst_step_factor`] targets otherwise.
     fn time_fit(&self, rows: &[Planned], now: Instant) -> TimeFit {
         let shape = shape_of(rows);
-        let target = match self.cfg.itl_target {
+        let itl = match self.cfg.itl_target {
             ItlTarget::Off => None,
             ItlTarget::Fixed(t) => Some(t.as_secs_f64()),
             ItlTarget::Auto { factor, min } => self
                 .decode_median()
-                .map(|d| (d * factor).max(min.as_secs_f64())),
+                .map(|d| (d.max(self.admitted_decode_cost()) * factor).max(min.as_secs_f64())),
         };
         let target = if rows.is_empty() && !self.tenants_share(now) {
-            target
-                .map(|t| t * self.cfg.burst_step_factor)
+            itl.map(|t| t * self.cfg.burst_step_factor)
                 .filter(|t| t.is_finite())
         } else {
-            target
+            itl
         };
         TimeFit {
+            itl,
             target,
             shape,
             min: self.bs,
@@ -1504,6 +1506,42 @@ impl<M: Model> Scheduler<M> {
                 && shape.decode_rows > 0
                 && self.prefill_streak >= DECODE_PROBE_EVERY,
         }
+    }
+
+    /// The predicted cost of a decode-only step of the batch once what waits is in
+    /// it: every running row at its whole length, and waiting requests (fair order
+    /// aside) while rows and free blocks last; 0 with nothing waiting or prefilling,
+    /// or before the cost model predicts. The auto ITL target follows it when it is
+    /// more than the decode steps' median: with a queue, the rows decoding now are
+    /// not the batch, and a target of a few small steps would admit prompts a
+    /// sliver per step, keeping the batch small (a fixed point: 1-3 rows decoding
+    /// while 30 requests waited 5-40 s for their first token).
+    fn admitted_decode_cost(&self) -> f64 {
+        let waiting = self.tenants.iter().any(|t| !t.queue.is_empty());
+        let mut shape = StepShape::default();
+        let mut prefilling = false;
+        for x in &self.running {
+            if let Some(r) = self.reqs.at(x.slot) {
+                prefilling |= r.seq_len() - r.computed > 1;
+                shape.add(r.seq_len(), 1);
+            }
+        }
+        if !waiting && !prefilling {
+            return 0.0;
+        }
+        let mut free = self.available().full;
+        let room = self.cfg.max_batch_rows.saturating_sub(self.running.len());
+        let queued = self.tenants.iter().flat_map(|t| t.queue.values());
+        for k in queued.take(room) {
+            let Some(r) = self.reqs.get(k) else { continue };
+            let need = blocks_of(r.seq_len() + 1, self.bs_shift);
+            if need > free {
+                break;
+            }
+            free -= need;
+            shape.add(r.seq_len(), 1);
+        }
+        self.cost.predict(&shape).unwrap_or(0.0)
     }
 
     /// Whether more than one tenant had requests in the engine within the

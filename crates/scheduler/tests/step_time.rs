@@ -246,8 +246,9 @@ fn a_prompt_whose_depth_is_what_costs_keeps_the_rows_own_cost_measured() {
 }
 
 #[test]
-fn a_step_without_decoding_rows_is_not_capped() {
-    // A lone long prompt: nobody waits on its steps, so it prefills whole chunks.
+fn a_lone_prompt_prefills_whole_chunks() {
+    // A lone long prompt: nobody waits on its steps yet, so they are held to the
+    // burst bound (4 targets), which whole 512-token chunks fit.
     let mut g = rng(3);
     let mut r = Request::new("long", prompt(&mut g, 3000), 2);
     r.request_id = Some("alone".into());
@@ -564,5 +565,74 @@ fn another_tenants_burst_of_prompts_is_held_to_the_target() {
         l1.first_token_step.is_some_and(|s| s <= 1),
         "{:?}",
         l1.first_token_step
+    );
+}
+
+/// A queue under the auto target: 24 requests of 384-token prompts arrive at
+/// once. The target is a multiple of what decoding costs, and the decoding rows
+/// are the few admitted first: were it only of them (3x a 1-3 row step, ~40 ms),
+/// each step would admit ~1/3 of a prompt beside them, the batch would stay a few
+/// rows, and the queue would wait ~60 steps for its first tokens (the CPU server's
+/// tenant-mix flood: 1-3 rows decoding while 30 requests waited 5-40 s). The target
+/// follows the batch as it will be once the waiting requests are in, so the queue
+/// is admitted in prompt-sized chunks and decodes together.
+#[test]
+fn a_queue_is_admitted_as_the_batch_it_will_be() {
+    let mut g = rng(41);
+    // Two streams decode first, so the cost model and the auto target are warm
+    // when the queue arrives (a server that has been up a while).
+    let mut specs: Vec<Spec> = (0..2)
+        .map(|i| {
+            let mut r = Request::new("warm", prompt(&mut g, 32), 400);
+            r.request_id = Some(format!("w{i}"));
+            Spec::at(0, r)
+        })
+        .collect();
+    for i in 0..24 {
+        let mut r = Request::new("flood", prompt(&mut g, 384), 48);
+        r.request_id = Some(format!("q{i}"));
+        specs.push(Spec::at(40, r));
+    }
+    let mut cfg = config(None);
+    cfg.max_batch_rows = 32;
+    cfg.itl_target = ItlTarget::Auto {
+        factor: 3.0,
+        min: Duration::from_millis(5),
+    };
+    let mut targets = Vec::new();
+    let auto = run(cfg, fake(), FakeFaults::default(), &specs, |_, s, _| {
+        targets.extend(s.stats().itl_target);
+    });
+    let plain = run_timed(config(None), fake(), &specs);
+    assert_clean(&auto);
+    assert_same_streams(&auto, &plain);
+    let widest = auto
+        .sched
+        .model()
+        .step_costs()
+        .iter()
+        .map(|c| c.0)
+        .max()
+        .unwrap_or(0);
+    let mut first: Vec<u64> = auto
+        .outcomes
+        .iter()
+        .skip(2)
+        .filter_map(|o| o.first_token_step)
+        .collect();
+    first.sort_unstable();
+    let median = first[first.len() / 2];
+    eprintln!(
+        "widest decode step {widest} rows, first tokens at steps {first:?}, targets {:.4}..{:.4}",
+        targets.iter().fold(f64::MAX, |m, &t| m.min(t)),
+        targets.iter().fold(0f64, |m, &t| m.max(t))
+    );
+    assert!(
+        widest >= 16,
+        "the queue decoded at most {widest} rows together"
+    );
+    assert!(
+        median <= 30,
+        "half the queue waited over 30 steps: {first:?}"
     );
 }
