@@ -1508,26 +1508,25 @@ impl<M: Model> Scheduler<M> {
         }
     }
 
-    /// The predicted cost of a decode-only step of the batch once what waits is in
-    /// it: every running row at its whole length, and waiting requests (fair order
-    /// aside) while rows and free blocks last; 0 with nothing waiting or prefilling,
-    /// or before the cost model predicts. The auto ITL target follows it when it is
-    /// more than the decode steps' median: with a queue, the rows decoding now are
-    /// not the batch, and a target of a few small steps would admit prompts a
-    /// sliver per step, keeping the batch small (a fixed point: 1-3 rows decoding
-    /// while 30 requests waited 5-40 s for their first token).
+    /// The predicted cost of a decode-only step of the batch once the waiting
+    /// requests are in it: the decoding rows at their lengths and waiting requests
+    /// (fair order aside) at theirs while rows and free blocks last; 0 with nothing
+    /// waiting, or before the cost model predicts. The auto ITL target follows it
+    /// when it is more than the decode steps' median: with a queue, the rows
+    /// decoding now are not the batch, and a target of a few small steps would admit
+    /// prompts a sliver per step, keeping the batch small (a fixed point: 1-3 rows
+    /// decoding while 30 requests waited 5-40 s for their first token). Rows already
+    /// admitted and still prefilling are left out: they advance either way, and a
+    /// long one's depth would be priced by a context term fitted on short rows.
     fn admitted_decode_cost(&self) -> f64 {
-        let waiting = self.tenants.iter().any(|t| !t.queue.is_empty());
-        let mut shape = StepShape::default();
-        let mut prefilling = false;
-        for x in &self.running {
-            if let Some(r) = self.reqs.at(x.slot) {
-                prefilling |= r.seq_len() - r.computed > 1;
-                shape.add(r.seq_len(), 1);
-            }
-        }
-        if !waiting && !prefilling {
+        if self.tenants.iter().all(|t| t.queue.is_empty()) {
             return 0.0;
+        }
+        let mut shape = StepShape::default();
+        for x in &self.running {
+            if let Some((_, start, 1)) = self.progress(x.slot) {
+                shape.add(start, 1);
+            }
         }
         let mut free = self.available().full;
         let room = self.cfg.max_batch_rows.saturating_sub(self.running.len());
