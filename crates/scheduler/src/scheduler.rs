@@ -406,6 +406,18 @@ type FairKey = (Reverse<i32>, u64, usize);
 
 /// What is left of a step's time under an inter-token latency target, as its
 /// prefill chunks are added (see [`Scheduler::time_fit`]).
+/// Which waiting requests [`Scheduler::admit_joiners`] may admit.
+#[derive(Debug, Clone, Copy)]
+enum Joiners {
+    /// Any, in fair order.
+    All,
+    /// Only those ahead of a running row of this tenant with this
+    /// [`Scheduler::prefill_key`] (a tenant's own wait for its running rows).
+    AheadOf(usize, FairKey),
+    /// Only of tenants holding no row (one request each).
+    Starting,
+}
+
 struct TimeFit {
     /// The inter-token latency target in effect (None: none).
     itl: Option<f64>,
@@ -638,6 +650,9 @@ pub struct Scheduler<M: Model> {
     decode_times: VecDeque<f64>,
     /// Committed steps since the last that carried no prompt chunk.
     prefill_streak: u32,
+    /// The last plan left the decoding rows out for a starting tenant's prefill
+    /// ([`Self::plan_starting`]); the next one keeps them.
+    decode_skipped: bool,
     /// When the last pipelined step was collected while its successor was queued.
     last_collect: Option<Instant>,
     tenants: Vec<Tenant>,
@@ -758,6 +773,7 @@ impl<M: Model> Scheduler<M> {
             cost: StepCost::new(),
             decode_times: VecDeque::new(),
             prefill_streak: 0,
+            decode_skipped: false,
             last_collect: None,
             cfg,
             info,
@@ -1243,6 +1259,11 @@ impl<M: Model> Scheduler<M> {
                 self.preempt(k);
             }
         }
+        if let Some(plan) = self.plan_starting(now) {
+            self.decode_skipped = true;
+            return plan;
+        }
+        self.decode_skipped = false;
         let mut order = std::mem::take(&mut self.bufs.order);
         let mut prefills = std::mem::take(&mut self.bufs.prefills);
         let mut rows = std::mem::take(&mut self.bufs.rows);
@@ -1321,7 +1342,14 @@ impl<M: Model> Scheduler<M> {
                     continue;
                 }
                 if joiners {
-                    self.admit_joiners(now, &mut rows, &mut budget, &mut free, &mut fit, None);
+                    self.admit_joiners(
+                        now,
+                        &mut rows,
+                        &mut budget,
+                        &mut free,
+                        &mut fit,
+                        Joiners::All,
+                    );
                 }
                 self.stats.itl_target = fit.itl.or(self.stats.itl_target);
                 break group.is_some();
@@ -1397,7 +1425,14 @@ impl<M: Model> Scheduler<M> {
             }
 
             if joiners {
-                self.admit_joiners(now, &mut rows, &mut budget, &mut free, &mut fit, None);
+                self.admit_joiners(
+                    now,
+                    &mut rows,
+                    &mut budget,
+                    &mut free,
+                    &mut fit,
+                    Joiners::All,
+                );
             }
             self.stats.itl_target = fit.itl.or(self.stats.itl_target);
             break group.is_some();
@@ -1471,6 +1506,60 @@ impl<M: Model> Scheduler<M> {
         }
         self.record_masks(mask_time);
         added
+    }
+
+    /// Latency isolation between tenants: while tenants share the engine
+    /// ([`Self::tenants_share`]) and the tenant first in fair order holds no row, its
+    /// first request's prefill (with those of other tenants holding none) runs in a
+    /// step of its own, the decoding rows left out of it. A mixed step would make it
+    /// wait for every decoding row of the others besides its own prompt (on the CPU
+    /// a 33-row decode doubles a short request's first step; on a GPU the rows run
+    /// uncompiled beside a prefill), where the decoding rows wait one short step
+    /// instead, which costs about what the mixed step would have cost them. Never
+    /// twice in a row (decoding rows always advance every other step), not under
+    /// probation, not with the batch full. None: plan as usual.
+    fn plan_starting(&mut self, now: Instant) -> Option<Plan> {
+        if self.decode_skipped
+            || !self.probation.is_empty()
+            || self.running.len() >= self.cfg.max_batch_rows
+            || !self.tenants_share(now)
+        {
+            return None;
+        }
+        let t = self.pick_tenant()?;
+        if self.tenants[t].running > 0 || self.tenants[t].queue.is_empty() {
+            return None;
+        }
+        // Only worth it beside decoding rows.
+        if !self
+            .running
+            .iter()
+            .any(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem == 1))
+        {
+            return None;
+        }
+        let mut rows = std::mem::take(&mut self.bufs.rows);
+        rows.clear();
+        let mut free = self.available();
+        let mut budget = self.prefill_budget(0);
+        let mut fit = self.time_fit(&rows, now);
+        self.admit_joiners(
+            now,
+            &mut rows,
+            &mut budget,
+            &mut free,
+            &mut fit,
+            Joiners::Starting,
+        );
+        if rows.is_empty() {
+            self.bufs.rows = rows;
+            return None;
+        }
+        self.stats.itl_target = fit.itl.or(self.stats.itl_target);
+        Some(Plan {
+            rows,
+            probation: false,
+        })
     }
 
     /// The time budget of a step whose decoding rows (and their drafts) are `rows`:
@@ -1658,7 +1747,7 @@ impl<M: Model> Scheduler<M> {
             if joiners {
                 if let Some((t, p)) = self.reqs.at(x.slot).map(|r| (r.tenant, r.r.priority)) {
                     let key = self.prefill_key(t, p);
-                    self.admit_joiners(now, rows, budget, free, fit, Some((t, key)));
+                    self.admit_joiners(now, rows, budget, free, fit, Joiners::AheadOf(t, key));
                 }
             }
             if *budget == 0 || fit.full {
@@ -1741,8 +1830,7 @@ impl<M: Model> Scheduler<M> {
     }
 
     /// Admits waiting requests in fair order while rows, the token budget, the step's
-    /// time and memory allow; with `ahead_of` (a running row's tenant and
-    /// [`Self::prefill_key`]), only those ahead of that row.
+    /// time and memory allow, of the tenants `which` says.
     fn admit_joiners(
         &mut self,
         now: Instant,
@@ -1750,7 +1838,7 @@ impl<M: Model> Scheduler<M> {
         budget: &mut usize,
         free: &mut Blocks,
         fit: &mut TimeFit,
-        ahead_of: Option<(usize, FairKey)>,
+        which: Joiners,
     ) {
         let mut prefilling = rows.iter().any(|r| r.n > 1);
         let mut toks = std::mem::take(&mut self.bufs.joiner);
@@ -1798,10 +1886,18 @@ impl<M: Model> Scheduler<M> {
                     }
                 }
             }
-            if let Some((bt, bkey)) = ahead_of {
+            match which {
+                Joiners::All => {}
                 // A tenant's own requests wait for its running rows.
-                if bt == t || self.prefill_key(t, priority) >= bkey {
-                    break;
+                Joiners::AheadOf(bt, bkey) => {
+                    if bt == t || self.prefill_key(t, priority) >= bkey {
+                        break;
+                    }
+                }
+                Joiners::Starting => {
+                    if self.tenants[t].running > 0 {
+                        break;
+                    }
                 }
             }
             toks.clear();

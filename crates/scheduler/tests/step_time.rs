@@ -636,3 +636,67 @@ fn a_queue_is_admitted_as_the_batch_it_will_be() {
         "half the queue waited over 30 steps: {first:?}"
     );
 }
+
+/// Latency isolation: while tenants share the engine, a tenant holding no row gets
+/// its first request's prefill in a step of its own, not beside another tenant's
+/// decoding rows (whose step would cost it their whole decode besides its prompt).
+/// The decoding rows skip that one step, never two in a row: two light tenants
+/// arriving together share the step, and the flood decodes in the next.
+#[test]
+fn a_starting_tenants_prefill_runs_without_the_others_decoding_rows() {
+    let mut g = rng(53);
+    let mut specs: Vec<Spec> = (0..12)
+        .map(|i| {
+            let mut r = Request::new("flood", prompt(&mut g, 40), 120);
+            r.request_id = Some(format!("f{i}"));
+            Spec::at(0, r)
+        })
+        .collect();
+    for (i, (tenant, at)) in [("light", 30u64), ("light", 60), ("other", 60)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut r = Request::new(tenant, prompt(&mut g, 24), 4);
+        r.request_id = Some(format!("l{i}"));
+        specs.push(Spec::at(at, r));
+    }
+    let with = |window: Duration| SchedulerConfig {
+        isolation_window: window,
+        ..config(Some(TARGET))
+    };
+    let isolated = run_timed(with(Duration::from_secs(3600)), fake(), &specs);
+    let mixed = run_timed(with(Duration::ZERO), fake(), &specs);
+    assert_clean(&isolated);
+    assert_clean(&mixed);
+    assert_same_streams(&isolated, &mixed);
+    let steps = |r: &Run| r.sched.model().step_costs().to_vec();
+    let (si, sm) = (steps(&isolated), steps(&mixed));
+    // The light prompts' steps: no decoding row beside them when isolated, the
+    // flood's 12 rows beside them otherwise.
+    let alone: Vec<_> = si
+        .iter()
+        .filter(|c| c.0 == 0 && (24..=48).contains(&c.1))
+        .collect();
+    let beside: Vec<_> = sm.iter().filter(|c| c.0 > 0 && c.1 >= 24).collect();
+    eprintln!("isolated prompt-only steps {alone:?}; mixed steps with a light prompt {beside:?}");
+    assert!(
+        alone.iter().any(|c| c.1 == 24) && alone.iter().any(|c| c.1 == 48),
+        "each arrival's prefill alone (the two at step 60 together): {alone:?}"
+    );
+    assert!(
+        !beside.is_empty(),
+        "without the window they join the decode steps"
+    );
+    // Decoding rows never skip two steps in a row.
+    for w in si.windows(2) {
+        assert!(w[0].0 > 0 || w[1].0 > 0 || w[0].1 == 0, "{si:?}");
+    }
+    // And the light requests' first steps cost them less than a mixed step would.
+    let cost = |c: &(usize, usize, f64)| c.2;
+    let worst_alone = alone.iter().map(|c| cost(c)).fold(0f64, f64::max);
+    let best_beside = beside.iter().map(|c| cost(c)).fold(f64::MAX, f64::min);
+    assert!(
+        worst_alone < best_beside,
+        "alone {worst_alone:.4} s vs beside {best_beside:.4} s"
+    );
+}
