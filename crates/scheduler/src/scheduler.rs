@@ -1341,17 +1341,7 @@ impl<M: Model> Scheduler<M> {
                     }
                     continue;
                 }
-                if joiners {
-                    self.admit_joiners(
-                        now,
-                        &mut rows,
-                        &mut budget,
-                        &mut free,
-                        &mut fit,
-                        Joiners::All,
-                    );
-                }
-                self.stats.itl_target = fit.itl.or(self.stats.itl_target);
+                self.close_plan(now, &mut rows, &mut budget, &mut free, &mut fit, joiners);
                 break group.is_some();
             }
 
@@ -1424,17 +1414,7 @@ impl<M: Model> Scheduler<M> {
                 continue;
             }
 
-            if joiners {
-                self.admit_joiners(
-                    now,
-                    &mut rows,
-                    &mut budget,
-                    &mut free,
-                    &mut fit,
-                    Joiners::All,
-                );
-            }
-            self.stats.itl_target = fit.itl.or(self.stats.itl_target);
+            self.close_plan(now, &mut rows, &mut budget, &mut free, &mut fit, joiners);
             break group.is_some();
         };
         self.bufs.order = order;
@@ -1506,6 +1486,24 @@ impl<M: Model> Scheduler<M> {
         }
         self.record_masks(mask_time);
         added
+    }
+
+    /// A plan's last part, once its running rows are in: waiting requests join (with
+    /// `joiners`: not under probation) while the budgets allow, and the stats show the
+    /// ITL target it planned under.
+    fn close_plan(
+        &mut self,
+        now: Instant,
+        rows: &mut Vec<Planned>,
+        budget: &mut usize,
+        free: &mut Blocks,
+        fit: &mut TimeFit,
+        joiners: bool,
+    ) {
+        if joiners {
+            self.admit_joiners(now, rows, budget, free, fit, Joiners::All);
+        }
+        self.stats.itl_target = fit.itl.or(self.stats.itl_target);
     }
 
     /// Latency isolation between tenants: while tenants share the engine

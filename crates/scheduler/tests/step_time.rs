@@ -77,6 +77,25 @@ fn mixed_steps(run: &Run) -> Vec<f64> {
         .collect()
 }
 
+/// `count` requests of `tenant` (ids `{id}0`, `{id}1`, ...) with `len`-token
+/// prompts and `gen` tokens to generate, arriving at step `at`.
+fn requests(
+    g: &mut rand_chacha::ChaCha8Rng,
+    tenant: &str,
+    id: &str,
+    count: usize,
+    (len, gen): (usize, usize),
+    at: u64,
+) -> Vec<Spec> {
+    (0..count)
+        .map(|i| {
+            let mut r = Request::new(tenant, prompt(g, len), gen);
+            r.request_id = Some(format!("{id}{i}"));
+            Spec::at(at, r)
+        })
+        .collect()
+}
+
 /// A run with the fake model's simulated cost, no faults, nothing observed.
 fn run_timed(cfg: SchedulerConfig, fake: FakeConfig, specs: &[Spec]) -> Run {
     run(cfg, fake, FakeFaults::default(), specs, |_, _, _| {})
@@ -581,18 +600,8 @@ fn a_queue_is_admitted_as_the_batch_it_will_be() {
     let mut g = rng(41);
     // Two streams decode first, so the cost model and the auto target are warm
     // when the queue arrives (a server that has been up a while).
-    let mut specs: Vec<Spec> = (0..2)
-        .map(|i| {
-            let mut r = Request::new("warm", prompt(&mut g, 32), 400);
-            r.request_id = Some(format!("w{i}"));
-            Spec::at(0, r)
-        })
-        .collect();
-    for i in 0..24 {
-        let mut r = Request::new("flood", prompt(&mut g, 384), 48);
-        r.request_id = Some(format!("q{i}"));
-        specs.push(Spec::at(40, r));
-    }
+    let mut specs = requests(&mut g, "warm", "w", 2, (32, 400), 0);
+    specs.extend(requests(&mut g, "flood", "q", 24, (384, 48), 40));
     let mut cfg = config(None);
     cfg.max_batch_rows = 32;
     cfg.itl_target = ItlTarget::Auto {
@@ -645,20 +654,12 @@ fn a_queue_is_admitted_as_the_batch_it_will_be() {
 #[test]
 fn a_starting_tenants_prefill_runs_without_the_others_decoding_rows() {
     let mut g = rng(53);
-    let mut specs: Vec<Spec> = (0..12)
-        .map(|i| {
-            let mut r = Request::new("flood", prompt(&mut g, 40), 120);
-            r.request_id = Some(format!("f{i}"));
-            Spec::at(0, r)
-        })
-        .collect();
+    let mut specs = requests(&mut g, "flood", "f", 12, (40, 120), 0);
     for (i, (tenant, at)) in [("light", 30u64), ("light", 60), ("other", 60)]
         .into_iter()
         .enumerate()
     {
-        let mut r = Request::new(tenant, prompt(&mut g, 24), 4);
-        r.request_id = Some(format!("l{i}"));
-        specs.push(Spec::at(at, r));
+        specs.extend(requests(&mut g, tenant, &format!("l{i}-"), 1, (24, 4), at));
     }
     let with = |window: Duration| SchedulerConfig {
         isolation_window: window,
