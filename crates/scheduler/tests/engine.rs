@@ -311,3 +311,56 @@ async fn stopped_resolves_after_shutdown_without_a_failure() {
         .expect("stopped resolves");
     assert!(h.failure().is_none());
 }
+
+/// Anticipation: while two tenants share the engine, a tenant whose last request
+/// just ended gets a moment to send its next one before the engine steps again, so
+/// a client that chains requests does not wait for the whole step that began right
+/// after its last one ended. Here the flood decodes without pause while the light
+/// tenant's first request ends; the light client sends its next one 50 ms later.
+/// With a 400 ms anticipation the engine does not step in between; without it the
+/// flood keeps stepping.
+#[tokio::test]
+async fn the_engine_waits_briefly_for_a_finished_tenants_next_request() {
+    for (anticipation, waits) in [(Duration::from_millis(400), true), (Duration::ZERO, false)] {
+        let cfg = weft_scheduler::SchedulerConfig {
+            anticipation,
+            ..sched_config()
+        };
+        let fake = weft_scheduler::fake::FakeConfig {
+            max_context: 65536,
+            kv_blocks: 5000,
+            eos_token_ids: vec![],
+            verify_kv: false,
+            ..fake_config()
+        };
+        let engine = Engine::start(
+            cfg,
+            move || Ok::<_, String>(FakeModel::new(fake.clone())),
+            Arc::new(FakeDetokenizer),
+        )
+        .expect("engine starts");
+        let flood = engine
+            .submit(Request::new("flood", vec![1, 2, 3], 60000))
+            .unwrap();
+        eventually(|| engine.stats().steps >= 5).await;
+        let first = engine
+            .submit(Request::new("light", vec![4, 5, 6], 2))
+            .unwrap();
+        assert_eq!(collect(first).await.0.len(), 2);
+        let s0 = engine.stats().steps;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let s1 = engine.stats().steps;
+        let next = engine
+            .submit(Request::new("light", vec![7, 8, 9], 2))
+            .unwrap();
+        assert_eq!(collect(next).await.0.len(), 2);
+        let between = s1 - s0;
+        if waits {
+            assert!(between <= 2, "{between} steps while the engine anticipated");
+        } else {
+            assert!(between > 5, "only {between} steps without anticipation");
+        }
+        drop(flood);
+        engine.shutdown();
+    }
+}
