@@ -112,12 +112,6 @@ pub struct SchedulerConfig {
     /// bounded step, not for a whole batch of prompts. `f64::INFINITY`: such steps
     /// prefill as much as the token budget allows.
     pub burst_step_factor: f64,
-    /// Anticipatory scheduling: when a tenant's last row finishes while tenants
-    /// share the engine (`isolation_window`), the engine waits up to this long
-    /// before its next step for that tenant's next request (a client that sends it
-    /// as soon as the last one ends would otherwise wait for the whole step that
-    /// just began). Once per finished request; zero turns it off.
-    pub anticipation: Duration,
     /// Speculative decoding: the most draft tokens (from prompt lookup, see
     /// `draft.rs`) a decoding row verifies per step. Only greedy requests without
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
@@ -188,7 +182,6 @@ impl Default for SchedulerConfig {
             itl_target: ItlTarget::Off,
             isolation_window: Duration::from_secs(5),
             burst_step_factor: BURST_STEP_FACTOR,
-            anticipation: Duration::from_millis(3),
             speculate: 0,
             speculate_step_tokens: 8,
             max_waiting: 4096,

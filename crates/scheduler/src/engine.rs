@@ -440,13 +440,6 @@ fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: &std_mpsc::Receiver<Command>
                 }
             }
         }
-        if let Some(wait) = sched.anticipation(Instant::now()) {
-            // A client whose request just ended may send its next one at once.
-            match take(rx, sched, Some(wait)) {
-                Got::Stop => break 'outer,
-                Got::Handled | Got::Nothing => {}
-            }
-        }
         let t = Instant::now();
         let rep = sched.step(t);
         if rep.rows > 0 {

@@ -653,10 +653,6 @@ pub struct Scheduler<M: Model> {
     /// The last plan left the decoding rows out for a starting tenant's prefill
     /// ([`Self::plan_starting`]); the next one keeps them.
     decode_skipped: bool,
-    /// A tenant whose last row finished (nothing of it queued) while tenants
-    /// shared the engine, and when: the engine waits up to
-    /// [`SchedulerConfig::anticipation`] for its next request ([`Self::anticipation`]).
-    anticipate: Option<(usize, Instant)>,
     /// When the last pipelined step was collected while its successor was queued.
     last_collect: Option<Instant>,
     tenants: Vec<Tenant>,
@@ -778,7 +774,6 @@ impl<M: Model> Scheduler<M> {
             decode_times: VecDeque::new(),
             prefill_streak: 0,
             decode_skipped: false,
-            anticipate: None,
             last_collect: None,
             cfg,
             info,
@@ -850,27 +845,6 @@ impl<M: Model> Scheduler<M> {
     /// burst before stepping (see `SchedulerConfig::coalesce_gap`).
     pub fn only_waiting(&self) -> bool {
         self.running.is_empty() && !self.reqs.is_empty()
-    }
-
-    /// Anticipation (once per finished request): how long the engine may wait
-    /// before its next step for the next request of a tenant whose last row just
-    /// finished while tenants share the engine — a client that sends its next
-    /// request when the last one ends (a chat turn's tool call, an agent, a
-    /// pipeline) would otherwise arrive just after the next step began and wait all
-    /// of it; arriving before, it gets its prefill in the next step
-    /// ([`Self::plan_starting`]). None: step now.
-    pub fn anticipation(&mut self, now: Instant) -> Option<Duration> {
-        let (t, at) = self.anticipate.take()?;
-        let x = &self.tenants[t];
-        if x.running > 0 || !x.queue.is_empty() {
-            return None;
-        }
-        Some(
-            self.cfg
-                .anticipation
-                .saturating_sub(now.saturating_duration_since(at)),
-        )
-        .filter(|d| !d.is_zero())
     }
 
     /// The burst-coalescing window, if on: (gap, cap).
@@ -3098,15 +3072,6 @@ impl<M: Model> Scheduler<M> {
         };
         if let Some(id) = &r.r.request_id {
             self.by_client_id.remove(&(t, id.clone()));
-        }
-        if !was_waiting
-            && matches!(reason, FinishReason::Length | FinishReason::Stop)
-            && self.tenants[t].running == 0
-            && self.tenants[t].queue.is_empty()
-            && !self.cfg.anticipation.is_zero()
-            && self.tenants_share(now)
-        {
-            self.anticipate = Some((t, now));
         }
         let unused = r.r.max_tokens.saturating_sub(r.generated.len());
         self.admission
