@@ -96,6 +96,20 @@ fn requests(
         .collect()
 }
 
+/// A run under the auto ITL target (3x the decode step, at least 5 ms) with the
+/// targets the scheduler planned under, step by step.
+fn run_auto(mut cfg: SchedulerConfig, fake: FakeConfig, specs: &[Spec]) -> (Run, Vec<f64>) {
+    cfg.itl_target = ItlTarget::Auto {
+        factor: 3.0,
+        min: Duration::from_millis(5),
+    };
+    let mut targets = Vec::new();
+    let r = run(cfg, fake, FakeFaults::default(), specs, |_, s, _| {
+        targets.extend(s.stats().itl_target);
+    });
+    (r, targets)
+}
+
 /// A run with the fake model's simulated cost, no faults, nothing observed.
 fn run_timed(cfg: SchedulerConfig, fake: FakeConfig, specs: &[Spec]) -> Run {
     run(cfg, fake, FakeFaults::default(), specs, |_, _, _| {})
@@ -386,15 +400,7 @@ fn the_auto_target_follows_the_decode_step_cost() {
             step_cost: Some(cost),
             ..fake()
         };
-        let mut cfg = config(None);
-        cfg.itl_target = ItlTarget::Auto {
-            factor: 3.0,
-            min: Duration::from_millis(5),
-        };
-        let mut targets = Vec::new();
-        let auto = run(cfg, fake(), FakeFaults::default(), &specs, |_, s, _| {
-            targets.extend(s.stats().itl_target);
-        });
+        let (auto, targets) = run_auto(config(None), fake(), &specs);
         let plain = run_timed(config(None), fake(), &specs);
         assert_clean(&auto);
         assert_same_streams(&auto, &plain);
@@ -602,16 +608,11 @@ fn a_queue_is_admitted_as_the_batch_it_will_be() {
     // when the queue arrives (a server that has been up a while).
     let mut specs = requests(&mut g, "warm", "w", 2, (32, 400), 0);
     specs.extend(requests(&mut g, "flood", "q", 24, (384, 48), 40));
-    let mut cfg = config(None);
-    cfg.max_batch_rows = 32;
-    cfg.itl_target = ItlTarget::Auto {
-        factor: 3.0,
-        min: Duration::from_millis(5),
+    let cfg = SchedulerConfig {
+        max_batch_rows: 32,
+        ..config(None)
     };
-    let mut targets = Vec::new();
-    let auto = run(cfg, fake(), FakeFaults::default(), &specs, |_, s, _| {
-        targets.extend(s.stats().itl_target);
-    });
+    let (auto, targets) = run_auto(cfg, fake(), &specs);
     let plain = run_timed(config(None), fake(), &specs);
     assert_clean(&auto);
     assert_same_streams(&auto, &plain);
