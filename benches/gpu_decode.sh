@@ -26,7 +26,8 @@
 #           gemv: benches/gemv_probe.py (MLX's few-row matmuls vs Weft's GEMV kernels) at GEMV_ROWS
 #           and columns per warp GEMV_COLS (1,2,4; WEFT_GEMV_COLS sets the engine's);
 #           GEMV_SWEEP="0 8": the engine again with WEFT_GEMV_MAX_ROWS at each value (0 = off);
-#           long: weft bench-engine --scenario long-prompts (issue 17 item 1);
+#           long: weft bench-engine --scenario long-prompts (issue 17 item 1; LONG_TRACE=1 keeps
+#           the scheduler's per-step trace in long-trace.log.gz);
 #           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase), once per
 #           --isolation-window-ms in MIX_WINDOWS (default "5000 0": the window on, then off);
 #           soak: weft bench --scenario soak for SOAK_DURATION (default 300s);
@@ -308,7 +309,14 @@ if has kvq; then
 fi
 if has long; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R
-  /root/weft bench-engine --scenario long-prompts --model $M 2>&1 | tail -4 | tee -a $R
+  if [ -n "${LONG_TRACE:-}" ]; then
+    # The scheduler's per-step trace ("step cost": each step's shape and seconds), kept whole.
+    RUST_LOG=warn,weft_scheduler=trace /root/weft bench-engine --scenario long-prompts --model $M > $O/long-trace.log 2>&1 || true
+    tail -4 $O/long-trace.log | tee -a $R
+    gzip -f $O/long-trace.log
+  else
+    /root/weft bench-engine --scenario long-prompts --model $M 2>&1 | tail -4 | tee -a $R
+  fi
 fi
 up() { python3 - "$1" <<'PY'
 import sys, time, urllib.request

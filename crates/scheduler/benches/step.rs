@@ -80,6 +80,7 @@ fn setup(
         defer_sampling: false,
         adapter_slots: 0,
         state_slots: 0,
+        unmeasured_pipelined: false,
     };
     let cfg = SchedulerConfig {
         max_batch_rows: rows,

@@ -84,6 +84,10 @@ pub struct FakeConfig {
     /// leaves the state after its tokens there, staged until commit. Such a model
     /// takes no drafts.
     pub state_slots: u32,
+    /// With a `step_cost`: a step collected after `submit` (pipelined) reports no
+    /// seconds, as a real model reports none: the scheduler times it itself (here:
+    /// the fake's real, near-zero, time).
+    pub unmeasured_pipelined: bool,
 }
 
 /// Seconds a fake forward "takes": `base + per_decode_row * rows feeding one token +
@@ -152,6 +156,7 @@ impl Default for FakeConfig {
             defer_sampling: true,
             adapter_slots: 0,
             state_slots: 0,
+            unmeasured_pipelined: false,
         }
     }
 }
@@ -302,6 +307,8 @@ pub struct FakeModel {
     /// Every successful forward's and collect's (decoding rows, other tokens,
     /// simulated seconds) under [`FakeConfig::step_cost`], in the order returned.
     step_costs: Vec<(usize, usize, f64)>,
+    /// The last step was collected after `submit` (not run by `forward`).
+    last_pipelined: bool,
     /// Registered adapters, and the resident ones with the forward that last used each.
     adapters: std::collections::BTreeSet<u32>,
     resident: Vec<(u32, u64)>,
@@ -338,6 +345,7 @@ impl FakeModel {
             last_logits: Vec::new(),
             last_oom_rows: None,
             step_costs: Vec::new(),
+            last_pipelined: false,
             adapters: Default::default(),
             resident: Vec::new(),
             adapter_counters: Default::default(),
@@ -1018,11 +1026,15 @@ impl Model for FakeModel {
         if let Some(c) = self.staged.back().and_then(|st| st.cost) {
             self.step_costs.push(c);
         }
+        self.last_pipelined = false;
         Ok(out)
     }
 
     fn last_step_seconds(&self) -> Option<f64> {
         self.cfg.step_cost?;
+        if self.cfg.unmeasured_pipelined && self.last_pipelined {
+            return None;
+        }
         self.step_costs.last().map(|c| c.2)
     }
 
@@ -1138,6 +1150,7 @@ impl Model for FakeModel {
         if let Some(c) = self.staged[i].cost {
             self.step_costs.push(c);
         }
+        self.last_pipelined = true;
         self.staged[i]
             .out
             .take()

@@ -448,7 +448,7 @@ impl TimeFit {
         if self.target.is_none() || n == 0 {
             return;
         }
-        self.shape.add_chunk(start, n);
+        self.shape.add_prompt(start, n);
         self.prefilled = true;
         self.full |= n < wanted;
     }
@@ -653,8 +653,9 @@ pub struct Scheduler<M: Model> {
     /// The last plan left the decoding rows out for a starting tenant's prefill
     /// ([`Self::plan_starting`]); the next one keeps them.
     decode_skipped: bool,
-    /// When the last pipelined step was collected while its successor was queued.
-    last_collect: Option<Instant>,
+    /// When the in-flight pipelined step's time began: the collect of the step it
+    /// was queued behind, or its own launch with nothing in flight.
+    cost_since: Option<Instant>,
     tenants: Vec<Tenant>,
     tenant_ix: HashMap<String, usize>,
     labels: Vec<(String, TenantMetrics)>,
@@ -774,7 +775,7 @@ impl<M: Model> Scheduler<M> {
             decode_times: VecDeque::new(),
             prefill_streak: 0,
             decode_skipped: false,
-            last_collect: None,
+            cost_since: None,
             cfg,
             info,
             model,
@@ -1106,6 +1107,7 @@ impl<M: Model> Scheduler<M> {
                 self.bufs.rows = plan.rows;
                 StepReport::default()
             } else if self.pipelinable(&plan) {
+                self.cost_since = Some(Instant::now());
                 match self.launch(plan.rows) {
                     // Queued: collected at once, after its successor is queued.
                     Ok(rows) => self.resolve(rows, now),
@@ -2221,19 +2223,34 @@ impl<M: Model> Scheduler<M> {
             .model
             .last_step_seconds()
             .unwrap_or_else(|| t.elapsed().as_secs_f64());
-        self.last_collect = None;
+        self.cost_since = None;
         self.settle(rows, &out)?;
         self.model.commit().map_err(StepFault::model)?;
         self.pool_commit();
-        self.observe_cost(rows, seconds);
+        self.observe_cost(rows, Some(seconds));
         let mut commits = std::mem::take(&mut self.bufs.commits);
         let rep = self.apply(rows, &mut commits, now);
         self.bufs.commits = commits;
         Ok(rep)
     }
 
-    /// Learns from a committed step of `rows` that took `seconds`.
-    fn observe_cost(&mut self, rows: &[Planned], seconds: f64) {
+    /// Learns from a committed step of `rows` that took `seconds` (None: not
+    /// measured). Every committed step counts toward the decode-only probe
+    /// ([`DECODE_PROBE_EVERY`]), measured or not: a probe that went unmeasured
+    /// must still end the streak, or no prompt chunk would run beside decoding rows
+    /// again (on a GPU a lone decode step runs pipelined; before its launch was
+    /// timed, none was measured, and a prompt waited for every stream to finish).
+    fn observe_cost(&mut self, rows: &[Planned], seconds: Option<f64>) {
+        // (A step whose prompt chunks are all of one token is not a decode step:
+        // the ITL target, a multiple of the decode steps' median, must not follow
+        // it, though the cost model prices such a chunk as a decoding row.)
+        let decode_only = !rows.iter().any(|p| p.prefill);
+        self.prefill_streak = if decode_only {
+            0
+        } else {
+            self.prefill_streak.saturating_add(1)
+        };
+        let Some(seconds) = seconds else { return };
         let shape = shape_of(rows);
         trace!(
             predicted_ms = self.cost.predict(&shape).map(|t| t * 1e3),
@@ -2245,14 +2262,7 @@ impl<M: Model> Scheduler<M> {
             "step cost"
         );
         self.cost.observe(&shape, seconds);
-        self.prefill_streak = if shape.prefill_tokens == 0 {
-            0
-        } else {
-            self.prefill_streak.saturating_add(1)
-        };
-        // (A step whose prompt chunks are all of one token is not a decode step:
-        // the ITL target, a multiple of the decode steps' median, must not follow it.)
-        if shape.prefill_tokens == 0 && seconds.is_finite() && seconds >= 0.0 {
+        if decode_only && seconds.is_finite() && seconds >= 0.0 {
             if self.decode_times.len() == DECODE_TIMES {
                 self.decode_times.pop_front();
             }
@@ -2419,19 +2429,18 @@ impl<M: Model> Scheduler<M> {
             .and_then(|out| self.settle(&rows, &out).map_err(StepFault::from))
             .and_then(|()| self.model.commit().map_err(StepFault::model));
         if settled.is_ok() {
-            // A pipelined step's cost: the model's measure, else the time between
-            // consecutive collects (the step period while steps queue back to back).
+            // A pipelined step's cost: the model's measure, else the time since its
+            // timing began (the collect of the step it queued behind: the step
+            // period while steps queue back to back; or its own launch).
             let now_i = Instant::now();
             let seconds = self
                 .model
                 .last_step_seconds()
-                .or_else(|| self.last_collect.map(|t| (now_i - t).as_secs_f64()));
-            if let Some(seconds) = seconds {
-                self.observe_cost(&rows, seconds);
-            }
-            self.last_collect = chained.then_some(now_i);
+                .or_else(|| self.cost_since.map(|t| (now_i - t).as_secs_f64()));
+            self.observe_cost(&rows, seconds);
+            self.cost_since = chained.then_some(now_i);
         } else {
-            self.last_collect = None;
+            self.cost_since = None;
         }
         if let Err(e) = settled {
             if chained {
@@ -2544,7 +2553,7 @@ impl<M: Model> Scheduler<M> {
             Err(e) => {
                 self.undo_newest();
                 self.count_rollback(&e.to_string(), "following step not sampled");
-                self.last_collect = None;
+                self.cost_since = None;
                 if matches!(e, ModelError::OutOfMemory(_)) {
                     self.split_after_oom(&next);
                 }
@@ -3285,7 +3294,7 @@ fn shape_of(rows: &[Planned]) -> StepShape {
     let mut s = StepShape::default();
     for p in rows {
         if p.prefill {
-            s.add_chunk(p.start, p.n);
+            s.add_prompt(p.start, p.n);
         } else {
             s.add(p.start, p.n);
         }
