@@ -81,6 +81,7 @@ fn setup(
         adapter_slots: 0,
         state_slots: 0,
         unmeasured_pipelined: false,
+        new_shape_cost: 0.0,
     };
     let cfg = SchedulerConfig {
         max_batch_rows: rows,

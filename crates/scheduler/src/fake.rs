@@ -88,6 +88,10 @@ pub struct FakeConfig {
     /// seconds, as a real model reports none: the scheduler times it itself (here:
     /// the fake's real, near-zero, time).
     pub unmeasured_pipelined: bool,
+    /// With a `step_cost`: seconds added to a step with a prompt chunk of a length
+    /// the fake has not run before (a GPU's first call of a new shape: MLX's CUDA
+    /// backend plans every new one). 0: none.
+    pub new_shape_cost: f64,
 }
 
 /// Seconds a fake forward "takes": `base + per_decode_row * rows feeding one token +
@@ -157,6 +161,7 @@ impl Default for FakeConfig {
             adapter_slots: 0,
             state_slots: 0,
             unmeasured_pipelined: false,
+            new_shape_cost: 0.0,
         }
     }
 }
@@ -309,6 +314,8 @@ pub struct FakeModel {
     step_costs: Vec<(usize, usize, f64)>,
     /// The last step was collected after `submit` (not run by `forward`).
     last_pipelined: bool,
+    /// Chunk lengths run so far (for `new_shape_cost`).
+    shapes_seen: std::collections::HashSet<usize>,
     /// Registered adapters, and the resident ones with the forward that last used each.
     adapters: std::collections::BTreeSet<u32>,
     resident: Vec<(u32, u64)>,
@@ -346,6 +353,7 @@ impl FakeModel {
             last_oom_rows: None,
             step_costs: Vec::new(),
             last_pipelined: false,
+            shapes_seen: Default::default(),
             adapters: Default::default(),
             resident: Vec::new(),
             adapter_counters: Default::default(),
@@ -885,6 +893,13 @@ impl FakeModel {
         } else {
             (StepOutput::default(), HashMap::new(), Some(data))
         };
+        let mut first_calls = 0;
+        if self.cfg.step_cost.is_some() && self.cfg.new_shape_cost > 0.0 {
+            for r in batch.iter().filter(|r| r.tokens.len() > 1) {
+                first_calls += usize::from(self.shapes_seen.insert(r.tokens.len()));
+            }
+        }
+        let first_calls = first_calls as f64 * self.cfg.new_shape_cost;
         let cost = self.cfg.step_cost.map(|c| {
             let decode = batch.iter().filter(|r| r.tokens.len() == 1).count();
             let other = batch
@@ -895,7 +910,11 @@ impl FakeModel {
             let u = (mix64(0x5eed_c057 ^ self.stats.forwards) >> 11) as f64 / (1u64 << 53) as f64
                 * 2.0
                 - 1.0;
-            (decode, other, c.of(batch) * (1.0 + c.jitter * u))
+            (
+                decode,
+                other,
+                c.of(batch) * (1.0 + c.jitter * u) + first_calls,
+            )
         });
         self.staged.push_back(Staged {
             rows: staged,

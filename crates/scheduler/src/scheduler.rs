@@ -430,6 +430,8 @@ struct TimeFit {
     prefilled: bool,
     /// A chunk was cut to fit: nothing more goes in.
     full: bool,
+    /// The first chunk takes at least two tokens ([`CHUNK_PROBE_EVERY`]).
+    probe: bool,
 }
 
 impl TimeFit {
@@ -440,7 +442,12 @@ impl TimeFit {
             return 0;
         }
         let min = if self.prefilled { 0 } else { self.min };
-        cost.prefill_within(&self.shape, start, min, n, target)
+        let fit = cost.prefill_within(&self.shape, start, min, n, target);
+        if self.probe && !self.prefilled {
+            fit.max(2.min(n))
+        } else {
+            fit
+        }
     }
 
     /// Adds a chunk of `n` tokens (at most what [`Self::allowed`] gave for `wanted`).
@@ -506,6 +513,16 @@ const DECODE_TIMES: usize = 33;
 /// guess, and the auto target's decode median goes stale. One plain step in 33
 /// keeps both measured, for ~3% of a long prompt's pace.
 const DECODE_PROBE_EVERY: u32 = 32;
+/// Under an ITL target, after this many steps in a row whose prompt chunks were
+/// all of one token (the least that fits by the prediction, beside decoding rows),
+/// the next step's first chunk takes two. The model runs a prompt's token after
+/// others as a decoding row, so such steps teach the cost model nothing of
+/// prefilling, and a prediction too high stays so: on an H100 one slow step (a
+/// first call of a new shape) put 15 us a context key into the fit, no chunk of
+/// the 7000-token prompt fitted the target after it, and the prompt went a token
+/// a step for 2000 steps. Two tokens are a chunk (its fixed cost, its context
+/// read) at the least cost of one.
+const CHUNK_PROBE_EVERY: u32 = 32;
 
 /// The token a pipelined step's row is appended with until the pick it follows is read
 /// (any id inside every vocabulary; the model feeds the real pick).
@@ -650,6 +667,9 @@ pub struct Scheduler<M: Model> {
     decode_times: VecDeque<f64>,
     /// Committed steps since the last that carried no prompt chunk.
     prefill_streak: u32,
+    /// Committed steps in a row whose prompt chunks were all of one token (see
+    /// [`CHUNK_PROBE_EVERY`]); steps without a prompt chunk leave it.
+    starved_streak: u32,
     /// The last plan left the decoding rows out for a starting tenant's prefill
     /// ([`Self::plan_starting`]); the next one keeps them.
     decode_skipped: bool,
@@ -774,6 +794,7 @@ impl<M: Model> Scheduler<M> {
             cost: StepCost::new(),
             decode_times: VecDeque::new(),
             prefill_streak: 0,
+            starved_streak: 0,
             decode_skipped: false,
             cost_since: None,
             cfg,
@@ -1594,6 +1615,7 @@ impl<M: Model> Scheduler<M> {
             full: target.is_some()
                 && shape.decode_rows > 0
                 && self.prefill_streak >= DECODE_PROBE_EVERY,
+            probe: self.starved_streak >= CHUNK_PROBE_EVERY,
         }
     }
 
@@ -2250,6 +2272,11 @@ impl<M: Model> Scheduler<M> {
         } else {
             self.prefill_streak.saturating_add(1)
         };
+        if rows.iter().any(|p| p.prefill && p.n > 1) {
+            self.starved_streak = 0;
+        } else if !decode_only {
+            self.starved_streak = self.starved_streak.saturating_add(1);
+        }
         let Some(seconds) = seconds else { return };
         let shape = shape_of(rows);
         trace!(

@@ -718,8 +718,13 @@ fn a_starting_tenants_prefill_runs_without_the_others_decoding_rows() {
 /// The decode-only probe (a step now and then without chunks, so the rows' own cost
 /// stays measured) runs pipelined, and a lone pipelined step went unmeasured: it did
 /// not end the streak, so every later step was a probe and the prompts waited for
-/// the streams to finish (on an H200: 2189 steps, TTFT 14 s). Now the prompts join in
-/// chunks that amortize the fixed cost: their first tokens come within ~100 steps.
+/// the streams to finish (on an H200: 2189 steps, TTFT 14 s; here 2773 steps).
+/// Again with the first call of every new chunk length 15 ms slower (MLX CUDA plans
+/// each new shape): one such step put the cost of a context key 100x too high
+/// into the fit, no chunk fitted after it, and the prompt went a token a step
+/// (those run as decode rows, and teach the fit nothing of prefilling) for 2000
+/// steps on an H100; here 2100. Now the prompts' first tokens come within ~150
+/// steps either way.
 #[test]
 fn prompts_keep_joining_when_the_model_does_not_time_its_steps() {
     let cost = FakeStepCost {
@@ -745,35 +750,40 @@ fn prompts_keep_joining_when_the_model_does_not_time_its_steps() {
         r.request_id = Some(format!("long{len}"));
         specs.push(Spec::at(at, r));
     }
-    let fake = FakeConfig {
-        step_cost: Some(cost),
-        unmeasured_pipelined: true,
-        ..fake()
-    };
-    let r = run_timed(config(Some(Duration::from_millis(20))), fake, &specs);
-    assert_clean(&r);
-    let costs = r.sched.model().step_costs();
-    let mixed = mixed_steps(&r);
-    let tokens: usize = costs
-        .iter()
-        .filter(|c| c.0 > 0 && c.1 > 0)
-        .map(|c| c.1)
-        .sum();
-    let first: Vec<u64> = r.outcomes[8..]
-        .iter()
-        .map(|o| o.first_token_step.unwrap())
-        .collect();
-    eprintln!(
-        "first tokens after {first:?} steps; {} mixed steps, {tokens} prefill tokens, p99 {:.4} s",
-        mixed.len(),
-        p99(&mixed)
-    );
-    for (o, steps) in r.outcomes[8..].iter().zip(&first) {
-        assert!(
-            *steps <= 150,
-            "{:?}: first token after {steps} steps",
-            o.finished.as_ref().map(|f| f.reason)
+    for new_shape_cost in [0.0, 15e-3] {
+        let fake = FakeConfig {
+            step_cost: Some(cost),
+            unmeasured_pipelined: true,
+            new_shape_cost,
+            ..fake()
+        };
+        let r = run_timed(config(Some(Duration::from_millis(20))), fake, &specs);
+        assert_clean(&r);
+        let costs = r.sched.model().step_costs();
+        let mixed = mixed_steps(&r);
+        let tokens: usize = costs
+            .iter()
+            .filter(|c| c.0 > 0 && c.1 > 0)
+            .map(|c| c.1)
+            .sum();
+        let first: Vec<u64> = r.outcomes[8..]
+            .iter()
+            .map(|o| o.first_token_step.unwrap())
+            .collect();
+        eprintln!(
+            "new shapes +{new_shape_cost} s: first tokens after {first:?} steps; {} mixed steps, \
+             {tokens} prefill tokens, p99 {:.4} s",
+            mixed.len(),
+            p99(&mixed)
         );
+        for steps in &first {
+            assert!(
+                *steps <= 150,
+                "new shapes +{new_shape_cost} s: first tokens after {first:?} steps"
+            );
+        }
+        if new_shape_cost == 0.0 {
+            assert!(p99(&mixed[4.min(mixed.len())..]) <= 1.5 * 20e-3);
+        }
     }
-    assert!(p99(&mixed[4.min(mixed.len())..]) <= 1.5 * 20e-3);
 }
