@@ -57,11 +57,8 @@ pub enum ItlTarget {
     /// or the predicted cost of the batch once the waiting requests are in it when
     /// that is more), and at least `min`: follows the device, the model and the
     /// batch (a bigger batch's streams already wait longer per token, so a prompt
-    /// may take a proportional share). At least that decode step plus the fixed
-    /// cost of a step that prefills (learned; on a GPU a plain decode step runs
-    /// compiled and one with a prompt chunk op by op, 13-18 ms more at 1.2B on an
-    /// H100): a chunk then always fits beside the decoding rows within the bound
-    /// it is amortized under. No bound until the cost model has seen enough steps.
+    /// may take a proportional share). No bound until the cost model has seen
+    /// enough steps.
     Auto { factor: f64, min: Duration },
 }
 

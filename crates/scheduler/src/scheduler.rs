@@ -1596,11 +1596,9 @@ impl<M: Model> Scheduler<M> {
         let itl = match self.cfg.itl_target {
             ItlTarget::Off => None,
             ItlTarget::Fixed(t) => Some(t.as_secs_f64()),
-            ItlTarget::Auto { factor, min } => self.decode_median().map(|d| {
-                let d = d.max(self.admitted_decode_cost());
-                let f = self.cost.prefill_overhead().unwrap_or(0.0);
-                (d * factor).max(min.as_secs_f64()).max(d + f)
-            }),
+            ItlTarget::Auto { factor, min } => self
+                .decode_median()
+                .map(|d| (d.max(self.admitted_decode_cost()) * factor).max(min.as_secs_f64())),
         };
         let target = if rows.is_empty() && !self.tenants_share(now) {
             itl.map(|t| t * self.cfg.burst_step_factor)
