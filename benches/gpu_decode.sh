@@ -27,7 +27,9 @@
 #           and columns per warp GEMV_COLS (1,2,4; WEFT_GEMV_COLS sets the engine's);
 #           GEMV_SWEEP="0 8": the engine again with WEFT_GEMV_MAX_ROWS at each value (0 = off);
 #           long: weft bench-engine --scenario long-prompts (issue 17 item 1; LONG_TRACE=1 keeps
-#           the scheduler's per-step trace in long-trace.log.gz);
+#           the scheduler's per-step trace in long-trace-BIN.log.gz);
+#           WEFT_BINS="weft_base weft" runs long and mix once per binary (BASE_WEFT=path at
+#           staging stages an older build as weft_base: A/B on one machine);
 #           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase), once per
 #           --isolation-window-ms in MIX_WINDOWS (default "5000 0": the window on, then off);
 #           soak: weft bench --scenario soak for SOAK_DURATION (default 300s);
@@ -76,6 +78,12 @@ for b in weft examples/decode_timing examples/paged_attention_check examples/fus
   strip -o .gpustash/$n target/release/$b
   xz -T0 -6 -c .gpustash/$n > .gpustash/d1/$n.xz && rm .gpustash/$n
 done
+# BASE_WEFT=path/to/an/older/weft stages it as weft_base, for A/B runs in one call
+# (WEFT_BINS="weft_base weft": the long and mix steps run once per binary).
+if [ -n "${BASE_WEFT:-}" ]; then
+  strip -o .gpustash/weft_base "$BASE_WEFT"
+  xz -T0 -6 -c .gpustash/weft_base > .gpustash/d1/weft_base.xz && rm .gpustash/weft_base
+fi
 # The LoRA parity test (mlx-lm as the oracle) runs on the GPU too when built:
 # `cargo test -p weft-models --test lora_parity --no-run` first.
 LP=$(ls -t target/debug/deps/lora_parity-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
@@ -88,8 +96,8 @@ cat > .gpustash/d2/run.sh <<'EOS'
 #!/usr/bin/env bash
 set -e
 W=/root/ws; O=${OUT:-/tmp}; R=$O/gpu-decode.txt
-for n in weft decode_timing paged_attention_check fused_decode_check; do
-  [ -x /root/$n ] || { xz -d -c $W/$n.xz > /root/$n && chmod +x /root/$n; }
+for n in weft decode_timing paged_attention_check fused_decode_check weft_base; do
+  [ -x /root/$n ] || [ ! -f $W/$n.xz ] || { xz -d -c $W/$n.xz > /root/$n && chmod +x /root/$n; }
 done
 nvidia-smi -L | tee -a $R
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a $R || true
@@ -309,14 +317,17 @@ if has kvq; then
 fi
 if has long; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R
+  for B in ${WEFT_BINS:-weft}; do
+  echo "-- /root/$B" | tee -a $R
   if [ -n "${LONG_TRACE:-}" ]; then
     # The scheduler's per-step trace ("step cost": each step's shape and seconds), kept whole.
-    RUST_LOG=warn,weft_scheduler=trace /root/weft bench-engine --scenario long-prompts --model $M > $O/long-trace.log 2>&1 || true
-    tail -4 $O/long-trace.log | tee -a $R
-    gzip -f $O/long-trace.log
+    RUST_LOG=warn,weft_scheduler=trace /root/$B bench-engine --scenario long-prompts --model $M > $O/long-trace-$B.log 2>&1 || true
+    tail -4 $O/long-trace-$B.log | tee -a $R
+    gzip -f $O/long-trace-$B.log
   else
-    /root/weft bench-engine --scenario long-prompts --model $M 2>&1 | tail -4 | tee -a $R
+    /root/$B bench-engine --scenario long-prompts --model $M 2>&1 | tail -4 | tee -a $R
   fi
+  done
 fi
 up() { python3 - "$1" <<'PY'
 import sys, time, urllib.request
@@ -331,16 +342,18 @@ PY
 if has mix; then
   # MIX_WINDOWS: --isolation-window-ms values to run one after the other (default: 5000 0,
   # the isolation window on, then off).
+  for B in ${WEFT_BINS:-weft}; do
   for win in ${MIX_WINDOWS:-5000 0}; do
-  echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16, --isolation-window-ms $win" | tee -a $R
-  /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off \
+  echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16, --isolation-window-ms $win, /root/$B" | tee -a $R
+  /root/$B serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off \
     --isolation-window-ms $win > $O/weft-mix-$win.log 2>&1 &
   P=$!
   up http://127.0.0.1:50563/metrics
   for _ in $(seq 240); do grep -q "ready: serving" $O/weft-mix-$win.log && break; sleep 0.5; done
   /root/weft bench --scenario tenant-mix --target grpc://127.0.0.1:50561 --tenant flood:flood-key --tenant light:light-key \
-    --flood-streams ${MIX_FLOOD:-48} --phase-duration ${MIX_PHASE:-30s} --warmup 8 --quiet --json $O/mix-$win.json 2>&1 | tee -a $R
+    --flood-streams ${MIX_FLOOD:-48} --phase-duration ${MIX_PHASE:-30s} --warmup 8 --quiet --json $O/mix-$win-$B.json 2>&1 | tee -a $R
   kill -TERM $P; wait $P || true
+  done
   done
 fi
 if has soak; then
