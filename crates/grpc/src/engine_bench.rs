@@ -245,6 +245,11 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         decode_prefill_tokens: args.decode_prefill_tokens,
         speculate: args.speculate,
         speculate_step_tokens: args.speculate_step_tokens,
+        prefill_granule: if gpu {
+            weft_scheduler::GPU_PREFILL_GRANULE
+        } else {
+            1
+        },
         ..SchedulerConfig::default()
     };
     // Room for every stream's whole context (16-token blocks, each row's last

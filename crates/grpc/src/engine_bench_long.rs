@@ -200,6 +200,11 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<LongPromptsReport> {
         itl_target: crate::engine_bench::itl_target(Some(setting), setting, gpu)?,
         speculate: args.speculate,
         speculate_step_tokens: args.speculate_step_tokens,
+        prefill_granule: if gpu {
+            weft_scheduler::GPU_PREFILL_GRANULE
+        } else {
+            1
+        },
         ..SchedulerConfig::default()
     };
     let tokens = args.streams * (args.prompt_tokens + STREAM_TOKENS)

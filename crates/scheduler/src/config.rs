@@ -74,6 +74,12 @@ impl ItlTarget {
     }
 }
 
+/// [`SchedulerConfig::prefill_granule`] on a GPU (`weft serve`, `weft
+/// bench-engine`): chunks cut to fit the ITL target in multiples of a KV block. On
+/// an H100's long-prompts trace, a chunk at a length not run before took over 1.4x
+/// its prediction 12 times in 51, one at a length run before 4 times in 104.
+pub const GPU_PREFILL_GRANULE: usize = 16;
+
 /// [`SchedulerConfig::burst_step_factor`]'s default: a lone tenant's prompt-only
 /// step runs up to 4 targets (on a CPU ~0.6 s, its fixed cost ~5% of it).
 pub const BURST_STEP_FACTOR: f64 = 4.0;
@@ -112,6 +118,12 @@ pub struct SchedulerConfig {
     /// bounded step, not for a whole batch of prompts. `f64::INFINITY`: such steps
     /// prefill as much as the token budget allows.
     pub burst_step_factor: f64,
+    /// A prompt chunk cut to fit `itl_target` is cut to a multiple of this many
+    /// tokens when it is at least that long (the whole rest of a prompt is not cut).
+    /// On a GPU every new chunk length is a new shape, whose first call runs slow
+    /// (MLX's CUDA backend plans it): a chunk at each length the target happens to
+    /// leave made a slow step of many (see [`GPU_PREFILL_GRANULE`]). 1: any length.
+    pub prefill_granule: usize,
     /// Speculative decoding: the most draft tokens (from prompt lookup, see
     /// `draft.rs`) a decoding row verifies per step. Only greedy requests without
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
@@ -182,6 +194,7 @@ impl Default for SchedulerConfig {
             itl_target: ItlTarget::Off,
             isolation_window: Duration::from_secs(5),
             burst_step_factor: BURST_STEP_FACTOR,
+            prefill_granule: 1,
             speculate: 0,
             speculate_step_tokens: 8,
             max_waiting: 4096,

@@ -97,7 +97,9 @@ pub mod scheduler;
 pub mod step_cost;
 mod util;
 
-pub use config::{ItlTarget, SchedulerConfig, TenantLimits, VtcWeights, BURST_STEP_FACTOR};
+pub use config::{
+    ItlTarget, SchedulerConfig, TenantLimits, VtcWeights, BURST_STEP_FACTOR, GPU_PREFILL_GRANULE,
+};
 pub use constraint::{Constraint, ConstraintSpec, Grammars};
 pub use engine::{AdapterCallError, Engine, EngineError, EngineHandle, FailureHook};
 pub use fault::{FaultPlan, FaultPoint};

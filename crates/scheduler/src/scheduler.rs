@@ -432,6 +432,8 @@ struct TimeFit {
     full: bool,
     /// The first chunk takes at least two tokens ([`CHUNK_PROBE_EVERY`]).
     probe: bool,
+    /// [`SchedulerConfig::prefill_granule`] (at least 1).
+    granule: usize,
 }
 
 impl TimeFit {
@@ -442,7 +444,10 @@ impl TimeFit {
             return 0;
         }
         let min = if self.prefilled { 0 } else { self.min };
-        let fit = cost.prefill_within(&self.shape, start, min, n, target);
+        let mut fit = cost.prefill_within(&self.shape, start, min, n, target);
+        if fit < n && fit >= self.granule {
+            fit -= fit % self.granule;
+        }
         if self.probe && !self.prefilled {
             fit.max(2.min(n))
         } else {
@@ -1616,6 +1621,7 @@ impl<M: Model> Scheduler<M> {
                 && shape.decode_rows > 0
                 && self.prefill_streak >= DECODE_PROBE_EVERY,
             probe: self.starved_streak >= CHUNK_PROBE_EVERY,
+            granule: self.cfg.prefill_granule.max(1),
         }
     }
 

@@ -787,3 +787,44 @@ fn prompts_keep_joining_when_the_model_does_not_time_its_steps() {
         }
     }
 }
+
+/// `prefill_granule` (a GPU's 16): a chunk cut to fit the target is cut to a
+/// multiple of a block, so the steps run few chunk lengths (each new one is a new
+/// shape, slow on its first call on a GPU); only the rest of a prompt keeps its
+/// own length. Without it the target leaves chunks of every length. The streams are
+/// the same either way.
+#[test]
+fn chunks_cut_to_the_target_come_in_multiples_of_the_granule() {
+    let run_with = |granule: usize| {
+        let cfg = SchedulerConfig {
+            prefill_granule: granule,
+            ..config(Some(TARGET))
+        };
+        run_timed(cfg, fake(), &workload())
+    };
+    let (cut, any) = (run_with(16), run_with(1));
+    assert_clean(&cut);
+    assert_same_streams(&cut, &any);
+    let odd = |r: &Run| {
+        let mut lens: Vec<usize> = r
+            .sched
+            .model()
+            .step_costs()
+            .iter()
+            .filter(|c| c.0 > 0 && c.1 >= 16 && c.1 % 16 != 0)
+            .map(|c| c.1)
+            .collect();
+        lens.sort_unstable();
+        lens.dedup();
+        lens
+    };
+    let (o_cut, o_any) = (odd(&cut), odd(&any));
+    eprintln!(
+        "lengths off the granule: {o_cut:?} with it, {} without",
+        o_any.len()
+    );
+    // The two prompts' last chunks (and a step carrying both prompts' chunks).
+    assert!(o_cut.len() <= 3, "{o_cut:?}");
+    assert!(o_any.len() > 10, "{o_any:?}");
+    assert!(cut.outcomes.iter().all(|o| o.finished.is_some()));
+}

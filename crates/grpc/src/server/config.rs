@@ -422,6 +422,8 @@ pub struct Settings {
     pub prefill_chunk: usize,
     pub decode_prefill_tokens: Option<usize>,
     pub itl_target: weft_scheduler::ItlTarget,
+    /// `SchedulerConfig::prefill_granule`: a KV block on a GPU, 1 on the CPU.
+    pub prefill_granule: usize,
     pub isolation_window: Duration,
     pub speculate: usize,
     pub speculate_step_tokens: usize,
@@ -570,6 +572,11 @@ impl Settings {
             prefill_chunk: args.prefill_chunk.or(file.prefill_chunk).unwrap_or(512),
             decode_prefill_tokens,
             itl_target,
+            prefill_granule: if gpu {
+                weft_scheduler::GPU_PREFILL_GRANULE
+            } else {
+                1
+            },
             isolation_window: Duration::from_millis(
                 args.isolation_window_ms
                     .or(file.isolation_window_ms)
@@ -727,6 +734,7 @@ impl Settings {
             prefill_chunk: self.prefill_chunk,
             decode_prefill_tokens: self.decode_prefill_tokens,
             itl_target: self.itl_target,
+            prefill_granule: self.prefill_granule,
             isolation_window: self.isolation_window,
             speculate: self.speculate,
             speculate_step_tokens: self.speculate_step_tokens,
