@@ -50,15 +50,21 @@ fn fake() -> FakeConfig {
 }
 
 fn workload() -> Vec<Spec> {
+    workload_of(300, [20, 60])
+}
+
+/// 8 streams generating `gen` tokens each, and a 2048- and a 7000-token prompt
+/// arriving at the steps `at`.
+fn workload_of(gen: usize, at: [u64; 2]) -> Vec<Spec> {
     let mut g = rng(17);
     let mut specs: Vec<Spec> = (0..8)
         .map(|i| {
-            let mut r = Request::new("decode", prompt(&mut g, 24 + i), 300);
+            let mut r = Request::new("decode", prompt(&mut g, 24 + i), gen);
             r.request_id = Some(format!("d{i}"));
             Spec::at(0, r)
         })
         .collect();
-    for (at, len) in [(20u64, 2048usize), (60, 7000)] {
+    for (at, len) in at.into_iter().zip([2048usize, 7000]) {
         let mut r = Request::new("long", prompt(&mut g, len), 4);
         r.request_id = Some(format!("long{len}"));
         specs.push(Spec::at(at, r));
@@ -737,19 +743,7 @@ fn prompts_keep_joining_when_the_model_does_not_time_its_steps() {
         overlap: false,
         per_mixed_step: 12e-3,
     };
-    let mut g = rng(17);
-    let mut specs: Vec<Spec> = (0..8)
-        .map(|i| {
-            let mut r = Request::new("decode", prompt(&mut g, 24 + i), 3000);
-            r.request_id = Some(format!("d{i}"));
-            Spec::at(0, r)
-        })
-        .collect();
-    for (at, len) in [(200u64, 2048usize), (240, 7000)] {
-        let mut r = Request::new("long", prompt(&mut g, len), 4);
-        r.request_id = Some(format!("long{len}"));
-        specs.push(Spec::at(at, r));
-    }
+    let specs = workload_of(3000, [200, 240]);
     for new_shape_cost in [0.0, 15e-3] {
         let fake = FakeConfig {
             step_cost: Some(cost),
