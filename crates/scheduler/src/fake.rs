@@ -84,9 +84,10 @@ pub struct FakeConfig {
     /// leaves the state after its tokens there, staged until commit. Such a model
     /// takes no drafts.
     pub state_slots: u32,
-    /// With a `step_cost`: a step collected after `submit` (pipelined) reports no
-    /// seconds, as a real model reports none: the scheduler times it itself (here:
-    /// the fake's real, near-zero, time).
+    /// With a `step_cost`: a decode-only step collected after `submit` (pipelined)
+    /// reports no seconds, as a real model reports none: the scheduler times it
+    /// itself (here: the fake's real, near-zero, time; steps with a prompt chunk keep
+    /// their simulated cost, so the cost model still sees what chunks cost).
     pub unmeasured_pipelined: bool,
     /// With a `step_cost`: seconds added to a step with a prompt chunk of a length
     /// the fake has not run before (a GPU's first call of a new shape: MLX's CUDA
@@ -312,7 +313,8 @@ pub struct FakeModel {
     /// Every successful forward's and collect's (decoding rows, other tokens,
     /// simulated seconds) under [`FakeConfig::step_cost`], in the order returned.
     step_costs: Vec<(usize, usize, f64)>,
-    /// The last step was collected after `submit` (not run by `forward`).
+    /// The last step was a decode-only one collected after `submit` (not run by
+    /// `forward`).
     last_pipelined: bool,
     /// Chunk lengths run so far (for `new_shape_cost`).
     shapes_seen: std::collections::HashSet<usize>,
@@ -1169,7 +1171,8 @@ impl Model for FakeModel {
         if let Some(c) = self.staged[i].cost {
             self.step_costs.push(c);
         }
-        self.last_pipelined = true;
+        // (Decode-only: every row feeds one token.)
+        self.last_pipelined = self.staged[i].cost.is_some_and(|c| c.1 == 0);
         self.staged[i]
             .out
             .take()

@@ -2315,12 +2315,16 @@ impl<M: Model> Scheduler<M> {
     }
 
     /// Whether the plan may run pipelined: the model pipelines, and every row gets its
-    /// next token from this step without a draft (so the next step can follow it).
+    /// next token from this step or feeds a prompt chunk, without a draft (so the next
+    /// step can follow it).
     fn pipelinable(&self, plan: &Plan) -> bool {
         self.pipelining()
             && !plan.probation
             && self.probation.is_empty()
-            && plan.rows.iter().all(|p| p.want_logits && p.draft == 0)
+            && plan
+                .rows
+                .iter()
+                .all(|p| p.draft == 0 && (p.want_logits || p.prefill))
     }
 
     /// Whether the next plain step of these `rows` could carry drafts: then it is
@@ -2369,15 +2373,19 @@ impl<M: Model> Scheduler<M> {
         }
     }
 
-    /// The step that follows the in-flight `rows` with every row decoding the token it
-    /// picks there — exactly what a plain plan would make of the next step — or empty
-    /// when that plan could differ (a request could join, a running request is not in
-    /// `rows`, memory is short), or nobody continues. With it, whether its sampling must
-    /// wait for the in-flight step's picks (a row with penalties or an output
-    /// constraint: their counts and mask follow from that pick); such a step is empty
-    /// unless the model defers sampling.
-    fn follow_plan(&self, rows: &[Planned]) -> (Vec<Planned>, bool) {
-        let mut next = Vec::new();
+    /// The step that follows the in-flight `rows`: every row that picks there decodes
+    /// the token it picks, and every row mid-prompt feeds its next chunk (its tokens
+    /// are known; sized to the step's time like a plain plan's chunk) — what a plain
+    /// plan would make of the next step — or empty when that plan could differ (a
+    /// request could join, a running request is not in `rows`, memory is short, a
+    /// prompt's next chunk gets nothing or the decode-only probe is due), or nobody
+    /// continues. With it, whether its sampling must wait for the in-flight step's
+    /// picks (a row with penalties or an output constraint: their counts and mask
+    /// follow from that pick); such a step is empty unless the model defers sampling.
+    /// Chaining a step with a prompt chunk lets the host build it while the device
+    /// runs the one before: on a GPU such a step runs op by op, its graph build
+    /// most of its cost.
+    fn follow_plan(&self, rows: &[Planned], now: Instant) -> (Vec<Planned>, bool) {
         let mut deferred = false;
         if !self.pipelining()
             || !self.probation.is_empty()
@@ -2385,18 +2393,33 @@ impl<M: Model> Scheduler<M> {
             || (self.running.len() < self.cfg.max_batch_rows && self.pick_tenant().is_some())
             || self.room_victim().is_some()
         {
-            return (next, false);
+            return (Vec::new(), false);
         }
         let mut need = Blocks::default();
         let mut live = 0;
-        for p in rows {
-            if !p.want_logits || p.draft > 0 {
+        // Per row of `rows`: its next step (decoding rows first, chunks after the fit).
+        let mut next: Vec<Option<Planned>> = vec![None; rows.len()];
+        let mut chunks = Vec::new();
+        let mut decoding = Vec::new();
+        for (i, p) in rows.iter().enumerate() {
+            let mid_prompt = p.prefill && !p.want_logits;
+            if p.draft > 0 || !(p.want_logits || mid_prompt) {
                 return (Vec::new(), false);
             }
             let Some(r) = self.reqs.at(p.slot).filter(|r| r.key == p.key) else {
                 continue;
             };
             live += 1;
+            if r.row.is_none_or(|x| x.row != p.row) {
+                continue;
+            }
+            // The pool holds `start` tokens of this row now (the in-flight step
+            // appended them), which is also the base of the next step's append.
+            let start = p.start + p.n;
+            if mid_prompt {
+                chunks.push((i, start, r.seq_len() - start));
+                continue;
+            }
             // Penalty counts and a constraint's mask both need this step's pick.
             if r.penalties.is_some() || r.r.constraint.is_some() {
                 if !self.model.defers_sampling() {
@@ -2404,26 +2427,51 @@ impl<M: Model> Scheduler<M> {
                 }
                 deferred = true;
             }
-            if r.generated.len() + 1 >= r.r.max_tokens || r.row.is_none_or(|x| x.row != p.row) {
+            if r.generated.len() + 1 >= r.r.max_tokens {
                 continue;
             }
-            // The pool holds `start` tokens of this row now (the in-flight step
-            // appended them), which is also the base of the next step's append.
-            let start = p.start + p.n;
             need = need.plus(self.grow(p.seq, start, 1));
-            next.push(Planned {
+            let q = Planned {
                 start,
                 n: 1,
                 prefill: false,
                 ..*p
-            });
+            };
+            decoding.push(q);
+            next[i] = Some(q);
+        }
+        if !chunks.is_empty() {
+            let mut fit = self.time_fit(&decoding, now);
+            let mut budget = self.prefill_budget(decoding.len());
+            for (i, start, rem) in chunks {
+                let p = &rows[i];
+                let wanted = self.cfg.prefill_chunk.min(rem).min(budget);
+                let n = if wanted == 0 {
+                    0
+                } else {
+                    fit.allowed(&self.cost, start, wanted)
+                };
+                if n == 0 {
+                    // The plain plan decides what this prompt gets (or the probe).
+                    return (Vec::new(), false);
+                }
+                fit.take(start, n, wanted);
+                budget -= n;
+                need = need.plus(self.grow(p.seq, start, n));
+                next[i] = Some(Planned {
+                    start,
+                    n,
+                    want_logits: n == rem,
+                    ..*p
+                });
+            }
         }
         // A running request this step left out (a prompt waiting for budget or
         // memory) would be planned by the next plain step: so plan that one.
         if !need.fits(self.available()) || live != self.running.len() {
-            next.clear();
+            return (Vec::new(), false);
         }
-        (next, deferred)
+        (next.into_iter().flatten().collect(), deferred)
     }
 
     /// Collects the in-flight step `rows` — after queueing the step that follows it, so
@@ -2432,7 +2480,7 @@ impl<M: Model> Scheduler<M> {
     /// (retries, bisection). A following step whose sampling is deferred gets it once
     /// `rows` is applied ([`sample_deferred`](Self::sample_deferred)).
     fn resolve(&mut self, rows: Vec<Planned>, now: Instant) -> StepReport {
-        let (next, deferred) = self.follow_plan(&rows);
+        let (next, deferred) = self.follow_plan(&rows, now);
         let mut chained = false;
         if !next.is_empty() {
             match self.open_step(&next, true) {
@@ -2661,6 +2709,9 @@ impl<M: Model> Scheduler<M> {
             });
         }
         for ((p, input), held) in rows.iter().zip(inputs.iter_mut()).zip(held.iter_mut()) {
+            // In a step that follows another, a row continuing its prompt feeds its
+            // next chunk (known on the host); the others the pick they follow.
+            let follows = follows && !p.prefill;
             // What this buffer last held: a table of the same row whose first
             // `ceil(held / bs)` blocks were committed then and are still the row's.
             // (Not `start_pos`: a step that follows another starts past what its

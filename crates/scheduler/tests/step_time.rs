@@ -822,3 +822,27 @@ fn chunks_cut_to_the_target_come_in_multiples_of_the_granule() {
     assert!(o_any.len() > 10, "{o_any:?}");
     assert!(cut.outcomes.iter().all(|o| o.finished.is_some()));
 }
+
+/// Steps that carry prompt chunks are queued behind the step before them, like
+/// decode steps: a prompt's next chunk is known before the step in flight is read,
+/// so the host builds it while the device runs that one (on a GPU a step with a
+/// chunk runs op by op, and its graph build is most of its cost). While the long
+/// prompts join 8 streams, almost every step is queued behind the one before; the
+/// streams are those of a run that never pipelines.
+#[test]
+fn steps_with_prompt_chunks_are_queued_behind_the_step_before() {
+    let plain_cfg = SchedulerConfig {
+        pipeline: false,
+        ..config(Some(TARGET))
+    };
+    let piped = run_timed(config(Some(TARGET)), fake(), &workload());
+    let plain = run_timed(plain_cfg, fake(), &workload());
+    assert_clean(&piped);
+    assert_same_streams(&piped, &plain);
+    let steps = piped.sched.model().step_costs().len() as u64;
+    let mixed = mixed_steps(&piped).len() as u64;
+    let chained = piped.sched.stats().pipelined_steps;
+    eprintln!("{chained} of {steps} steps queued behind the one before, {mixed} mixed");
+    assert!(chained * 10 >= steps * 9, "{chained} of {steps} chained");
+    assert!(chained > steps - mixed, "mixed steps chained too");
+}
