@@ -2,7 +2,8 @@
 //! submitted on the previous step's picks (still on the device) before those
 //! are read, as the engine's pipelined loop does. The tokens must be exactly
 //! those of one step at a time, also when rows join mid-way (a prefill beside
-//! following rows), when the queued step is rolled back, and when both open
+//! following rows), when a prompt goes in chunks each queued behind the step that
+//! fed the one before, when the queued step is rolled back, and when both open
 //! steps are rolled back after both wrote their KV. Runs on MLX's CPU backend
 //! (the same graph the GPU runs; there, the overlap is what it buys).
 
@@ -20,7 +21,15 @@ fn rows() -> Vec<(Vec<u32>, usize)> {
         (vec![9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 12], 0),
         (vec![100, 200, 300], 4),
         ((250..272).collect(), 9),
+        ((300..340).collect(), 12),
     ]
+}
+
+/// Rows whose prompt is fed in chunks of this many tokens, one a step (the last
+/// wants logits), as the engine chains a long prompt's chunks: each chunk is
+/// queued behind the step that fed the one before, its KV not read yet.
+fn chunk_of(row: usize) -> Option<usize> {
+    (row == 5).then_some(8)
 }
 
 const STEPS: usize = 24;
@@ -96,14 +105,15 @@ impl Driver {
         self
     }
 
-    /// Sampling parameters of `steps` from the rows' output now.
+    /// Sampling parameters of the rows of `steps` that want logits, from the rows'
+    /// output now.
     fn sampling(&self, steps: &[RowStep]) -> Vec<SampleRow> {
+        let wanting = steps.iter().filter(|s| s.want_logits);
         if !self.deferred {
-            return vec![SampleRow::default(); steps.len()];
+            return vec![SampleRow::default(); wanting.count()];
         }
         let vocab = self.runner.model().config.vocab_size as usize;
-        steps
-            .iter()
+        wanting
             .map(|s| stateful(s.row as usize, &self.out[s.row as usize], vocab))
             .collect()
     }
@@ -132,13 +142,19 @@ impl Driver {
             if s < join {
                 continue;
             }
+            let chunk = chunk_of(i).unwrap_or(prompt.len());
+            let fed = (s - join) * chunk;
             let (tokens, start, f) = if s == join {
                 let q = self
                     .pool
                     .allocate(SeqSpec::new(OwnerId(0)).salted(Salt(1)))
                     .unwrap();
                 self.seqs[i] = Some(q);
-                (prompt.clone(), 0, false)
+                (prompt[..chunk.min(prompt.len())].to_vec(), 0, false)
+            } else if fed < prompt.len() {
+                // The prompt's next chunk: known on the host, never a pick.
+                let end = (fed + chunk).min(prompt.len());
+                (prompt[fed..end].to_vec(), fed, false)
             } else {
                 let q = self.seqs[i].unwrap();
                 let start = self.pool.sequence(q).unwrap().len;
@@ -153,11 +169,13 @@ impl Driver {
             self.pool.append_tokens(q, &tokens).unwrap();
             let mut b = RowBlocks::default();
             b.copy_from(&self.pool.table(q, 0).unwrap());
+            // A prompt's chunk wants logits only where the prompt ends.
+            let want_logits = start + tokens.len() >= prompt.len();
             steps.push(RowStep {
                 row: i as u64,
                 tokens,
                 start_pos: start,
-                want_logits: true,
+                want_logits,
                 blocks: vec![b],
                 ..Default::default()
             });
@@ -288,6 +306,9 @@ fn pipelined_steps_pick_exactly_what_one_step_at_a_time_picks() {
             Fault::DropQueued(9),
             Fault::DropBoth(5),
             Fault::DropBoth(9),
+            // While row 5's prompt goes in chunks, each queued behind the last.
+            Fault::DropQueued(14),
+            Fault::DropBoth(15),
         ] {
             let got = Driver::new(runner(load_f32(&md, host_gemm), 128)).pipelined(fault);
             assert_eq!(got, want, "host_gemm {host_gemm}, {fault:?}");
