@@ -315,7 +315,7 @@ pub struct FakeModel {
     step_costs: Vec<(usize, usize, f64)>,
     /// The last step was a decode-only one collected after `submit` (not run by
     /// `forward`).
-    last_pipelined: bool,
+    last_unmeasured: bool,
     /// Chunk lengths run so far (for `new_shape_cost`).
     shapes_seen: std::collections::HashSet<usize>,
     /// Registered adapters, and the resident ones with the forward that last used each.
@@ -354,7 +354,7 @@ impl FakeModel {
             last_logits: Vec::new(),
             last_oom_rows: None,
             step_costs: Vec::new(),
-            last_pipelined: false,
+            last_unmeasured: false,
             shapes_seen: Default::default(),
             adapters: Default::default(),
             resident: Vec::new(),
@@ -1047,13 +1047,13 @@ impl Model for FakeModel {
         if let Some(c) = self.staged.back().and_then(|st| st.cost) {
             self.step_costs.push(c);
         }
-        self.last_pipelined = false;
+        self.last_unmeasured = false;
         Ok(out)
     }
 
     fn last_step_seconds(&self) -> Option<f64> {
         self.cfg.step_cost?;
-        if self.cfg.unmeasured_pipelined && self.last_pipelined {
+        if self.cfg.unmeasured_pipelined && self.last_unmeasured {
             return None;
         }
         self.step_costs.last().map(|c| c.2)
@@ -1172,7 +1172,7 @@ impl Model for FakeModel {
             self.step_costs.push(c);
         }
         // (Decode-only: every row feeds one token.)
-        self.last_pipelined = self.staged[i].cost.is_some_and(|c| c.1 == 0);
+        self.last_unmeasured = self.staged[i].cost.is_some_and(|c| c.1 == 0);
         self.staged[i]
             .out
             .take()

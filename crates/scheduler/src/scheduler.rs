@@ -2397,11 +2397,11 @@ impl<M: Model> Scheduler<M> {
         }
         let mut need = Blocks::default();
         let mut live = 0;
-        // Per row of `rows`: its next step (decoding rows first, chunks after the fit).
-        let mut next: Vec<Option<Planned>> = vec![None; rows.len()];
+        // Decoding rows in `rows` order (the in-flight step's picks are filed into
+        // them in that order), then the prompts' next chunks, as a plain plan has it.
+        let mut next = Vec::new();
         let mut chunks = Vec::new();
-        let mut decoding = Vec::new();
-        for (i, p) in rows.iter().enumerate() {
+        for p in rows {
             let mid_prompt = p.prefill && !p.want_logits;
             if p.draft > 0 || !(p.want_logits || mid_prompt) {
                 return (Vec::new(), false);
@@ -2417,7 +2417,7 @@ impl<M: Model> Scheduler<M> {
             // appended them), which is also the base of the next step's append.
             let start = p.start + p.n;
             if mid_prompt {
-                chunks.push((i, start, r.seq_len() - start));
+                chunks.push((p, start, r.seq_len() - start));
                 continue;
             }
             // Penalty counts and a constraint's mask both need this step's pick.
@@ -2431,20 +2431,17 @@ impl<M: Model> Scheduler<M> {
                 continue;
             }
             need = need.plus(self.grow(p.seq, start, 1));
-            let q = Planned {
+            next.push(Planned {
                 start,
                 n: 1,
                 prefill: false,
                 ..*p
-            };
-            decoding.push(q);
-            next[i] = Some(q);
+            });
         }
         if !chunks.is_empty() {
-            let mut fit = self.time_fit(&decoding, now);
-            let mut budget = self.prefill_budget(decoding.len());
-            for (i, start, rem) in chunks {
-                let p = &rows[i];
+            let mut fit = self.time_fit(&next, now);
+            let mut budget = self.prefill_budget(next.len());
+            for (p, start, rem) in chunks {
                 let wanted = self.cfg.prefill_chunk.min(rem).min(budget);
                 let n = if wanted == 0 {
                     0
@@ -2458,7 +2455,7 @@ impl<M: Model> Scheduler<M> {
                 fit.take(start, n, wanted);
                 budget -= n;
                 need = need.plus(self.grow(p.seq, start, n));
-                next[i] = Some(Planned {
+                next.push(Planned {
                     start,
                     n,
                     want_logits: n == rem,
@@ -2471,7 +2468,7 @@ impl<M: Model> Scheduler<M> {
         if !need.fits(self.available()) || live != self.running.len() {
             return (Vec::new(), false);
         }
-        (next.into_iter().flatten().collect(), deferred)
+        (next, deferred)
     }
 
     /// Collects the in-flight step `rows` — after queueing the step that follows it, so

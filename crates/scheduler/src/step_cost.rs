@@ -260,15 +260,15 @@ impl StepCost {
         let amortized = match (alone, self.prefill_overhead()) {
             // (A limit within the target cannot add to `fit`: no second search.)
             (Some(alone), Some(f)) if f > 0.0 && alone + 2.0 * f > target => {
-                let bound = AMORTIZED_BOUND * target;
+                let (limit, bound) = (alone + 2.0 * f, AMORTIZED_BOUND * target);
                 // Past the bound only where the overhead alone is: the target then
                 // yields (a prompt must advance by more than a token a step), and
                 // an overhead predicted too large is measured again (steps of one
                 // token beside decoding rows run as decode steps and never would).
                 largest_within(if alone + f < bound {
-                    (alone + 2.0 * f).min(bound)
+                    limit.min(bound)
                 } else {
-                    alone + 2.0 * f
+                    limit
                 })
             }
             _ => 0,
