@@ -977,80 +977,104 @@ impl BatchRunner {
             Some(h) => h.as_mut(),
             None => &mut no_hook,
         };
-        if let (Some(c), [(rows, _, tokens, true)]) = (self.compiled.as_mut(), jobs.as_slice()) {
-            if rows
-                .iter()
-                .all(|s| s.tokens.len() == 1 && s.blocks.len() == 1)
-            {
-                let r: Vec<(&RowBlocks, usize)> =
-                    rows.iter().map(|s| (&s.blocks[0], s.start_pos)).collect();
-                let logits = c.step(&self.kv, tokens, &r, loras[0].as_ref())?;
-                // Fault injection sees a compiled step layer by layer too.
-                for i in 0..self.model.num_layers() {
-                    hook(i)?;
-                }
-                return self.wanted(steps, &jobs, vec![logits]);
-            }
-        }
-        let kv = &self.kv;
-        let mut steps_kv: Vec<KvStep<'_>> = jobs
-            .iter()
-            .map(|(rows, _, _, dec)| {
-                let r: Vec<(&[RowBlocks], usize, usize)> = rows
+        // The decode forward (always the last job) runs compiled where it can,
+        // beside prefill forwards too: a step with prompt chunks then costs
+        // its prefill plus the traced decode step, not two op-by-op forwards.
+        let compiled_last = self.compiled.is_some()
+            && jobs.last().is_some_and(|(rows, _, _, dec)| {
+                *dec && rows
                     .iter()
-                    .map(|s| (s.blocks.as_slice(), s.start_pos, s.tokens.len()))
-                    .collect();
-                let step = kv.step(&r, *dec)?;
-                if !kv.has_state() {
-                    return Ok(step);
-                }
-                // Padding rows (the decode bucket's) come last and have no slot.
-                let slots: Vec<u32> = rows.iter().filter_map(|s| s.state_slot).collect();
-                let real = slots.len();
-                step.with_slots(&slots, real)
-            })
-            .collect::<Result<_>>()?;
-        let mut outs: Vec<Array> = Vec::with_capacity(jobs.len());
-        if kv.uses_kernel() && jobs.len() > 1 {
-            // On the GPU, a pool array still referenced by an earlier
-            // forward's pending attention cannot be updated in place by the
-            // next forward's write (MLX copies the whole pool instead), so the
-            // forwards of one step run one after the other, each evaluated.
-            for (((_, lane, tokens, dec), kvs), lora) in
-                jobs.iter().zip(steps_kv.iter_mut()).zip(&loras)
-            {
-                let last_only = !*dec || tokens.dim(1) == 1;
-                let mut one = self.model.forward_interleaved(
-                    vec![(*lane, tokens, kvs, last_only, lora.as_ref())],
-                    &self.lanes,
-                    hook,
-                )?;
-                let o = one
-                    .pop()
-                    .ok_or_else(|| ModelError::Invalid("a forward returned no logits".into()))?;
-                let mut pending = kv.arrays();
-                pending.push(o.clone());
-                mlx_rs::transforms::eval(pending.iter())?;
-                outs.push(o);
-            }
+                    .all(|s| s.tokens.len() == 1 && s.blocks.len() == 1)
+            });
+        let open = if compiled_last {
+            &jobs[..jobs.len() - 1]
         } else {
-            let batch: Vec<(usize, &Array, &mut KvStep<'_>, bool, Option<&LoraStep>)> = jobs
+            &jobs[..]
+        };
+        let mut outs: Vec<Array> = Vec::with_capacity(jobs.len());
+        if !open.is_empty() {
+            let kv = &self.kv;
+            let mut steps_kv: Vec<KvStep<'_>> = open
                 .iter()
-                .zip(steps_kv.iter_mut())
-                .zip(&loras)
-                .map(|(((_, lane, tokens, dec), kvs), lora)| {
-                    (
-                        *lane,
-                        tokens,
-                        kvs,
-                        !*dec || tokens.dim(1) == 1,
-                        lora.as_ref(),
-                    )
+                .map(|(rows, _, _, dec)| {
+                    let r: Vec<(&[RowBlocks], usize, usize)> = rows
+                        .iter()
+                        .map(|s| (s.blocks.as_slice(), s.start_pos, s.tokens.len()))
+                        .collect();
+                    let step = kv.step(&r, *dec)?;
+                    if !kv.has_state() {
+                        return Ok(step);
+                    }
+                    // Padding rows (the decode bucket's) come last and have no slot.
+                    let slots: Vec<u32> = rows.iter().filter_map(|s| s.state_slot).collect();
+                    let real = slots.len();
+                    step.with_slots(&slots, real)
                 })
-                .collect();
-            outs = self.model.forward_interleaved(batch, &self.lanes, hook)?;
+                .collect::<Result<_>>()?;
+            if kv.uses_kernel() && jobs.len() > 1 {
+                // On the GPU, a pool array still referenced by an earlier
+                // forward's pending attention cannot be updated in place by
+                // the next forward's write (MLX copies the whole pool
+                // instead), so the forwards of one step run one after the
+                // other, each evaluated before the next; the step's last
+                // forward is left pending like a single one's.
+                let last = jobs.len() - 1;
+                for (i, (((_, lane, tokens, dec), kvs), lora)) in
+                    open.iter().zip(steps_kv.iter_mut()).zip(&loras).enumerate()
+                {
+                    let last_only = !*dec || tokens.dim(1) == 1;
+                    let mut one = self.model.forward_interleaved(
+                        vec![(*lane, tokens, kvs, last_only, lora.as_ref())],
+                        &self.lanes,
+                        hook,
+                    )?;
+                    let o = one.pop().ok_or_else(|| {
+                        ModelError::Invalid("a forward returned no logits".into())
+                    })?;
+                    if i < last {
+                        let mut pending = kv.arrays();
+                        pending.push(o.clone());
+                        mlx_rs::transforms::eval(pending.iter())?;
+                    }
+                    outs.push(o);
+                }
+            } else {
+                let batch: Vec<(usize, &Array, &mut KvStep<'_>, bool, Option<&LoraStep>)> = open
+                    .iter()
+                    .zip(steps_kv.iter_mut())
+                    .zip(&loras)
+                    .map(|(((_, lane, tokens, dec), kvs), lora)| {
+                        (
+                            *lane,
+                            tokens,
+                            kvs,
+                            !*dec || tokens.dim(1) == 1,
+                            lora.as_ref(),
+                        )
+                    })
+                    .collect();
+                outs = self.model.forward_interleaved(batch, &self.lanes, hook)?;
+                if compiled_last {
+                    // The compiled step reads and writes the pool the
+                    // forwards before it wrote.
+                    let mut pending = kv.arrays();
+                    pending.extend(outs.iter().cloned());
+                    mlx_rs::transforms::eval(pending.iter())?;
+                }
+            }
         }
-        drop(steps_kv);
+        if let (Some(c), true, Some((rows, _, tokens, _))) =
+            (self.compiled.as_mut(), compiled_last, jobs.last())
+        {
+            let r: Vec<(&RowBlocks, usize)> =
+                rows.iter().map(|s| (&s.blocks[0], s.start_pos)).collect();
+            let lora = loras.last().and_then(Option::as_ref);
+            outs.push(c.step(&self.kv, tokens, &r, lora)?);
+            // Fault injection sees a compiled step layer by layer too.
+            for i in 0..self.model.num_layers() {
+                hook(i)?;
+            }
+        }
         self.wanted(steps, &jobs, outs)
     }
 

@@ -202,3 +202,79 @@ fn warmed_buckets_are_not_traced_while_decoding() {
     );
     assert_eq!(comp.runner.warm_decode(3, 40).unwrap(), 0, "warming twice");
 }
+
+/// A prompt fed in chunks beside decoding rows: a step with prompt chunks
+/// runs its decoding rows through the compiled step too (after the chunk's
+/// op-by-op forward), with the op-by-op forward's logits; a fault inside
+/// that compiled part rolls the whole step back.
+#[test]
+fn a_step_with_prompt_chunks_runs_its_decoding_rows_compiled() {
+    const CHUNK: usize = 5;
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
+    let mut comp = Rows::new(compiled(&md));
+    assert_eq!(plain.prefill(), comp.prefill(), "prefill is not compiled");
+    let prompt: Vec<u32> = (0..4 * CHUNK as u32).map(|i| (i * 37 + 11) % 200).collect();
+    let layers = comp.runner.model().num_layers();
+    for s in 0..8 {
+        let fed = s * CHUNK;
+        let chunk = (fed < prompt.len()).then(|| (&prompt[fed..fed + CHUNK], fed));
+        if s == 1 {
+            // A fault at layer 1 of the compiled decode forward, which runs
+            // after the chunk's forward (whose layers the hook sees first).
+            let mut seen = 0;
+            comp.runner.set_layer_hook(Some(Box::new(move |layer| {
+                seen += 1;
+                if seen == layers + 2 {
+                    assert_eq!(layer, 1);
+                    return Err(weft_models::ModelError::Invalid("injected".into()));
+                }
+                Ok(())
+            })));
+            let mut steps = mixed_steps(&comp, chunk);
+            let ops = comp.kv.plan(&mut steps);
+            assert!(comp.runner.forward(&ops, &steps).is_err());
+            comp.kv.rollback();
+            comp.runner.set_layer_hook(None);
+        }
+        let want = mixed(&mut plain, chunk, prompt.len());
+        let got = mixed(&mut comp, chunk, prompt.len());
+        let d = max_abs_diff(&want, &got);
+        assert!(d <= TOLERANCE, "step {s}: max |logit diff| {d}");
+        assert_eq!(plain.at, comp.at, "step {s}: greedy picks");
+        if s == 0 {
+            // No step so far decoded alone: the first mixed one traced.
+            assert_eq!(comp.runner.compiled_decode().unwrap().traces(), 1);
+        }
+    }
+    assert_eq!(comp.at.len(), 4, "the chunked prompt decodes at the end");
+}
+
+/// The decoding rows' steps and `chunk` (tokens, start) of a fourth row.
+fn mixed_steps(r: &Rows, chunk: Option<(&[u32], usize)>) -> Vec<RowStep> {
+    let mut steps = r.decode_steps();
+    if let Some((tokens, start)) = chunk {
+        steps.push(RowStep {
+            row: 3,
+            tokens: tokens.to_vec(),
+            start_pos: start,
+            want_logits: true,
+            ..Default::default()
+        });
+    }
+    steps
+}
+
+/// One step of the decoding rows and `chunk`; the fourth row decodes once
+/// its `len` prompt tokens are in.
+fn mixed(r: &mut Rows, chunk: Option<(&[u32], usize)>, len: usize) -> Vec<f32> {
+    let mut steps = mixed_steps(r, chunk);
+    let l = step(&mut r.runner, &mut r.kv, &mut steps);
+    r.settle(&l, &steps);
+    if chunk.is_some_and(|(t, start)| start + t.len() < len) {
+        r.at.pop();
+    }
+    l.data
+}
