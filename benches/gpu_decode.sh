@@ -29,7 +29,8 @@
 #           long: weft bench-engine --scenario long-prompts (issue 17 item 1; LONG_TRACE=1 keeps
 #           the scheduler's per-step trace in long-trace-BIN.log.gz);
 #           WEFT_BINS="weft_base weft" runs long and mix once per binary (BASE_WEFT=path at
-#           staging stages an older build as weft_base: A/B on one machine);
+#           staging stages an older build as weft_base, EXTRA_WEFTS="weft_x=path ..." more:
+#           A/B on one machine);
 #           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase), once per
 #           --isolation-window-ms in MIX_WINDOWS (default "5000 0": the window on, then off);
 #           soak: weft bench --scenario soak for SOAK_DURATION (default 300s);
@@ -80,10 +81,14 @@ for b in weft examples/decode_timing examples/paged_attention_check examples/fus
 done
 # BASE_WEFT=path/to/an/older/weft stages it as weft_base, for A/B runs in one call
 # (WEFT_BINS="weft_base weft": the long and mix steps run once per binary).
-if [ -n "${BASE_WEFT:-}" ]; then
-  strip -o .gpustash/weft_base "$BASE_WEFT"
-  xz -T0 -6 -c .gpustash/weft_base > .gpustash/d1/weft_base.xz && rm .gpustash/weft_base
-fi
+# EXTRA_WEFTS="name=path ..." stages more builds the same way (names start
+# with weft_; list them in WEFT_BINS too).
+for nb in ${BASE_WEFT:+weft_base=$BASE_WEFT} ${EXTRA_WEFTS:-}; do
+  n=${nb%%=*}; b=${nb#*=}
+  [[ $n == weft_* ]] || { echo "EXTRA_WEFTS: $n does not start with weft_" >&2; exit 1; }
+  strip -o .gpustash/$n "$b"
+  xz -T0 -6 -c .gpustash/$n > .gpustash/d1/$n.xz && rm .gpustash/$n
+done
 # The LoRA parity test (mlx-lm as the oracle) runs on the GPU too when built:
 # `cargo test -p weft-models --test lora_parity --no-run` first.
 LP=$(ls -t target/debug/deps/lora_parity-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
@@ -96,7 +101,7 @@ cat > .gpustash/d2/run.sh <<'EOS'
 #!/usr/bin/env bash
 set -e
 W=/root/ws; O=${OUT:-/tmp}; R=$O/gpu-decode.txt
-for n in weft decode_timing paged_attention_check fused_decode_check weft_base; do
+for n in weft decode_timing paged_attention_check fused_decode_check $(cd $W && ls weft_*.xz 2>/dev/null | sed 's/\.xz$//'); do
   [ -x /root/$n ] || [ ! -f $W/$n.xz ] || { xz -d -c $W/$n.xz > /root/$n && chmod +x /root/$n; }
 done
 nvidia-smi -L | tee -a $R
