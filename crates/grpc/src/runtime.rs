@@ -771,6 +771,15 @@ pub fn start_engine_with(
                     kv.max_batch_rows
                 );
             }
+            let t = std::time::Instant::now();
+            let traced = runner.warm_prefill()?;
+            if traced > 0 {
+                tracing::info!(
+                    buckets = traced,
+                    ms = t.elapsed().as_millis() as u64,
+                    "compiled prefill of fresh prompts traced for every bucket"
+                );
+            }
             let gpu = runner.kv().uses_kernel();
             Ok(MlxModel::with_sampling(runner, eos, SampleOn::from_env(gpu)?).with_faults(faults))
         },

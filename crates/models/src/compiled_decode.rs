@@ -293,43 +293,20 @@ struct TracedKv {
 }
 
 impl TracedKv {
-    /// Replaces layer `layer`'s K and V pool arrays by the ones written with
-    /// the new tokens `k`, `v` (`[B, kv_heads, head_dim]` or the scatter's
-    /// `[B, 1, kv_heads, 1, head_dim]`), quantized first for quantized pools
-    /// (in the pools' dtype, as the storage's own write does).
+    /// Writes layer `layer`'s new tokens `k`, `v`, one per row ([`write_traced`]).
     fn write(&mut self, layer: usize, k: &Array, v: &Array) -> Result<()> {
-        let base = layer * self.per_layer;
-        if base + self.per_layer > self.pools.len() {
-            return Err(ModelError::Invalid(format!(
-                "compiled decode: no pool arrays for layer {layer}"
-            )));
-        }
-        let per = self.per_layer / 2;
-        for (i, x) in [(base, k), (base + per, v)] {
-            let parts = match self.quant {
-                None => vec![x.clone()],
-                Some(q) => {
-                    let dt = self.pools[i + 1].dtype();
-                    let x = if x.dtype() == dt {
-                        x.clone()
-                    } else {
-                        x.as_dtype(dt)?
-                    };
-                    let (w, sc, bi) = q.quantize(&x).map_err(storage_err)?;
-                    vec![w, sc, bi]
-                }
-            };
-            for (j, part) in parts.iter().enumerate() {
-                self.pools[i + j] = weft_kv_pool::storage::scatter_tokens(
-                    &self.pools[i + j],
-                    &self.write_block,
-                    &self.write_offset,
-                    part,
-                )
-                .map_err(storage_err)?;
-            }
-        }
-        Ok(())
+        write_traced(
+            &mut self.pools,
+            TracedWrite {
+                layer,
+                per_layer: self.per_layer,
+                quant: self.quant,
+                block: &self.write_block,
+                offset: &self.write_offset,
+            },
+            k,
+            v,
+        )
     }
 
     /// Layer `layer`'s pools as the paged kernel reads them.
@@ -458,4 +435,57 @@ impl LayerKv for TracedKv {
             &q, &kc, &vc, scale, &mask, None,
         )?)
     }
+}
+
+/// Where a traced step writes one layer's new tokens.
+pub(crate) struct TracedWrite<'a> {
+    pub layer: usize,
+    /// Pool arrays per layer: 2, or 6 when quantized.
+    pub per_layer: usize,
+    pub quant: Option<AffineQuant>,
+    /// `[N]` block and offset of each new token.
+    pub block: &'a Array,
+    pub offset: &'a Array,
+}
+
+/// Replaces `at.layer`'s K and V arrays in `pools` (every layer's, K's then
+/// V's) by the ones written with the new tokens `k`, `v` (`[N, kv_heads,
+/// head_dim]` or the scatter's `[N, 1, kv_heads, 1, head_dim]`), quantized
+/// first for quantized pools (in the pools' dtype, as the storage's own
+/// write does).
+pub(crate) fn write_traced(
+    pools: &mut [Array],
+    at: TracedWrite<'_>,
+    k: &Array,
+    v: &Array,
+) -> Result<()> {
+    let base = at.layer * at.per_layer;
+    if base + at.per_layer > pools.len() {
+        return Err(ModelError::Invalid(format!(
+            "compiled step: no pool arrays for layer {}",
+            at.layer
+        )));
+    }
+    let per = at.per_layer / 2;
+    for (i, x) in [(base, k), (base + per, v)] {
+        let parts = match at.quant {
+            None => vec![x.clone()],
+            Some(q) => {
+                let dt = pools[i + 1].dtype();
+                let x = if x.dtype() == dt {
+                    x.clone()
+                } else {
+                    x.as_dtype(dt)?
+                };
+                let (w, sc, bi) = q.quantize(&x).map_err(storage_err)?;
+                vec![w, sc, bi]
+            }
+        };
+        for (j, part) in parts.iter().enumerate() {
+            pools[i + j] =
+                weft_kv_pool::storage::scatter_tokens(&pools[i + j], at.block, at.offset, part)
+                    .map_err(storage_err)?;
+        }
+    }
+    Ok(())
 }

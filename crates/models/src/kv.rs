@@ -700,6 +700,15 @@ impl PagedKv {
             && matches!(self.groups.groups.as_slice(), [g] if g.kind == AttentionKind::Full)
     }
 
+    /// How rows starting fresh attend, for a compiled prefill's trace.
+    pub(crate) fn fresh_attention(&self) -> FreshAttention {
+        FreshAttention {
+            kernels: self.kernels,
+            prefill: self.prefill,
+            quant: self.shape.quant,
+        }
+    }
+
     /// Whether decode attention runs the paged GPU kernel.
     pub fn uses_kernel(&self) -> bool {
         self.kernel.is_some()
@@ -1239,17 +1248,16 @@ impl KvStep<'_> {
                         .get_or_insert_with(|| fresh_mask(kernels, t))
                         .clone(),
                 };
-                // Quantized K/V: the rows' own tokens as stored, so that a
-                // token's attention does not depend on whether its context
-                // came from this forward or from the pool.
-                match self.kv.shape.quant {
-                    Some(qt) => {
-                        let (k, v) = (qt.round_trip(k), qt.round_trip(v));
-                        let (k, v) = (k.map_err(storage_err)?, v.map_err(storage_err)?);
-                        attention(kernels, self.kv.prefill, q, &k, &v, scale, &mask)
-                    }
-                    None => attention(kernels, self.kv.prefill, q, k, v, scale, &mask),
-                }
+                attend_fresh(
+                    kernels,
+                    self.kv.prefill,
+                    self.kv.shape.quant,
+                    q,
+                    k,
+                    v,
+                    scale,
+                    &mask,
+                )
             }
             Mode::Gather => {
                 let (kr, vr) = storage.read(layer, layout).map_err(storage_err)?;
@@ -1267,6 +1275,53 @@ impl KvStep<'_> {
             }
         }
     }
+}
+
+/// Fresh rows' attention over their own new K/V under `mask`. Quantized K/V:
+/// the rows' own tokens as stored, so that a token's attention does not
+/// depend on whether its context came from this forward or from the pool.
+#[allow(clippy::too_many_arguments)]
+fn attend_fresh(
+    kernels: Kernels,
+    prefill: PrefillAttention,
+    quant: Option<AffineQuant>,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Array> {
+    match quant {
+        Some(qt) => {
+            let (k, v) = (qt.round_trip(k), qt.round_trip(v));
+            let (k, v) = (k.map_err(storage_err)?, v.map_err(storage_err)?);
+            attention(kernels, prefill, q, &k, &v, scale, mask)
+        }
+        None => attention(kernels, prefill, q, k, v, scale, mask),
+    }
+}
+
+/// The causal attention of rows that all start at position 0 over their own
+/// new K/V `[B, kv_heads, T, head_dim]` (right-padded rows too: a real
+/// query sees no padding key after it), as a step of such rows attends
+/// without a window; for a compiled prefill ([`crate::compiled_prefill`]).
+pub(crate) fn fresh_causal_attention(
+    kv: &FreshAttention,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+) -> Result<Array> {
+    let mask = fresh_mask(kv.kernels, q.dim(2));
+    attend_fresh(kv.kernels, kv.prefill, kv.quant, q, k, v, scale, &mask)
+}
+
+/// What [`fresh_causal_attention`] needs of a [`PagedKv`], held by a trace.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FreshAttention {
+    kernels: Kernels,
+    prefill: PrefillAttention,
+    quant: Option<AffineQuant>,
 }
 
 fn fresh_mask(kernels: Kernels, t: i32) -> Mask {

@@ -135,6 +135,9 @@ pub struct BatchRunner {
     /// The compiled form of plain decode steps, when on (see
     /// [`set_compiled_decode`](Self::set_compiled_decode)).
     compiled: Option<crate::compiled_decode::CompiledDecode>,
+    /// The compiled prefill of fresh rows, when on (see
+    /// [`set_compiled_prefill`](Self::set_compiled_prefill)).
+    compiled_prefill: Option<crate::compiled_prefill::CompiledPrefill>,
     /// Called after each layer of each forward: fault injection in tests.
     layer_hook: Option<Box<dyn FnMut(usize) -> Result<()>>>,
     /// CPU streams a step's independent forwards are spread over.
@@ -185,10 +188,16 @@ impl BatchRunner {
                 None,
             )
         });
+        let compiled_prefill = (kv.uses_kernel()
+            && kv.compilable()
+            && compile_from_env()
+            && compile_prefill_from_env())
+        .then(|| crate::compiled_prefill::CompiledPrefill::new(model.clone(), &kv));
         Self {
             model,
             kv,
             compiled,
+            compiled_prefill,
             layer_hook: None,
             lanes: Lanes::single(),
             lanes_used: 0,
@@ -404,6 +413,52 @@ impl BatchRunner {
         }
         self.compiled = on.then(|| self.new_compiled());
         Ok(())
+    }
+
+    /// Turns the compiled prefill of fresh rows on or off
+    /// ([`crate::compiled_prefill`]): on, a prefill group whose rows all
+    /// start at position 0, have no adapter and fit its buckets runs the
+    /// traced forward. Refused while a step is open, or where decode steps
+    /// could not compile either.
+    pub fn set_compiled_prefill(&mut self, on: bool) -> Result<()> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "compiled prefill switched inside an open step".into(),
+            ));
+        }
+        if on && !self.kv.compilable() {
+            return Err(ModelError::Invalid(
+                "compiled prefill needs one full-attention KV group and no recurrent layers".into(),
+            ));
+        }
+        self.compiled_prefill =
+            on.then(|| crate::compiled_prefill::CompiledPrefill::new(self.model.clone(), &self.kv));
+        Ok(())
+    }
+
+    /// Traces every compiled prefill bucket up front (rows writing only the
+    /// null block), so no request pays a trace while serving. Returns how
+    /// many buckets it traced (0 where prefill is not compiled). Refused
+    /// while a step is open.
+    pub fn warm_prefill(&mut self) -> Result<usize> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "prefill buckets warmed inside an open step".into(),
+            ));
+        }
+        let Some(c) = self.compiled_prefill.as_mut() else {
+            return Ok(0);
+        };
+        let mut traced = 0;
+        for (rows, tokens) in crate::compiled_prefill::CompiledPrefill::all_buckets() {
+            traced += usize::from(c.warm(&self.kv, rows, tokens)?);
+        }
+        Ok(traced)
+    }
+
+    /// The compiled prefill, when on: its trace count and buckets.
+    pub fn compiled_prefill(&self) -> Option<&crate::compiled_prefill::CompiledPrefill> {
+        self.compiled_prefill.as_ref()
     }
 
     /// Rows a decode batch of `n` rows is padded to (GPU buckets, see
@@ -977,103 +1032,130 @@ impl BatchRunner {
             Some(h) => h.as_mut(),
             None => &mut no_hook,
         };
-        // The decode forward (always the last job) runs compiled where it can,
-        // beside prefill forwards too: a step with prompt chunks then costs
-        // its prefill plus the traced decode step, not two op-by-op forwards.
-        let compiled_last = self.compiled.is_some()
-            && jobs.last().is_some_and(|(rows, _, _, dec)| {
-                *dec && rows
-                    .iter()
-                    .all(|s| s.tokens.len() == 1 && s.blocks.len() == 1)
-            });
-        let open = if compiled_last {
-            &jobs[..jobs.len() - 1]
-        } else {
-            &jobs[..]
+        // How each forward runs: the decode batch (always the last job)
+        // compiled where it can, beside prefill forwards too; a group of
+        // fresh prompts compiled where it fits a bucket; the rest op by op.
+        let last = jobs.len().saturating_sub(1);
+        let how: Vec<Run> = jobs
+            .iter()
+            .zip(&loras)
+            .enumerate()
+            .map(|(i, ((rows, _, _, dec), lora))| {
+                let one_block = rows.iter().all(|s| s.blocks.len() == 1);
+                if *dec {
+                    let plain = rows.iter().all(|s| s.tokens.len() == 1);
+                    if i == last && self.compiled.is_some() && plain && one_block {
+                        return Run::CompiledDecode;
+                    }
+                } else if self.compiled_prefill.is_some()
+                    && lora.is_none()
+                    && one_block
+                    && rows.iter().all(|s| s.start_pos == 0)
+                {
+                    let longest = rows.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+                    if crate::compiled_prefill::CompiledPrefill::bucket(rows.len(), longest)
+                        .is_some()
+                    {
+                        return Run::CompiledPrefill;
+                    }
+                }
+                Run::Ops
+            })
+            .collect();
+        let kv = &self.kv;
+        let kv_step = |rows: &[&RowStep], dec: bool| -> Result<KvStep<'_>> {
+            let r: Vec<(&[RowBlocks], usize, usize)> = rows
+                .iter()
+                .map(|s| (s.blocks.as_slice(), s.start_pos, s.tokens.len()))
+                .collect();
+            let step = kv.step(&r, dec)?;
+            if !kv.has_state() {
+                return Ok(step);
+            }
+            // Padding rows (the decode bucket's) come last and have no slot.
+            let slots: Vec<u32> = rows.iter().filter_map(|s| s.state_slot).collect();
+            let real = slots.len();
+            step.with_slots(&slots, real)
         };
         let mut outs: Vec<Array> = Vec::with_capacity(jobs.len());
-        if !open.is_empty() {
-            let kv = &self.kv;
-            let mut steps_kv: Vec<KvStep<'_>> = open
-                .iter()
-                .map(|(rows, _, _, dec)| {
-                    let r: Vec<(&[RowBlocks], usize, usize)> = rows
-                        .iter()
-                        .map(|s| (s.blocks.as_slice(), s.start_pos, s.tokens.len()))
-                        .collect();
-                    let step = kv.step(&r, *dec)?;
-                    if !kv.has_state() {
-                        return Ok(step);
+        if (kv.uses_kernel() && jobs.len() > 1) || how.iter().any(|h| *h != Run::Ops) {
+            // One forward after the other, each evaluated before the next: on
+            // the GPU a pool array still referenced by an earlier forward's
+            // pending attention cannot be updated in place by the next
+            // forward's write (MLX copies the whole pool instead), and a
+            // compiled forward reads and writes the pool the ones before it
+            // wrote. The step's last forward is left pending like a single
+            // one's.
+            for (i, ((rows, lane, tokens, dec), lora)) in jobs.iter().zip(&loras).enumerate() {
+                let o = match how[i] {
+                    Run::CompiledDecode => {
+                        let c = self
+                            .compiled
+                            .as_mut()
+                            .ok_or_else(|| ModelError::Invalid("compiled decode missing".into()))?;
+                        let r: Vec<(&RowBlocks, usize)> =
+                            rows.iter().map(|s| (&s.blocks[0], s.start_pos)).collect();
+                        let o = c.step(kv, tokens, &r, lora.as_ref())?;
+                        // Fault injection sees a compiled step layer by layer too.
+                        for layer in 0..self.model.num_layers() {
+                            hook(layer)?;
+                        }
+                        o
                     }
-                    // Padding rows (the decode bucket's) come last and have no slot.
-                    let slots: Vec<u32> = rows.iter().filter_map(|s| s.state_slot).collect();
-                    let real = slots.len();
-                    step.with_slots(&slots, real)
-                })
-                .collect::<Result<_>>()?;
-            if kv.uses_kernel() && jobs.len() > 1 {
-                // On the GPU, a pool array still referenced by an earlier
-                // forward's pending attention cannot be updated in place by
-                // the next forward's write (MLX copies the whole pool
-                // instead), so the forwards of one step run one after the
-                // other, each evaluated before the next; the step's last
-                // forward is left pending like a single one's.
-                let last = jobs.len() - 1;
-                for (i, (((_, lane, tokens, dec), kvs), lora)) in
-                    open.iter().zip(steps_kv.iter_mut()).zip(&loras).enumerate()
-                {
-                    let last_only = !*dec || tokens.dim(1) == 1;
-                    let mut one = self.model.forward_interleaved(
-                        vec![(*lane, tokens, kvs, last_only, lora.as_ref())],
-                        &self.lanes,
-                        hook,
-                    )?;
-                    let o = one.pop().ok_or_else(|| {
-                        ModelError::Invalid("a forward returned no logits".into())
-                    })?;
-                    if i < last {
-                        let mut pending = kv.arrays();
-                        pending.push(o.clone());
-                        mlx_rs::transforms::eval(pending.iter())?;
+                    Run::CompiledPrefill => {
+                        let c = self.compiled_prefill.as_mut().ok_or_else(|| {
+                            ModelError::Invalid("compiled prefill missing".into())
+                        })?;
+                        let r: Vec<(&RowBlocks, &[u32])> = rows
+                            .iter()
+                            .map(|s| (&s.blocks[0], s.tokens.as_slice()))
+                            .collect();
+                        let o = c.step(kv, &r)?;
+                        for layer in 0..self.model.num_layers() {
+                            hook(layer)?;
+                        }
+                        o
                     }
-                    outs.push(o);
-                }
-            } else {
-                let batch: Vec<(usize, &Array, &mut KvStep<'_>, bool, Option<&LoraStep>)> = open
-                    .iter()
-                    .zip(steps_kv.iter_mut())
-                    .zip(&loras)
-                    .map(|(((_, lane, tokens, dec), kvs), lora)| {
-                        (
-                            *lane,
-                            tokens,
-                            kvs,
-                            !*dec || tokens.dim(1) == 1,
-                            lora.as_ref(),
-                        )
-                    })
-                    .collect();
-                outs = self.model.forward_interleaved(batch, &self.lanes, hook)?;
-                if compiled_last {
-                    // The compiled step reads and writes the pool the
-                    // forwards before it wrote.
+                    Run::Ops => {
+                        let mut kvs = kv_step(rows, *dec)?;
+                        let last_only = !*dec || tokens.dim(1) == 1;
+                        let mut one = self.model.forward_interleaved(
+                            vec![(*lane, tokens, &mut kvs, last_only, lora.as_ref())],
+                            &self.lanes,
+                            hook,
+                        )?;
+                        one.pop().ok_or_else(|| {
+                            ModelError::Invalid("a forward returned no logits".into())
+                        })?
+                    }
+                };
+                if i < last {
                     let mut pending = kv.arrays();
-                    pending.extend(outs.iter().cloned());
+                    pending.push(o.clone());
                     mlx_rs::transforms::eval(pending.iter())?;
                 }
+                outs.push(o);
             }
-        }
-        if let (Some(c), true, Some((rows, _, tokens, _))) =
-            (self.compiled.as_mut(), compiled_last, jobs.last())
-        {
-            let r: Vec<(&RowBlocks, usize)> =
-                rows.iter().map(|s| (&s.blocks[0], s.start_pos)).collect();
-            let lora = loras.last().and_then(Option::as_ref);
-            outs.push(c.step(&self.kv, tokens, &r, lora)?);
-            // Fault injection sees a compiled step layer by layer too.
-            for i in 0..self.model.num_layers() {
-                hook(i)?;
-            }
+        } else {
+            let mut steps_kv: Vec<KvStep<'_>> = jobs
+                .iter()
+                .map(|(rows, _, _, dec)| kv_step(rows, *dec))
+                .collect::<Result<_>>()?;
+            let batch: Vec<(usize, &Array, &mut KvStep<'_>, bool, Option<&LoraStep>)> = jobs
+                .iter()
+                .zip(steps_kv.iter_mut())
+                .zip(&loras)
+                .map(|(((_, lane, tokens, dec), kvs), lora)| {
+                    (
+                        *lane,
+                        tokens,
+                        kvs,
+                        !*dec || tokens.dim(1) == 1,
+                        lora.as_ref(),
+                    )
+                })
+                .collect();
+            outs = self.model.forward_interleaved(batch, &self.lanes, hook)?;
         }
         self.wanted(steps, &jobs, outs)
     }
@@ -1203,6 +1285,15 @@ fn compile_from_env() -> bool {
     )
 }
 
+/// `WEFT_COMPILE_PREFILL` (`off` or `0` keeps prefill op by op where decode
+/// steps compile; anything else, or unset, compiles fresh prefill groups).
+fn compile_prefill_from_env() -> bool {
+    !matches!(
+        std::env::var("WEFT_COMPILE_PREFILL").ok().as_deref(),
+        Some("off" | "0")
+    )
+}
+
 /// Tokens of context every compiled GPU decode step's tables cover at least
 /// (one table width, so one trace per row bucket, for every row up to it).
 /// The paged kernel walks each row only to its length, so a wider table
@@ -1257,6 +1348,17 @@ fn right_padded(rows: &[&RowStep]) -> Array {
         ids.extend(std::iter::repeat_n(0, t - s.tokens.len()));
     }
     Array::from_slice(&ids, &[rows.len() as i32, t as i32])
+}
+
+/// How one forward of a step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Run {
+    /// The compiled decode step ([`crate::compiled_decode`]).
+    CompiledDecode,
+    /// The compiled prefill of fresh rows ([`crate::compiled_prefill`]).
+    CompiledPrefill,
+    /// Op by op.
+    Ops,
 }
 
 /// Most padding a row may get in a prefill group, as a fraction (1/8) of the

@@ -1,0 +1,237 @@
+//! Compiled prefill of fresh prompts against the op-by-op forward with a real
+//! model (mlx-lm's fixture, f32 on MLX's CPU backend): ragged prompts padded
+//! into a bucket give the op-by-op logits within a stated tolerance, and the
+//! K/V they write is what the op-by-op step writes (the decode steps after
+//! them agree too, so padding tokens wrote nothing a row reads); a prompt
+//! joining decoding rows runs compiled beside them, a prompt with a cached
+//! prefix runs op by op; a fault inside a compiled prefill rolls the step
+//! back; every bucket traces once.
+
+mod common;
+
+use common::*;
+use weft_models::{AffineQuant, BatchRunner, KvMemory, RowStep};
+
+/// f32 logits of the compiled and op-by-op forwards agree this closely
+/// (different op order; measured ~1e-6).
+const TOLERANCE: f32 = 1e-4;
+
+const PROMPTS: [&[u32]; 3] = [
+    &[1, 2, 3, 4, 5, 6, 7],
+    &[42],
+    &[9, 9, 9, 3, 200, 17, 5, 5, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+];
+
+struct Rows {
+    runner: BatchRunner,
+    kv: Kv,
+    /// (next token, committed length) per decoding row.
+    at: Vec<(u32, usize)>,
+}
+
+impl Rows {
+    fn new(runner: BatchRunner) -> Self {
+        let kv = Kv::for_runner(&runner);
+        Self {
+            runner,
+            kv,
+            at: Vec::new(),
+        }
+    }
+
+    /// One step of the decoding rows and `prompts` (row id, tokens, start),
+    /// committed; the prompts decode from the next step. Its logits.
+    fn step(&mut self, prompts: &[(u64, &[u32], usize)]) -> Vec<f32> {
+        let mut steps = self.steps(prompts);
+        let l = step(&mut self.runner, &mut self.kv, &mut steps);
+        let v = l.vocab;
+        self.at = steps
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                (
+                    argmax(&l.data[i * v..(i + 1) * v]),
+                    s.start_pos + s.tokens.len(),
+                )
+            })
+            .collect();
+        l.data
+    }
+
+    fn steps(&self, prompts: &[(u64, &[u32], usize)]) -> Vec<RowStep> {
+        let mut steps: Vec<RowStep> = self
+            .at
+            .iter()
+            .enumerate()
+            .map(|(i, &(t, pos))| RowStep {
+                row: i as u64,
+                tokens: vec![t],
+                start_pos: pos,
+                want_logits: true,
+                ..Default::default()
+            })
+            .collect();
+        steps.extend(prompts.iter().map(|&(row, tokens, start)| RowStep {
+            row,
+            tokens: tokens.to_vec(),
+            start_pos: start,
+            want_logits: true,
+            ..Default::default()
+        }));
+        steps
+    }
+}
+
+fn compiled(runner: BatchRunner) -> BatchRunner {
+    let mut r = runner;
+    r.set_compiled_prefill(true).unwrap();
+    r
+}
+
+fn agree(want: &[f32], got: &[f32], what: &str) {
+    let d = max_abs_diff(want, got);
+    assert!(d <= TOLERANCE, "{what}: max |logit diff| {d}");
+}
+
+#[test]
+fn compiled_prefill_matches_the_op_by_op_forward_and_rolls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    matches_op_by_op(
+        runner(load_f32(&md, false), 64),
+        compiled(runner(load_f32(&md, false), 64)),
+    );
+}
+
+/// The same over K/V stored quantized (8 and 4 bits): the trace quantizes
+/// the prompts' K/V as the storage's write does, and attends them as stored.
+#[test]
+fn compiled_prefill_over_quantized_kv_matches() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = fixture_dir(dir.path(), "llama-wide");
+    let quantized = |q| {
+        BatchRunner::with_memory_use(
+            load_f32(&md, false),
+            16,
+            KvMemory::Blocks(64),
+            None,
+            Some(q),
+        )
+        .unwrap()
+    };
+    for q in [AffineQuant::new(8, 64), AffineQuant::new(4, 32)] {
+        matches_op_by_op(quantized(q), compiled(quantized(q)));
+    }
+}
+
+fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
+    let mut plain = Rows::new(plain);
+    let mut comp = Rows::new(comp);
+    let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, *p, 0))
+        .collect();
+    // A fault at layer 1 of the compiled prefill: the step rolls back and
+    // the redone step is unharmed.
+    let mut fired = false;
+    comp.runner.set_layer_hook(Some(Box::new(move |layer| {
+        if layer == 1 && !fired {
+            fired = true;
+            return Err(weft_models::ModelError::Invalid("injected".into()));
+        }
+        Ok(())
+    })));
+    let mut steps = comp.steps(&prompts);
+    let ops = comp.kv.plan(&mut steps);
+    assert!(comp.runner.forward(&ops, &steps).is_err());
+    comp.runner.rollback();
+    comp.kv.rollback();
+    comp.runner.set_layer_hook(None);
+    agree(&plain.step(&prompts), &comp.step(&prompts), "prefill");
+    assert_eq!(plain.at, comp.at, "first tokens");
+    let c = comp.runner.compiled_prefill().unwrap();
+    // Prompts of 7, 1 and 18 tokens: the runner's two prefill groups, in
+    // buckets of 2 rows x 32 tokens and 1 x 16, each traced once (the failed step traced them; the redone one replayed
+    // them).
+    assert_eq!(
+        c.buckets().iter().copied().collect::<Vec<_>>(),
+        [(1, 16), (2, 32)]
+    );
+    assert_eq!(c.traces(), 2);
+    for s in 0..4 {
+        agree(
+            &plain.step(&[]),
+            &comp.step(&[]),
+            &format!("decode step {s}"),
+        );
+        assert_eq!(plain.at, comp.at, "decode step {s}: greedy picks");
+    }
+    // A fresh prompt joins the decoding rows (compiled beside them), then a
+    // prompt that starts past 0 (the rest of row 3's prompt) runs op by op.
+    let late: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
+    let fresh = [(3, &late[..24], 0)];
+    agree(
+        &plain.step(&fresh),
+        &comp.step(&fresh),
+        "fresh prompt beside decoding rows",
+    );
+    plain.at.pop();
+    comp.at.pop();
+    let rest = [(3, &late[24..], 24)];
+    agree(
+        &plain.step(&rest),
+        &comp.step(&rest),
+        "a prompt's second chunk",
+    );
+    assert_eq!(plain.at, comp.at);
+    for s in 0..3 {
+        agree(
+            &plain.step(&[]),
+            &comp.step(&[]),
+            &format!("decode step {s} after"),
+        );
+        assert_eq!(plain.at, comp.at, "decode step {s} after: greedy picks");
+    }
+    let c = comp.runner.compiled_prefill().unwrap();
+    assert_eq!(
+        c.buckets().iter().copied().collect::<Vec<_>>(),
+        [(1, 16), (1, 32), (2, 32)],
+        "the second chunk ran op by op"
+    );
+    assert_eq!(c.traces(), 3);
+}
+
+/// `warm_prefill` traces every bucket once, writing only the null block: the
+/// steps after it match the op-by-op forward and trace nothing.
+#[test]
+fn warmed_prefill_buckets_are_not_traced_while_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
+    let mut comp = Rows::new(compiled(runner(load_f32(&md, false), 64)));
+    let all = weft_models::compiled_prefill::CompiledPrefill::all_buckets().len();
+    assert_eq!(comp.runner.warm_prefill().unwrap(), all);
+    assert_eq!(comp.runner.warm_prefill().unwrap(), 0, "warming twice");
+    let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, *p, 0))
+        .collect();
+    agree(&plain.step(&prompts), &comp.step(&prompts), "prefill");
+    for s in 0..4 {
+        agree(
+            &plain.step(&[]),
+            &comp.step(&[]),
+            &format!("decode step {s}"),
+        );
+        assert_eq!(plain.at, comp.at, "decode step {s}: greedy picks");
+    }
+    assert_eq!(
+        comp.runner.compiled_prefill().unwrap().traces(),
+        all as u64,
+        "a warmed bucket traced again"
+    );
+}
