@@ -28,7 +28,8 @@
 #           GEMV_SWEEP="0 8": the engine again with WEFT_GEMV_MAX_ROWS at each value (0 = off);
 #           long: weft bench-engine --scenario long-prompts (issue 17 item 1; LONG_TRACE=1 keeps
 #           the scheduler's per-step trace in long-trace-BIN.log.gz);
-#           WEFT_BINS="weft_base weft" runs long and mix once per binary (BASE_WEFT=path at
+#           WEFT_BINS="weft_base weft" runs long and mix once per binary, an entry
+#           bin:ENV=VAL,ENV2=VAL2 with those settings (BASE_WEFT=path at
 #           staging stages an older build as weft_base, EXTRA_WEFTS="weft_x=path ..." more:
 #           A/B on one machine);
 #           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase), once per
@@ -320,17 +321,26 @@ if has kvq; then
   done
   KQ_ARGS=""
 fi
+# A WEFT_BINS entry is a staged binary, optionally with settings: weft_base, or
+# weft:WEFT_COMPILE_PREFILL=off,WEFT_PIPELINE=off (B: the binary, VENV: the
+# settings, TAG: a file-name form of the entry).
+variant() {
+  B=${1%%:*}; VENV=()
+  if [[ $1 == *:* ]]; then IFS=, read -r -a VENV <<< "${1#*:}"; fi
+  TAG=$(echo "$1" | tr -c 'A-Za-z0-9_\n' '_')
+}
 if has long; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R
-  for B in ${WEFT_BINS:-weft}; do
-  echo "-- /root/$B" | tee -a $R
+  for V in ${WEFT_BINS:-weft}; do
+  variant "$V"
+  echo "-- /root/$B ${VENV[*]}" | tee -a $R
   if [ -n "${LONG_TRACE:-}" ]; then
     # The scheduler's per-step trace ("step cost": each step's shape and seconds), kept whole.
-    RUST_LOG=warn,weft_scheduler=trace /root/$B bench-engine --scenario long-prompts --model $M > $O/long-trace-$B.log 2>&1 || true
-    tail -4 $O/long-trace-$B.log | tee -a $R
-    gzip -f $O/long-trace-$B.log
+    env "${VENV[@]}" RUST_LOG=warn,weft_scheduler=trace /root/$B bench-engine --scenario long-prompts --model $M > $O/long-trace-$TAG.log 2>&1 || true
+    tail -4 $O/long-trace-$TAG.log | tee -a $R
+    gzip -f $O/long-trace-$TAG.log
   else
-    /root/$B bench-engine --scenario long-prompts --model $M 2>&1 | tail -4 | tee -a $R
+    env "${VENV[@]}" /root/$B bench-engine --scenario long-prompts --model $M 2>&1 | tail -4 | tee -a $R
   fi
   done
 fi
@@ -347,16 +357,17 @@ PY
 if has mix; then
   # MIX_WINDOWS: --isolation-window-ms values to run one after the other (default: 5000 0,
   # the isolation window on, then off).
-  for B in ${WEFT_BINS:-weft}; do
+  for V in ${WEFT_BINS:-weft}; do
+  variant "$V"
   for win in ${MIX_WINDOWS:-5000 0}; do
-  echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16, --isolation-window-ms $win, /root/$B" | tee -a $R
-  /root/$B serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off \
+  echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16, --isolation-window-ms $win, /root/$B ${VENV[*]}" | tee -a $R
+  env "${VENV[@]}" /root/$B serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off \
     --isolation-window-ms $win > $O/weft-mix-$win.log 2>&1 &
   P=$!
   up http://127.0.0.1:50563/metrics
   for _ in $(seq 240); do grep -q "ready: serving" $O/weft-mix-$win.log && break; sleep 0.5; done
   /root/weft bench --scenario tenant-mix --target grpc://127.0.0.1:50561 --tenant flood:flood-key --tenant light:light-key \
-    --flood-streams ${MIX_FLOOD:-48} --phase-duration ${MIX_PHASE:-30s} --warmup 8 --quiet --json $O/mix-$win-$B.json 2>&1 | tee -a $R
+    --flood-streams ${MIX_FLOOD:-48} --phase-duration ${MIX_PHASE:-30s} --warmup 8 --quiet --json $O/mix-$win-$TAG.json 2>&1 | tee -a $R
   kill -TERM $P; wait $P || true
   done
   done
