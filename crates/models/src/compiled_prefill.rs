@@ -120,12 +120,16 @@ impl CompiledPrefill {
     /// `tokens` tokens each runs in (powers of two, at least
     /// [`MIN_ROW_TOKENS`] long), or `None` past the compiled sizes.
     pub fn bucket(rows: usize, tokens: usize) -> Option<(usize, usize)> {
-        if rows == 0 || tokens == 0 {
-            return None;
-        }
-        let t = tokens.max(MIN_ROW_TOKENS).next_power_of_two();
+        let t = Self::row_bucket(tokens)?;
         let b = rows.next_power_of_two();
-        (t <= MAX_ROW_TOKENS && b * t <= MAX_BUCKET_TOKENS).then_some((b, t))
+        (rows > 0 && b * t <= MAX_BUCKET_TOKENS).then_some((b, t))
+    }
+
+    /// The length a row of `tokens` tokens is padded to in a bucket, or
+    /// `None` past [`MAX_ROW_TOKENS`].
+    pub fn row_bucket(tokens: usize) -> Option<usize> {
+        let t = tokens.max(MIN_ROW_TOKENS).next_power_of_two();
+        (tokens > 0 && t <= MAX_ROW_TOKENS).then_some(t)
     }
 
     /// Every bucket, for warming them all.

@@ -912,8 +912,15 @@ impl BatchRunner {
         self.kv.apply(ops)?;
         let decode: Vec<&RowStep> = steps.iter().filter(|s| s.decodes()).collect();
         let prefill: Vec<&RowStep> = steps.iter().filter(|s| !s.decodes()).collect();
+        // Fresh prompts go in compiled prefill buckets where that is on; the
+        // rest in groups of little padding, op by op.
+        let (mut groups, rest): (Vec<Vec<&RowStep>>, Vec<&RowStep>) = match &self.compiled_prefill {
+            Some(_) => bucket_groups(prefill),
+            None => (Vec::new(), prefill),
+        };
+        groups.extend(ragged_groups(rest));
         let plan = plan_lanes(
-            ragged_groups(prefill),
+            groups,
             Vec::new(),
             decode.len(),
             self.lanes.count(),
@@ -1387,6 +1394,32 @@ fn ragged_groups(mut rows: Vec<&RowStep>) -> Vec<Vec<&RowStep>> {
     groups
 }
 
+/// Splits prefilling rows into compiled prefill buckets
+/// ([`crate::compiled_prefill`]) and the rest: rows that start fresh (position
+/// 0), have no adapter and one block table are grouped by the length their
+/// bucket pads them to (so none is padded to more than twice its tokens),
+/// longest first, as many a group as the bucket's total allows.
+/// Deterministic (ties by row id) so a retried step builds the same groups.
+fn bucket_groups(rows: Vec<&RowStep>) -> (Vec<Vec<&RowStep>>, Vec<&RowStep>) {
+    use crate::compiled_prefill::{CompiledPrefill, MAX_BUCKET_TOKENS};
+    let (mut fresh, rest): (Vec<&RowStep>, Vec<&RowStep>) = rows.into_iter().partition(|s| {
+        s.start_pos == 0
+            && s.adapter.is_none()
+            && s.blocks.len() == 1
+            && CompiledPrefill::row_bucket(s.tokens.len()).is_some()
+    });
+    fresh.sort_by(|a, b| b.tokens.len().cmp(&a.tokens.len()).then(a.row.cmp(&b.row)));
+    let mut groups: Vec<(usize, Vec<&RowStep>)> = Vec::new();
+    for s in fresh {
+        let t = CompiledPrefill::row_bucket(s.tokens.len()).unwrap_or(MAX_BUCKET_TOKENS);
+        match groups.last_mut() {
+            Some((gt, g)) if *gt == t && (g.len() + 1) * t <= MAX_BUCKET_TOKENS => g.push(s),
+            _ => groups.push((t, vec![s])),
+        }
+    }
+    (groups.into_iter().map(|(_, g)| g).collect(), rest)
+}
+
 /// Which lane builds each forward of a step.
 struct LanePlan<'a> {
     groups: Vec<(Vec<&'a RowStep>, usize)>,
@@ -1520,6 +1553,35 @@ mod tests {
             let b = decode_bucket(n);
             assert!(b >= n && (b - n) * 4 <= n, "{n} -> {b}");
         }
+    }
+
+    #[test]
+    fn fresh_prompts_are_bucketed_by_padded_length() {
+        let one_table = || vec![RowBlocks::default()];
+        let mut s: Vec<RowStep> = [7, 1, 18, 100, 600, 20, 30]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| RowStep {
+                row: i as RowId,
+                tokens: vec![1; n],
+                blocks: one_table(),
+                ..Default::default()
+            })
+            .collect();
+        s[5].start_pos = 16; // a cached prefix: not fresh
+        s[6].adapter = Some(AdapterId(1));
+        let (groups, rest) = bucket_groups(s.iter().collect());
+        let got: Vec<Vec<RowId>> = groups.iter().map(|g| rows_of(g)).collect();
+        // 100 pads to 128, 18 to 32, 7 and 1 to 16; 600 is past the buckets.
+        assert_eq!(got, vec![vec![3], vec![2], vec![0, 1]]);
+        assert_eq!(rows_of(&rest), vec![4, 5, 6]);
+        // 70 prompts of 16 tokens: buckets of 64 rows (1024 tokens) and 6.
+        let mut many = steps(70, 16);
+        many.iter_mut().for_each(|s| s.blocks = one_table());
+        let (groups, rest) = bucket_groups(many.iter().collect());
+        let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
+        assert_eq!(sizes, vec![64, 6]);
+        assert!(rest.is_empty());
     }
 
     #[test]

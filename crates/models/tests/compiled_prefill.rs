@@ -152,12 +152,12 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
     agree(&plain.step(&prompts), &comp.step(&prompts), "prefill");
     assert_eq!(plain.at, comp.at, "first tokens");
     let c = comp.runner.compiled_prefill().unwrap();
-    // Prompts of 7, 1 and 18 tokens: the runner's two prefill groups, in
-    // buckets of 2 rows x 32 tokens and 1 x 16, each traced once (the failed step traced them; the redone one replayed
-    // them).
+    // Prompts of 7, 1 and 18 tokens: 18 pads to 32, 7 and 1 to 16, so
+    // buckets of 1 row x 32 tokens and 2 x 16, each traced once (the failed
+    // step traced them; the redone one replayed them).
     assert_eq!(
         c.buckets().iter().copied().collect::<Vec<_>>(),
-        [(1, 16), (2, 32)]
+        [(1, 32), (2, 16)]
     );
     assert_eq!(c.traces(), 2);
     for s in 0..4 {
@@ -197,10 +197,10 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
     let c = comp.runner.compiled_prefill().unwrap();
     assert_eq!(
         c.buckets().iter().copied().collect::<Vec<_>>(),
-        [(1, 16), (1, 32), (2, 32)],
-        "the second chunk ran op by op"
+        [(1, 32), (2, 16)],
+        "the 24-token prompt replays 1 x 32, its second chunk runs op by op"
     );
-    assert_eq!(c.traces(), 3);
+    assert_eq!(c.traces(), 2);
 }
 
 /// `warm_prefill` traces every bucket once, writing only the null block: the
