@@ -383,7 +383,6 @@ impl LayerKv for TracedKv {
         }
         let (b, h, d) = (ks[0], ks[1], ks[3]);
         self.write(layer, &k.reshape(&[b, h, d])?, &v.reshape(&[b, h, d])?)?;
-        let width = self.table.dim(1);
         let keys = self.keys() as i32;
         if let Some(kernel) = &self.kernel {
             let scale = Array::from_slice(&[scale], &[1]);
@@ -397,32 +396,14 @@ impl LayerKv for TracedKv {
                 keys as usize,
             );
         }
-        // Each row's table gathered into `[B, H, width * BS, D]` (dequantized
-        // when quantized), keys past its length masked.
-        let flat = self.table.reshape(&[-1])?;
-        let ctx = |pool: &Array| -> Result<Array> {
-            let (bs, last) = (self.block_size, pool.dim(3));
-            Ok(pool
-                .take_axis(&flat, 0)?
-                .reshape(&[b, width, h, bs, last])?
-                .transpose_axes(&[0, 2, 1, 3, 4])?
-                .reshape(&[b, h, keys, last])?)
-        };
-        let read = |p: &[Array]| -> Result<Array> {
-            match (p, self.quant) {
-                ([x], None) => ctx(x),
-                ([w, sc, bi], Some(q)) => q
-                    .dequantize(&ctx(w)?, &ctx(sc)?, &ctx(bi)?)
-                    .map_err(storage_err),
-                _ => Err(ModelError::Invalid(
-                    "compiled decode: pool arrays do not match the storage".into(),
-                )),
-            }
-        };
-        let base = layer * self.per_layer;
-        let per = self.per_layer / 2;
-        let kc = read(&self.pools[base..base + per])?;
-        let vc = read(&self.pools[base + per..base + 2 * per])?;
+        let (kc, vc) = read_traced(
+            &self.pools,
+            self.per_layer,
+            self.quant,
+            layer,
+            &self.table,
+            self.block_size,
+        )?;
         let pos = ops::arange::<_, i32>(0, keys, 1)?.reshape(&[1, keys])?;
         let len = ops::add(&self.start, &self.ntok)?.reshape(&[b, 1])?;
         let mask = pos.lt(&len)?.reshape(&[b, 1, 1, keys])?;
@@ -488,4 +469,50 @@ pub(crate) fn write_traced(
         }
     }
     Ok(())
+}
+
+/// Layer `layer`'s K and V in `pools` (every layer's, K's then V's) gathered
+/// along each row's block table `table` `[B, W]` into `[B, kv_heads, W *
+/// block_size, head_dim]`, dequantized when quantized.
+pub(crate) fn read_traced(
+    pools: &[Array],
+    per_layer: usize,
+    quant: Option<AffineQuant>,
+    layer: usize,
+    table: &Array,
+    block_size: i32,
+) -> Result<(Array, Array)> {
+    let (b, width) = (table.dim(0), table.dim(1));
+    let keys = width * block_size;
+    let flat = table.reshape(&[-1])?;
+    let ctx = |pool: &Array| -> Result<Array> {
+        let (h, last) = (pool.dim(1), pool.dim(3));
+        Ok(pool
+            .take_axis(&flat, 0)?
+            .reshape(&[b, width, h, block_size, last])?
+            .transpose_axes(&[0, 2, 1, 3, 4])?
+            .reshape(&[b, h, keys, last])?)
+    };
+    let read = |p: &[Array]| -> Result<Array> {
+        match (p, quant) {
+            ([x], None) => ctx(x),
+            ([w, sc, bi], Some(q)) => q
+                .dequantize(&ctx(w)?, &ctx(sc)?, &ctx(bi)?)
+                .map_err(storage_err),
+            _ => Err(ModelError::Invalid(
+                "compiled step: pool arrays do not match the storage".into(),
+            )),
+        }
+    };
+    let base = layer * per_layer;
+    let per = per_layer / 2;
+    if base + per_layer > pools.len() {
+        return Err(ModelError::Invalid(format!(
+            "compiled step: no pool arrays for layer {layer}"
+        )));
+    }
+    Ok((
+        read(&pools[base..base + per])?,
+        read(&pools[base + per..base + 2 * per])?,
+    ))
 }

@@ -1,23 +1,28 @@
-//! Compiled prefill of fresh prompts: the forward of a group of rows that all
-//! start at position 0 (nothing of theirs in the pool yet), traced once per
-//! `(rows, tokens)` bucket with `mx.compile` and replayed by MLX instead of
-//! rebuilt op by op on the host. On a GPU an op-by-op prefill of a short
-//! prompt is host time (~700 graph ops built and encoded, a few ms) for
+//! Compiled prefill: the forward of a group of prompt chunks traced once per
+//! `(rows, tokens, table width)` bucket with `mx.compile` and replayed by MLX
+//! instead of rebuilt op by op on the host. On a GPU an op-by-op prefill of a
+//! short chunk is host time (~700 graph ops built and encoded, a few ms) for
 //! little device work, and a step that carries one also waits for it; a
-//! short prompt joining decoding rows (a light tenant's request, a new
-//! stream's prompt, a long prompt's first chunk) is such a step.
+//! prompt joining decoding rows (a light tenant's request, a new stream's
+//! prompt, each chunk of a long prompt cut to the ITL target) is such a step.
 //!
 //! Like a compiled decode step ([`crate::compiled_decode`]), everything that
 //! changes from step to step is an input: the tokens (rows right-padded to
 //! the bucket's length, padding rows added to its row count), the block and
 //! offset each token's K/V goes to (padding tokens write the null block,
 //! which nothing reads), each row's last real position, and the K/V pool
-//! arrays, which come back written and replace the storage's. Attention is
-//! the rows' own K/V under the causal mask, as an op-by-op step of fresh rows
-//! attends ([`crate::kv::fresh_causal_attention`]: a real query sees no
-//! padding key, all of which come after it). Rows with a cached prefix
-//! (a start past 0), adapters, or past [`MAX_ROW_TOKENS`] /
-//! [`MAX_BUCKET_TOKENS`] run op by op, where the host's graph is small
+//! arrays, which come back written and replace the storage's. Two traces:
+//! - **fresh** (every row starts at position 0): attention is the rows' own
+//!   K/V under the causal mask, as an op-by-op step of fresh rows attends
+//!   (a real query sees no padding key, all of which come after it);
+//! - **deep** (rows with context in the pool: a cached prefix, a long
+//!   prompt's later chunk): also each row's start (its RoPE offset) and its
+//!   block table, padded with the null block to a power of two of blocks;
+//!   each layer gathers the table's K/V after writing and attends where key
+//!   `j <= start + i`, as a gathering op-by-op step does.
+//!
+//! Rows with adapters, or past [`MAX_ROW_TOKENS`] / [`MAX_BUCKET_TOKENS`] /
+//! [`MAX_TABLE_BLOCKS`], run op by op, where the host's graph is small
 //! beside the device's work.
 //!
 //! Transactional like any other step: the pool slots it writes belong to the
@@ -29,20 +34,21 @@ use std::rc::Rc;
 
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::Array;
+use mlx_rs::{ops, Array};
 use weft_kv_pool::RowBlocks;
 
-use crate::compiled_decode::{write_traced, TracedWrite};
+use crate::compiled_decode::{read_traced, write_traced, TracedWrite};
 use crate::error::{ModelError, Result};
-use crate::kv::{fresh_causal_attention, FreshAttention, LayerKv, PagedKv};
+use crate::kv::{LayerKv, PagedKv, TracedAttention};
 use crate::llama::LlamaModel;
 use weft_kv_pool::storage::AffineQuant;
 
 type Traced = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
 
 /// Inputs before the pool arrays: tokens, write block, write offset, last
-/// position.
-const FIXED_INPUTS: usize = 4;
+/// position; a deep trace's also start and block table.
+const FRESH_INPUTS: usize = 4;
+const DEEP_INPUTS: usize = 6;
 
 /// Fewest tokens per row of a bucket (shorter rows are padded to it).
 const MIN_ROW_TOKENS: usize = 16;
@@ -55,12 +61,20 @@ pub const MAX_ROW_TOKENS: usize = 512;
 /// than the op-by-op build it saves.
 pub const MAX_BUCKET_TOKENS: usize = 1024;
 
-/// The compiled prefill forward of one model over one KV storage.
+/// Narrowest block table of a deep bucket (fewer widths, fewer traces).
+const MIN_TABLE_BLOCKS: usize = 8;
+
+/// Widest block table of a deep bucket: deeper chunks run op by op (the
+/// gather reads the whole padded table, up to twice a row's context).
+pub const MAX_TABLE_BLOCKS: usize = 1024;
+
+/// The compiled prefill forwards of one model over one KV storage.
 pub struct CompiledPrefill {
-    f: Traced,
+    fresh: Traced,
+    deep: Traced,
     traces: Rc<Cell<u64>>,
-    /// `(rows, tokens)` buckets called so far.
-    buckets: BTreeSet<(i32, i32)>,
+    /// `(rows, tokens, table width)` buckets called so far (width 0: fresh).
+    buckets: BTreeSet<(i32, i32, i32)>,
     block_size: usize,
     null_block: u32,
     /// K/V pool arrays per step (two per layer, six when quantized).
@@ -68,61 +82,64 @@ pub struct CompiledPrefill {
 }
 
 impl CompiledPrefill {
-    /// Compiles `model`'s forward of fresh rows over `kv`'s storage (one
+    /// Compiles `model`'s prefill forwards over `kv`'s storage (one
     /// full-attention group, as [`PagedKv::compilable`] says).
     pub fn new(model: Rc<LlamaModel>, kv: &PagedKv) -> Self {
         let traces = Rc::new(Cell::new(0u64));
-        let counter = traces.clone();
-        let fresh = kv.fresh_attention();
+        let attention = kv.traced_attention();
         let quant = kv.shape().quant;
         let per_layer = kv.pool_arrays_per_layer();
         let pools = per_layer * model.num_layers();
-        let body = move |args: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
-            counter.set(counter.get() + 1);
-            crate::llama::count_trace();
-            let fail = |e: ModelError| Exception::custom(e.to_string());
-            if args.len() != FIXED_INPUTS + pools {
-                return Err(Exception::custom("compiled prefill: wrong input count"));
-            }
-            let (b, t) = (args[0].dim(0), args[0].dim(1));
-            let mut kv = TracedFresh {
-                offsets: Array::from_slice(&vec![0i32; b as usize], &[b]),
-                block: args[1].clone(),
-                offset: args[2].clone(),
-                last: args[3].clone(),
-                pools: args[FIXED_INPUTS..].to_vec(),
-                per_layer,
-                quant,
-                fresh,
-                b,
-                t,
+        let block_size = kv.block_size() as i32;
+        let trace = |deep: bool| -> Traced {
+            let counter = traces.clone();
+            let model = model.clone();
+            let fixed = if deep { DEEP_INPUTS } else { FRESH_INPUTS };
+            let body = move |args: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
+                counter.set(counter.get() + 1);
+                crate::llama::count_trace();
+                let fail = |e: ModelError| Exception::custom(e.to_string());
+                if args.len() != fixed + pools {
+                    return Err(Exception::custom("compiled prefill: wrong input count"));
+                }
+                let (b, t) = (args[0].dim(0), args[0].dim(1));
+                let mut kv = TracedChunk {
+                    start: if deep {
+                        args[4].clone()
+                    } else {
+                        Array::from_slice(&vec![0i32; b as usize], &[b])
+                    },
+                    table: deep.then(|| args[5].clone()),
+                    block: args[1].clone(),
+                    offset: args[2].clone(),
+                    last: args[3].clone(),
+                    pools: args[fixed..].to_vec(),
+                    per_layer,
+                    quant,
+                    attention,
+                    block_size,
+                    b,
+                    t,
+                };
+                let logits = model
+                    .forward_kv(&args[0], &mut kv, true, None)
+                    .map_err(fail)?;
+                let mut out = Vec::with_capacity(1 + kv.pools.len());
+                out.push(logits);
+                out.append(&mut kv.pools);
+                Ok(out)
             };
-            let logits = model
-                .forward_kv(&args[0], &mut kv, true, None)
-                .map_err(fail)?;
-            let mut out = Vec::with_capacity(1 + kv.pools.len());
-            out.push(logits);
-            out.append(&mut kv.pools);
-            Ok(out)
+            Box::new(mlx_rs::transforms::compile::compile(body, false))
         };
-        let f = mlx_rs::transforms::compile::compile(body, false);
         Self {
-            f: Box::new(f),
-            traces,
+            fresh: trace(false),
+            deep: trace(true),
+            traces: traces.clone(),
             buckets: BTreeSet::new(),
             block_size: kv.block_size() as usize,
             null_block: kv.null_block(),
             pools,
         }
-    }
-
-    /// The `(rows, tokens)` bucket a group of `rows` fresh rows of at most
-    /// `tokens` tokens each runs in (powers of two, at least
-    /// [`MIN_ROW_TOKENS`] long), or `None` past the compiled sizes.
-    pub fn bucket(rows: usize, tokens: usize) -> Option<(usize, usize)> {
-        let t = Self::row_bucket(tokens)?;
-        let b = rows.next_power_of_two();
-        (rows > 0 && b * t <= MAX_BUCKET_TOKENS).then_some((b, t))
     }
 
     /// The length a row of `tokens` tokens is padded to in a bucket, or
@@ -132,15 +149,39 @@ impl CompiledPrefill {
         (tokens > 0 && t <= MAX_ROW_TOKENS).then_some(t)
     }
 
-    /// Every bucket, for warming them all.
-    pub fn all_buckets() -> Vec<(usize, usize)> {
+    /// The `(rows, tokens, table width)` bucket of a group of `rows` rows of
+    /// at most `tokens` tokens each whose tables need at most `blocks`
+    /// blocks (0: every row starts fresh, no table), or `None` past the
+    /// compiled sizes. Rows, tokens and widths are powers of two; tokens at
+    /// least [`MIN_ROW_TOKENS`], widths at least [`MIN_TABLE_BLOCKS`].
+    pub fn bucket(rows: usize, tokens: usize, blocks: usize) -> Option<(usize, usize, usize)> {
+        let t = Self::row_bucket(tokens)?;
+        let b = rows.next_power_of_two();
+        let w = match blocks {
+            0 => 0,
+            n => n.max(MIN_TABLE_BLOCKS).next_power_of_two(),
+        };
+        (rows > 0 && b * t <= MAX_BUCKET_TOKENS && w <= MAX_TABLE_BLOCKS).then_some((b, t, w))
+    }
+
+    /// Every fresh bucket, and the deep ones of one row with tables up to
+    /// `context` tokens: what [`BatchRunner::warm_prefill`] traces.
+    ///
+    /// [`BatchRunner::warm_prefill`]: crate::runner::BatchRunner::warm_prefill
+    pub fn warm_buckets(context: usize, block_size: usize) -> Vec<(usize, usize, usize)> {
         let mut out = Vec::new();
+        let top = context.div_ceil(block_size.max(1)).next_power_of_two();
         let mut t = MIN_ROW_TOKENS;
         while t <= MAX_ROW_TOKENS {
             let mut b = 1;
             while b * t <= MAX_BUCKET_TOKENS {
-                out.push((b, t));
+                out.push((b, t, 0));
                 b *= 2;
+            }
+            let mut w = MIN_TABLE_BLOCKS;
+            while w <= top.min(MAX_TABLE_BLOCKS) {
+                out.push((1, t, w));
+                w *= 2;
             }
             t *= 2;
         }
@@ -152,41 +193,64 @@ impl CompiledPrefill {
         self.traces.get()
     }
 
-    /// `(rows, tokens)` buckets run so far.
-    pub fn buckets(&self) -> &BTreeSet<(i32, i32)> {
+    /// `(rows, tokens, table width)` buckets run so far (width 0: fresh).
+    pub fn buckets(&self) -> &BTreeSet<(i32, i32, i32)> {
         &self.buckets
     }
 
-    /// Builds the prefill of `rows` (each its block table and its prompt
-    /// tokens, every row starting at position 0): writes every token's K/V
-    /// (the storage's pool arrays are replaced by the written ones) and
-    /// returns each row's last-token logits `[rows, 1, vocab]`, unevaluated.
-    pub fn step(&mut self, kv: &PagedKv, rows: &[(&RowBlocks, &[u32])]) -> Result<Array> {
+    /// Builds the prefill of `rows` (each its block table, its start and its
+    /// chunk's tokens): writes every token's K/V (the storage's pool arrays
+    /// are replaced by the written ones) and returns each row's last-token
+    /// logits `[rows, 1, vocab]`, unevaluated.
+    pub fn step(&mut self, kv: &PagedKv, rows: &[(&RowBlocks, usize, &[u32])]) -> Result<Array> {
         let n = rows.len();
-        let longest = rows.iter().map(|(_, t)| t.len()).max().unwrap_or(0);
-        let (b, t) = Self::bucket(n, longest).ok_or_else(|| {
+        let bs = self.block_size;
+        let longest = rows.iter().map(|(_, _, t)| t.len()).max().unwrap_or(0);
+        let fresh = rows.iter().all(|(_, start, _)| *start == 0);
+        let blocks = if fresh {
+            0
+        } else {
+            rows.iter()
+                .map(|(_, start, t)| (start + t.len()).div_ceil(bs))
+                .max()
+                .unwrap_or(1)
+        };
+        let (b, t, w) = Self::bucket(n, longest, blocks).ok_or_else(|| {
             ModelError::Invalid(format!(
-                "compiled prefill: {n} rows of up to {longest} tokens are past its buckets"
+                "compiled prefill: {n} rows of up to {longest} tokens in {blocks} blocks are past \
+                 its buckets"
             ))
         })?;
-        let mut batch = self.padding(b, t);
-        let bs = self.block_size;
-        for (i, (table, tokens)) in rows.iter().enumerate() {
-            if table.offset != 0 || table.blocks.len() * bs < tokens.len() || tokens.is_empty() {
+        let mut batch = self.padding(b, t, w);
+        for (i, (table, start, tokens)) in rows.iter().enumerate() {
+            let need = (start + tokens.len()).div_ceil(bs);
+            if table.offset != 0 || table.blocks.len() < need || tokens.is_empty() {
                 return Err(ModelError::Invalid(format!(
-                    "compiled prefill: a fresh row of {} tokens has {} blocks from {}",
+                    "compiled prefill: a row of {} tokens at {start} has {} blocks from {}",
                     tokens.len(),
                     table.blocks.len(),
                     table.offset
                 )));
             }
             for (p, &tok) in tokens.iter().enumerate() {
+                let pos = start + p;
                 batch.tokens[i * t + p] = tok as i32;
-                batch.block[i * t + p] = table.blocks[p / bs] as i32;
+                batch.block[i * t + p] = table.blocks[pos / bs] as i32;
+                batch.offset[i * t + p] = (pos % bs) as i32;
             }
             batch.last[i] = tokens.len() as i32 - 1;
+            batch.start[i] = *start as i32;
+            if w > 0 {
+                // `need <= w`: the bucket's width covers the deepest row.
+                batch.table[i * w..i * w + need].copy_from_slice(
+                    &table.blocks[..need]
+                        .iter()
+                        .map(|&x| x as i32)
+                        .collect::<Vec<_>>(),
+                );
+            }
         }
-        let logits = self.run(kv, batch, b, t)?;
+        let logits = self.run(kv, batch, (b, t, w))?;
         Ok(if b > n {
             logits.try_index(..n as i32)?
         } else {
@@ -194,41 +258,50 @@ impl CompiledPrefill {
         })
     }
 
-    /// Traces (and runs, evaluated) the `(rows, tokens)` bucket with rows
-    /// that write only the null block, so serving does not pay the trace
-    /// later. Returns whether this traced a new bucket.
-    pub fn warm(&mut self, kv: &PagedKv, rows: usize, tokens: usize) -> Result<bool> {
+    /// Traces (and runs, evaluated) the `(rows, tokens, width)` bucket with
+    /// rows that read and write only the null block, so serving does not pay
+    /// the trace later. Returns whether this traced a new bucket.
+    pub fn warm(&mut self, kv: &PagedKv, bucket: (usize, usize, usize)) -> Result<bool> {
+        let (rows, tokens, width) = bucket;
+        if Self::bucket(rows, tokens, width) != Some(bucket) {
+            return Err(ModelError::Invalid(format!(
+                "compiled prefill: {bucket:?} is not a bucket"
+            )));
+        }
         let before = self.traces();
-        let (b, t) = Self::bucket(rows, tokens).ok_or_else(|| {
-            ModelError::Invalid(format!(
-                "compiled prefill: no bucket of {rows} rows x {tokens} tokens"
-            ))
-        })?;
-        let batch = self.padding(b, t);
-        self.run(kv, batch, b, t)?.eval()?;
+        let batch = self.padding(rows, tokens, width);
+        self.run(kv, batch, bucket)?.eval()?;
         Ok(self.traces() > before)
     }
 
-    /// A batch of `b` rows of `t` tokens that write only the null block.
-    fn padding(&self, b: usize, t: usize) -> Batch {
+    /// A batch of `b` rows of `t` tokens (tables of `w` blocks) that read and
+    /// write only the null block.
+    fn padding(&self, b: usize, t: usize, w: usize) -> Batch {
+        let null = self.null_block as i32;
         Batch {
             tokens: vec![0; b * t],
-            block: vec![self.null_block as i32; b * t],
+            block: vec![null; b * t],
             offset: (0..b * t)
                 .map(|i| ((i % t) % self.block_size) as i32)
                 .collect(),
             last: vec![0; b],
+            start: vec![0; b],
+            table: vec![null; b * w],
         }
     }
 
-    fn run(&mut self, kv: &PagedKv, batch: Batch, b: usize, t: usize) -> Result<Array> {
-        let (bi, ti) = (b as i32, t as i32);
+    fn run(&mut self, kv: &PagedKv, batch: Batch, bucket: (usize, usize, usize)) -> Result<Array> {
+        let (bi, ti, wi) = (bucket.0 as i32, bucket.1 as i32, bucket.2 as i32);
         let mut inputs = vec![
             Array::from_slice(&batch.tokens, &[bi, ti]),
             Array::from_slice(&batch.block, &[bi * ti]),
             Array::from_slice(&batch.offset, &[bi * ti]),
             Array::from_slice(&batch.last, &[bi, 1, 1]),
         ];
+        if wi > 0 {
+            inputs.push(Array::from_slice(&batch.start, &[bi]));
+            inputs.push(Array::from_slice(&batch.table, &[bi, wi]));
+        }
         let pools = kv.pool_arrays()?;
         if pools.len() != self.pools {
             return Err(ModelError::Invalid(format!(
@@ -238,7 +311,12 @@ impl CompiledPrefill {
             )));
         }
         inputs.extend(pools);
-        let mut out = (self.f)(&inputs)?;
+        let f = if wi > 0 {
+            &mut self.deep
+        } else {
+            &mut self.fresh
+        };
+        let mut out = f(&inputs)?;
         // The old pools' only references are now the written ones' graph.
         drop(inputs);
         if out.is_empty() {
@@ -248,7 +326,7 @@ impl CompiledPrefill {
         }
         let pools = out.split_off(1);
         kv.replace_pools(pools)?;
-        self.buckets.insert((bi, ti));
+        self.buckets.insert((bi, ti, wi));
         out.pop()
             .ok_or_else(|| ModelError::Invalid("compiled prefill returned no logits".into()))
     }
@@ -260,12 +338,16 @@ struct Batch {
     block: Vec<i32>,
     offset: Vec<i32>,
     last: Vec<i32>,
+    start: Vec<i32>,
+    table: Vec<i32>,
 }
 
-/// The KV view a traced prefill of fresh rows runs against.
-struct TracedFresh {
-    /// `[B]` zeros: every row's RoPE starts at position 0.
-    offsets: Array,
+/// The KV view a traced prefill runs against.
+struct TracedChunk {
+    /// `[B]` each row's first position (its RoPE offset): zeros when fresh.
+    start: Array,
+    /// `[B, W]` each row's block table (deep traces only).
+    table: Option<Array>,
     /// `[B * T]` block and offset of each token's K/V.
     block: Array,
     offset: Array,
@@ -275,12 +357,13 @@ struct TracedFresh {
     pools: Vec<Array>,
     per_layer: usize,
     quant: Option<AffineQuant>,
-    fresh: FreshAttention,
+    attention: TracedAttention,
+    block_size: i32,
     b: i32,
     t: i32,
 }
 
-impl LayerKv for TracedFresh {
+impl LayerKv for TracedChunk {
     fn batch(&self) -> usize {
         self.b as usize
     }
@@ -290,7 +373,7 @@ impl LayerKv for TracedFresh {
     }
 
     fn offsets(&self) -> &Array {
-        &self.offsets
+        &self.start
     }
 
     fn last_index(&self) -> Option<&Array> {
@@ -329,7 +412,24 @@ impl LayerKv for TracedFresh {
             &flat(k)?,
             &flat(v)?,
         )?;
-        fresh_causal_attention(&self.fresh, q, k, v, scale)
+        let Some(table) = &self.table else {
+            return self.attention.fresh(q, k, v, scale);
+        };
+        let (kc, vc) = read_traced(
+            &self.pools,
+            self.per_layer,
+            self.quant,
+            layer,
+            table,
+            self.block_size,
+        )?;
+        // Query i of a row sees key j where j <= start + i.
+        let keys = kc.dim(2);
+        let key = ops::arange::<_, i32>(0, keys, 1)?.reshape(&[1, 1, 1, keys])?;
+        let query = ops::arange::<_, i32>(0, self.t, 1)?.reshape(&[1, 1, self.t, 1])?;
+        let seen = ops::add(&self.start.reshape(&[self.b, 1, 1, 1])?, &query)?;
+        let visible = key.le(&seen)?;
+        self.attention.gathered(q, &kc, &vc, scale, &visible)
     }
 }
 
@@ -339,21 +439,31 @@ mod tests {
 
     #[test]
     fn buckets_are_powers_of_two_within_the_limits() {
-        assert_eq!(CompiledPrefill::bucket(1, 1), Some((1, 16)));
-        assert_eq!(CompiledPrefill::bucket(1, 17), Some((1, 32)));
-        assert_eq!(CompiledPrefill::bucket(3, 100), Some((4, 128)));
-        assert_eq!(CompiledPrefill::bucket(1, 512), Some((1, 512)));
-        assert_eq!(CompiledPrefill::bucket(1, 513), None);
+        assert_eq!(CompiledPrefill::bucket(1, 1, 0), Some((1, 16, 0)));
+        assert_eq!(CompiledPrefill::bucket(1, 17, 0), Some((1, 32, 0)));
+        assert_eq!(CompiledPrefill::bucket(3, 100, 0), Some((4, 128, 0)));
+        assert_eq!(CompiledPrefill::bucket(1, 512, 0), Some((1, 512, 0)));
+        assert_eq!(CompiledPrefill::bucket(1, 513, 0), None);
         assert_eq!(
-            CompiledPrefill::bucket(9, 100),
+            CompiledPrefill::bucket(9, 100, 0),
             None,
             "16 x 128 is past the total"
         );
-        assert_eq!(CompiledPrefill::bucket(0, 10), None);
-        let all = CompiledPrefill::all_buckets();
-        assert!(all
+        assert_eq!(CompiledPrefill::bucket(0, 10, 0), None);
+        assert_eq!(CompiledPrefill::bucket(1, 64, 3), Some((1, 64, 8)));
+        assert_eq!(CompiledPrefill::bucket(2, 64, 300), Some((2, 64, 512)));
+        assert_eq!(
+            CompiledPrefill::bucket(1, 64, 1025),
+            None,
+            "past the widest table"
+        );
+        let warm = CompiledPrefill::warm_buckets(512, 16);
+        assert!(warm
             .iter()
-            .all(|&(b, t)| CompiledPrefill::bucket(b, t) == Some((b, t))));
-        assert_eq!(all.len(), 7 + 6 + 5 + 4 + 3 + 2);
+            .all(|&(b, t, w)| CompiledPrefill::bucket(b, t, w) == Some((b, t, w))));
+        let fresh = warm.iter().filter(|k| k.2 == 0).count();
+        assert_eq!(fresh, 7 + 6 + 5 + 4 + 3 + 2);
+        // One row at widths 8, 16 and 32 blocks (512 tokens), every length.
+        assert_eq!(warm.len() - fresh, 6 * 3);
     }
 }

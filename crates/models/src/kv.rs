@@ -700,9 +700,9 @@ impl PagedKv {
             && matches!(self.groups.groups.as_slice(), [g] if g.kind == AttentionKind::Full)
     }
 
-    /// How rows starting fresh attend, for a compiled prefill's trace.
-    pub(crate) fn fresh_attention(&self) -> FreshAttention {
-        FreshAttention {
+    /// How a compiled prefill's trace attends.
+    pub(crate) fn traced_attention(&self) -> TracedAttention {
+        TracedAttention {
             kernels: self.kernels,
             prefill: self.prefill,
             quant: self.shape.quant,
@@ -1301,27 +1301,60 @@ fn attend_fresh(
     }
 }
 
-/// The causal attention of rows that all start at position 0 over their own
-/// new K/V `[B, kv_heads, T, head_dim]` (right-padded rows too: a real
-/// query sees no padding key after it), as a step of such rows attends
-/// without a window; for a compiled prefill ([`crate::compiled_prefill`]).
-pub(crate) fn fresh_causal_attention(
-    kv: &FreshAttention,
-    q: &Array,
-    k: &Array,
-    v: &Array,
-    scale: f32,
-) -> Result<Array> {
-    let mask = fresh_mask(kv.kernels, q.dim(2));
-    attend_fresh(kv.kernels, kv.prefill, kv.quant, q, k, v, scale, &mask)
-}
-
-/// What [`fresh_causal_attention`] needs of a [`PagedKv`], held by a trace.
+/// How a traced (compiled) prefill attends, as an op-by-op step of the same
+/// rows would ([`crate::compiled_prefill`]); taken from a [`PagedKv`].
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct FreshAttention {
+pub(crate) struct TracedAttention {
     kernels: Kernels,
     prefill: PrefillAttention,
     quant: Option<AffineQuant>,
+}
+
+impl TracedAttention {
+    /// The causal attention of rows that all start at position 0 over their
+    /// own new K/V `[B, kv_heads, T, head_dim]` (right-padded rows too: a real
+    /// query sees no padding key, all of which come after it), as a step of
+    /// such rows attends without a window.
+    pub(crate) fn fresh(&self, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+        let mask = fresh_mask(self.kernels, q.dim(2));
+        attend_fresh(
+            self.kernels,
+            self.prefill,
+            self.quant,
+            q,
+            k,
+            v,
+            scale,
+            &mask,
+        )
+    }
+
+    /// Attention over gathered context `kc`, `vc` `[B, kv_heads, L,
+    /// head_dim]` (dequantized) where `visible` `[B, 1, T, L]` is true, as a
+    /// gathering step attends.
+    pub(crate) fn gathered(
+        &self,
+        q: &Array,
+        kc: &Array,
+        vc: &Array,
+        scale: f32,
+        visible: &Array,
+    ) -> Result<Array> {
+        let q = if q.dtype() == kc.dtype() {
+            q.clone()
+        } else {
+            q.as_dtype(kc.dtype())?
+        };
+        attention(
+            self.kernels,
+            self.prefill,
+            &q,
+            kc,
+            vc,
+            scale,
+            &Mask::Bool(visible.clone()),
+        )
+    }
 }
 
 fn fresh_mask(kernels: Kernels, t: i32) -> Mask {

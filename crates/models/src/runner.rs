@@ -415,10 +415,9 @@ impl BatchRunner {
         Ok(())
     }
 
-    /// Turns the compiled prefill of fresh rows on or off
-    /// ([`crate::compiled_prefill`]): on, a prefill group whose rows all
-    /// start at position 0, have no adapter and fit its buckets runs the
-    /// traced forward. Refused while a step is open, or where decode steps
+    /// Turns the compiled prefill on or off ([`crate::compiled_prefill`]):
+    /// on, a prefill group whose rows have no adapter and fit its buckets
+    /// runs a traced forward. Refused while a step is open, or where decode steps
     /// could not compile either.
     pub fn set_compiled_prefill(&mut self, on: bool) -> Result<()> {
         if !self.open.is_empty() {
@@ -436,8 +435,10 @@ impl BatchRunner {
         Ok(())
     }
 
-    /// Traces every compiled prefill bucket up front (rows writing only the
-    /// null block), so no request pays a trace while serving. Returns how
+    /// Traces the compiled prefill buckets up front (rows reading and writing
+    /// only the null block): every fresh one, and one row's chunks over tables
+    /// up to [`COMPILED_MIN_CONTEXT`] (wider ones trace on first use), so few
+    /// requests pay a trace while serving. Returns how
     /// many buckets it traced (0 where prefill is not compiled). Refused
     /// while a step is open.
     pub fn warm_prefill(&mut self) -> Result<usize> {
@@ -449,9 +450,12 @@ impl BatchRunner {
         let Some(c) = self.compiled_prefill.as_mut() else {
             return Ok(0);
         };
+        let bs = self.kv.block_size() as usize;
         let mut traced = 0;
-        for (rows, tokens) in crate::compiled_prefill::CompiledPrefill::all_buckets() {
-            traced += usize::from(c.warm(&self.kv, rows, tokens)?);
+        for bucket in
+            crate::compiled_prefill::CompiledPrefill::warm_buckets(COMPILED_MIN_CONTEXT, bs)
+        {
+            traced += usize::from(c.warm(&self.kv, bucket)?);
         }
         Ok(traced)
     }
@@ -1043,6 +1047,7 @@ impl BatchRunner {
         // compiled where it can, beside prefill forwards too; a group of
         // fresh prompts compiled where it fits a bucket; the rest op by op.
         let last = jobs.len().saturating_sub(1);
+        let bs = (self.kv.block_size() as usize).max(1);
         let how: Vec<Run> = jobs
             .iter()
             .zip(&loras)
@@ -1057,10 +1062,19 @@ impl BatchRunner {
                 } else if self.compiled_prefill.is_some()
                     && lora.is_none()
                     && one_block
-                    && rows.iter().all(|s| s.start_pos == 0)
+                    && rows.iter().all(|s| s.blocks[0].offset == 0)
                 {
                     let longest = rows.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
-                    if crate::compiled_prefill::CompiledPrefill::bucket(rows.len(), longest)
+                    // Table blocks the deepest row needs (0: all start fresh).
+                    let blocks = if rows.iter().all(|s| s.start_pos == 0) {
+                        0
+                    } else {
+                        rows.iter()
+                            .map(|s| (s.start_pos + s.tokens.len()).div_ceil(bs))
+                            .max()
+                            .unwrap_or(1)
+                    };
+                    if crate::compiled_prefill::CompiledPrefill::bucket(rows.len(), longest, blocks)
                         .is_some()
                     {
                         return Run::CompiledPrefill;
@@ -1113,9 +1127,9 @@ impl BatchRunner {
                         let c = self.compiled_prefill.as_mut().ok_or_else(|| {
                             ModelError::Invalid("compiled prefill missing".into())
                         })?;
-                        let r: Vec<(&RowBlocks, &[u32])> = rows
+                        let r: Vec<(&RowBlocks, usize, &[u32])> = rows
                             .iter()
-                            .map(|s| (&s.blocks[0], s.tokens.as_slice()))
+                            .map(|s| (&s.blocks[0], s.start_pos, s.tokens.as_slice()))
                             .collect();
                         let o = c.step(kv, &r)?;
                         for layer in 0..self.model.num_layers() {

@@ -1,11 +1,11 @@
-//! Compiled prefill of fresh prompts against the op-by-op forward with a real
-//! model (mlx-lm's fixture, f32 on MLX's CPU backend): ragged prompts padded
-//! into a bucket give the op-by-op logits within a stated tolerance, and the
-//! K/V they write is what the op-by-op step writes (the decode steps after
-//! them agree too, so padding tokens wrote nothing a row reads); a prompt
-//! joining decoding rows runs compiled beside them, a prompt with a cached
-//! prefix runs op by op; a fault inside a compiled prefill rolls the step
-//! back; every bucket traces once.
+//! Compiled prefill against the op-by-op forward with a real model (mlx-lm's
+//! fixture, f32 on MLX's CPU backend): ragged prompts padded into a bucket
+//! give the op-by-op logits within a stated tolerance, and the K/V they
+//! write is what the op-by-op step writes (the decode steps after them agree
+//! too, so padding tokens wrote nothing a row reads); a prompt joining
+//! decoding rows runs compiled beside them, and so does its later chunk over
+//! the context already in the pool; a fault inside a compiled prefill rolls
+//! the step back; every bucket traces once.
 
 mod common;
 
@@ -157,7 +157,7 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
     // step traced them; the redone one replayed them).
     assert_eq!(
         c.buckets().iter().copied().collect::<Vec<_>>(),
-        [(1, 32), (2, 16)]
+        [(1, 32, 0), (2, 16, 0)]
     );
     assert_eq!(c.traces(), 2);
     for s in 0..4 {
@@ -168,8 +168,9 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
         );
         assert_eq!(plain.at, comp.at, "decode step {s}: greedy picks");
     }
-    // A fresh prompt joins the decoding rows (compiled beside them), then a
-    // prompt that starts past 0 (the rest of row 3's prompt) runs op by op.
+    // A fresh prompt joins the decoding rows (compiled beside them), then the
+    // rest of it, at position 24: the deep trace (RoPE from 24, the row's
+    // table gathered, its first 24 tokens in context).
     let late: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
     let fresh = [(3, &late[..24], 0)];
     agree(
@@ -194,13 +195,41 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
         );
         assert_eq!(plain.at, comp.at, "decode step {s} after: greedy picks");
     }
+    // Two prompts whose second chunks start at different depths share one
+    // deep forward: each row's own RoPE offset and causal edge.
+    let (a, b): (Vec<u32>, Vec<u32>) = ((0..38).map(|i| i % 97).collect(), (0..26).collect());
+    let first = [(4, &a[..20], 0), (5, &b[..9], 0)];
+    agree(&plain.step(&first), &comp.step(&first), "two first chunks");
+    for r in [&mut plain, &mut comp] {
+        r.at.truncate(4);
+    }
+    let second = [(4, &a[20..], 20), (5, &b[9..], 9)];
+    agree(
+        &plain.step(&second),
+        &comp.step(&second),
+        "two chunks at 20 and 9",
+    );
+    assert_eq!(plain.at, comp.at);
+    for s in 0..2 {
+        agree(
+            &plain.step(&[]),
+            &comp.step(&[]),
+            &format!("decode step {s} at the end"),
+        );
+        assert_eq!(
+            plain.at, comp.at,
+            "decode step {s} at the end: greedy picks"
+        );
+    }
     let c = comp.runner.compiled_prefill().unwrap();
     assert_eq!(
         c.buckets().iter().copied().collect::<Vec<_>>(),
-        [(1, 32), (2, 16)],
-        "the 24-token prompt replays 1 x 32, its second chunk runs op by op"
+        [(1, 16, 0), (1, 16, 8), (1, 32, 0), (2, 16, 0), (2, 32, 8)],
+        "the 24-token prompt replays 1 x 32, its second chunk is one row of 16 over 8 \
+         blocks; the two prompts' first chunks (20 and 9 tokens) pad to 32 and 16, apart; \
+         their second chunks (18 and 17) share 2 x 32 over 8 blocks"
     );
-    assert_eq!(c.traces(), 2);
+    assert_eq!(c.traces(), 5);
 }
 
 /// `warm_prefill` traces every bucket once, writing only the null block: the
@@ -212,7 +241,11 @@ fn warmed_prefill_buckets_are_not_traced_while_serving() {
     oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
     let mut plain = Rows::new(runner(load_f32(&md, false), 64));
     let mut comp = Rows::new(compiled(runner(load_f32(&md, false), 64)));
-    let all = weft_models::compiled_prefill::CompiledPrefill::all_buckets().len();
+    let all = weft_models::compiled_prefill::CompiledPrefill::warm_buckets(
+        weft_models::runner::COMPILED_MIN_CONTEXT,
+        16,
+    )
+    .len();
     assert_eq!(comp.runner.warm_prefill().unwrap(), all);
     assert_eq!(comp.runner.warm_prefill().unwrap(), 0, "warming twice");
     let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
