@@ -76,6 +76,10 @@ pub fn forward_times() -> ForwardTimes {
     }
 }
 
+/// Context up to which one row's compiled prefill chunks are traced at
+/// startup (a long prompt's chunks then meet no trace until past it).
+const PREFILL_WARM_CONTEXT: usize = 8192;
+
 fn record_forward(t: weft_models::StepTiming, total: std::time::Duration) {
     use std::sync::atomic::Ordering::Relaxed;
     FORWARD[0].fetch_add(1, Relaxed);
@@ -772,12 +776,13 @@ pub fn start_engine_with(
                 );
             }
             let t = std::time::Instant::now();
-            let traced = runner.warm_prefill()?;
+            let traced = runner.warm_prefill(PREFILL_WARM_CONTEXT)?;
             if traced > 0 {
                 tracing::info!(
                     buckets = traced,
                     ms = t.elapsed().as_millis() as u64,
-                    "compiled prefill of fresh prompts traced for every bucket"
+                    "compiled prefill traced for every fresh bucket and one row's chunks up to \
+                     {PREFILL_WARM_CONTEXT} tokens deep"
                 );
             }
             let gpu = runner.kv().uses_kernel();

@@ -437,11 +437,11 @@ impl BatchRunner {
 
     /// Traces the compiled prefill buckets up front (rows reading and writing
     /// only the null block): every fresh one, and one row's chunks over tables
-    /// up to [`COMPILED_MIN_CONTEXT`] (wider ones trace on first use), so few
-    /// requests pay a trace while serving. Returns how
+    /// up to `context` tokens (wider ones trace on first use), so few requests
+    /// pay a trace while serving. Returns how
     /// many buckets it traced (0 where prefill is not compiled). Refused
     /// while a step is open.
-    pub fn warm_prefill(&mut self) -> Result<usize> {
+    pub fn warm_prefill(&mut self, context: usize) -> Result<usize> {
         if !self.open.is_empty() {
             return Err(ModelError::Invalid(
                 "prefill buckets warmed inside an open step".into(),
@@ -452,9 +452,7 @@ impl BatchRunner {
         };
         let bs = self.kv.block_size() as usize;
         let mut traced = 0;
-        for bucket in
-            crate::compiled_prefill::CompiledPrefill::warm_buckets(COMPILED_MIN_CONTEXT, bs)
-        {
+        for bucket in crate::compiled_prefill::CompiledPrefill::warm_buckets(context, bs) {
             traced += usize::from(c.warm(&self.kv, bucket)?);
         }
         Ok(traced)

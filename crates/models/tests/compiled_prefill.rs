@@ -246,8 +246,19 @@ fn warmed_prefill_buckets_are_not_traced_while_serving() {
         16,
     )
     .len();
-    assert_eq!(comp.runner.warm_prefill().unwrap(), all);
-    assert_eq!(comp.runner.warm_prefill().unwrap(), 0, "warming twice");
+    assert_eq!(
+        comp.runner
+            .warm_prefill(weft_models::runner::COMPILED_MIN_CONTEXT)
+            .unwrap(),
+        all
+    );
+    assert_eq!(
+        comp.runner
+            .warm_prefill(weft_models::runner::COMPILED_MIN_CONTEXT)
+            .unwrap(),
+        0,
+        "warming twice"
+    );
     let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
         .iter()
         .enumerate()
