@@ -138,6 +138,11 @@ pub struct BatchRunner {
     /// The compiled prefill of fresh rows, when on (see
     /// [`set_compiled_prefill`](Self::set_compiled_prefill)).
     compiled_prefill: Option<crate::compiled_prefill::CompiledPrefill>,
+    /// The forwards of one step are queued one after the other without the
+    /// host waiting for each (`WEFT_FORWARD_SYNC=async`, an experiment: whether
+    /// MLX then still writes the pool in place is measured on a GPU, not
+    /// known); by default each is evaluated before the next is built.
+    async_between: bool,
     /// Called after each layer of each forward: fault injection in tests.
     layer_hook: Option<Box<dyn FnMut(usize) -> Result<()>>>,
     /// CPU streams a step's independent forwards are spread over.
@@ -198,6 +203,7 @@ impl BatchRunner {
             kv,
             compiled,
             compiled_prefill,
+            async_between: std::env::var("WEFT_FORWARD_SYNC").is_ok_and(|v| v == "async"),
             layer_hook: None,
             lanes: Lanes::single(),
             lanes_used: 0,
@@ -1151,7 +1157,11 @@ impl BatchRunner {
                 if i < last {
                     let mut pending = kv.arrays();
                     pending.push(o.clone());
-                    mlx_rs::transforms::eval(pending.iter())?;
+                    if self.async_between {
+                        mlx_rs::transforms::async_eval(pending.iter())?;
+                    } else {
+                        mlx_rs::transforms::eval(pending.iter())?;
+                    }
                 }
                 outs.push(o);
             }
