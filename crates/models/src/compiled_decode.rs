@@ -39,7 +39,8 @@ use crate::lora::{Layout, LoraStep};
 use crate::paged_attention::{PagedAttention, Pools};
 use weft_kv_pool::storage::AffineQuant;
 
-type Traced = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
+/// A traced step: its inputs in, its logits then the written pools out.
+pub(crate) type Traced = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
 
 /// Inputs before the pool arrays: tokens, start, write block, write offset,
 /// block table, tokens per row.
@@ -230,7 +231,7 @@ impl CompiledDecode {
             table.extend(std::iter::repeat_n(self.null_block as i32, width - used));
         }
         let (bi, wi) = (b as i32, width as i32);
-        let mut inputs = vec![
+        let inputs = vec![
             tokens.clone(),
             Array::from_slice(&start, &[bi]),
             Array::from_slice(&write_block, &[bi]),
@@ -238,15 +239,7 @@ impl CompiledDecode {
             Array::from_slice(&table, &[bi, wi]),
             Array::from_slice(&vec![1i32; b], &[bi]),
         ];
-        let pools = kv.pool_arrays()?;
-        if pools.len() != self.pools {
-            return Err(ModelError::Invalid(format!(
-                "compiled decode: {} pool arrays for {} expected",
-                pools.len(),
-                self.pools
-            )));
-        }
-        inputs.extend(pools);
+        let mut extra = Vec::new();
         if let Some(l) = lora {
             if l.rows() != b {
                 return Err(ModelError::Invalid(format!(
@@ -254,22 +247,21 @@ impl CompiledDecode {
                     l.rows()
                 )));
             }
-            inputs.push(l.slots().clone());
-            inputs.extend(l.arrays());
+            extra.push(l.slots().clone());
+            extra.extend(l.arrays());
         }
-        let mut out = (self.f)(&inputs)?;
-        // The old pools' only references are now the written ones' graph.
-        drop(inputs);
-        if out.is_empty() {
-            return Err(ModelError::Invalid(
-                "compiled decode returned nothing".into(),
-            ));
-        }
-        let pools = out.split_off(1);
-        kv.replace_pools(pools)?;
+        let logits = run_traced(
+            &mut self.f,
+            kv,
+            TracedCall {
+                inputs,
+                pools: self.pools,
+                extra,
+                what: "compiled decode",
+            },
+        )?;
         self.buckets.insert((bi, wi));
-        out.pop()
-            .ok_or_else(|| ModelError::Invalid("compiled decode returned no logits".into()))
+        Ok(logits)
     }
 }
 
@@ -515,4 +507,45 @@ pub(crate) fn read_traced(
         read(&pools[base..base + per])?,
         read(&pools[base + per..base + 2 * per])?,
     ))
+}
+
+/// One call of a traced step: its per-step `inputs`, then the storage's
+/// `pools` pool arrays, then `extra` inputs (adapters).
+pub(crate) struct TracedCall<'a> {
+    pub inputs: Vec<Array>,
+    pub pools: usize,
+    pub extra: Vec<Array>,
+    /// The step's name, for errors.
+    pub what: &'a str,
+}
+
+/// Calls the traced step `f` over `kv`'s current pool arrays, installs the
+/// written pools it returns after its logits, and returns the logits,
+/// unevaluated.
+pub(crate) fn run_traced(f: &mut Traced, kv: &PagedKv, call: TracedCall<'_>) -> Result<Array> {
+    let TracedCall {
+        mut inputs,
+        pools,
+        extra,
+        what,
+    } = call;
+    let current = kv.pool_arrays()?;
+    if current.len() != pools {
+        return Err(ModelError::Invalid(format!(
+            "{what}: {} pool arrays for {pools} expected",
+            current.len()
+        )));
+    }
+    inputs.extend(current);
+    inputs.extend(extra);
+    let mut out = f(&inputs)?;
+    // The old pools' only references are now the written ones' graph.
+    drop(inputs);
+    if out.is_empty() {
+        return Err(ModelError::Invalid(format!("{what} returned nothing")));
+    }
+    let written = out.split_off(1);
+    kv.replace_pools(written)?;
+    out.pop()
+        .ok_or_else(|| ModelError::Invalid(format!("{what} returned no logits")))
 }

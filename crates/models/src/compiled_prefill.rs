@@ -37,13 +37,13 @@ use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array};
 use weft_kv_pool::RowBlocks;
 
-use crate::compiled_decode::{read_traced, write_traced, TracedWrite};
+use crate::compiled_decode::{
+    read_traced, run_traced, write_traced, Traced, TracedCall, TracedWrite,
+};
 use crate::error::{ModelError, Result};
 use crate::kv::{LayerKv, PagedKv, TracedAttention};
 use crate::llama::LlamaModel;
 use weft_kv_pool::storage::AffineQuant;
-
-type Traced = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
 
 /// Inputs before the pool arrays: tokens, write block, write offset, last
 /// position; a deep trace's also start and block table.
@@ -302,33 +302,23 @@ impl CompiledPrefill {
             inputs.push(Array::from_slice(&batch.start, &[bi]));
             inputs.push(Array::from_slice(&batch.table, &[bi, wi]));
         }
-        let pools = kv.pool_arrays()?;
-        if pools.len() != self.pools {
-            return Err(ModelError::Invalid(format!(
-                "compiled prefill: {} pool arrays for {} expected",
-                pools.len(),
-                self.pools
-            )));
-        }
-        inputs.extend(pools);
         let f = if wi > 0 {
             &mut self.deep
         } else {
             &mut self.fresh
         };
-        let mut out = f(&inputs)?;
-        // The old pools' only references are now the written ones' graph.
-        drop(inputs);
-        if out.is_empty() {
-            return Err(ModelError::Invalid(
-                "compiled prefill returned nothing".into(),
-            ));
-        }
-        let pools = out.split_off(1);
-        kv.replace_pools(pools)?;
+        let logits = run_traced(
+            f,
+            kv,
+            TracedCall {
+                inputs,
+                pools: self.pools,
+                extra: Vec::new(),
+                what: "compiled prefill",
+            },
+        )?;
         self.buckets.insert((bi, ti, wi));
-        out.pop()
-            .ok_or_else(|| ModelError::Invalid("compiled prefill returned no logits".into()))
+        Ok(logits)
     }
 }
 
