@@ -53,6 +53,9 @@ const DEEP_INPUTS: usize = 6;
 /// Fewest tokens per row of a bucket (shorter rows are padded to it).
 const MIN_ROW_TOKENS: usize = 16;
 
+/// Row lengths of buckets are powers of two up to this, then its multiples.
+pub const FINE_ROW_TOKENS: usize = 64;
+
 /// Most tokens per row of a compiled prefill (a bucket's length).
 pub const MAX_ROW_TOKENS: usize = 512;
 
@@ -143,17 +146,37 @@ impl CompiledPrefill {
     }
 
     /// The length a row of `tokens` tokens is padded to in a bucket, or
-    /// `None` past [`MAX_ROW_TOKENS`].
+    /// `None` past [`MAX_ROW_TOKENS`]: a power of two up to
+    /// [`FINE_ROW_TOKENS`] (where a step is the host's graph more than the
+    /// device's work), then a multiple of it (a chunk cut to the ITL target
+    /// pays for at most 63 tokens it does not carry).
     pub fn row_bucket(tokens: usize) -> Option<usize> {
-        let t = tokens.max(MIN_ROW_TOKENS).next_power_of_two();
+        let t = tokens.max(MIN_ROW_TOKENS);
+        let t = if t <= FINE_ROW_TOKENS {
+            t.next_power_of_two()
+        } else {
+            t.div_ceil(FINE_ROW_TOKENS) * FINE_ROW_TOKENS
+        };
         (tokens > 0 && t <= MAX_ROW_TOKENS).then_some(t)
+    }
+
+    /// Every row length a bucket has, shortest first.
+    fn row_lengths() -> impl Iterator<Item = usize> {
+        (0..)
+            .map(|i| MIN_ROW_TOKENS << i)
+            .take_while(|&t| t <= FINE_ROW_TOKENS)
+            .chain(
+                (2..)
+                    .map(|k| k * FINE_ROW_TOKENS)
+                    .take_while(|&t| t <= MAX_ROW_TOKENS),
+            )
     }
 
     /// The `(rows, tokens, table width)` bucket of a group of `rows` rows of
     /// at most `tokens` tokens each whose tables need at most `blocks`
     /// blocks (0: every row starts fresh, no table), or `None` past the
-    /// compiled sizes. Rows, tokens and widths are powers of two; tokens at
-    /// least [`MIN_ROW_TOKENS`], widths at least [`MIN_TABLE_BLOCKS`].
+    /// compiled sizes. Rows and widths are powers of two, widths at least
+    /// [`MIN_TABLE_BLOCKS`]; lengths as [`row_bucket`](Self::row_bucket).
     pub fn bucket(rows: usize, tokens: usize, blocks: usize) -> Option<(usize, usize, usize)> {
         let t = Self::row_bucket(tokens)?;
         let b = rows.next_power_of_two();
@@ -171,8 +194,7 @@ impl CompiledPrefill {
     pub fn warm_buckets(context: usize, block_size: usize) -> Vec<(usize, usize, usize)> {
         let mut out = Vec::new();
         let top = context.div_ceil(block_size.max(1)).next_power_of_two();
-        let mut t = MIN_ROW_TOKENS;
-        while t <= MAX_ROW_TOKENS {
+        for t in Self::row_lengths() {
             let mut b = 1;
             while b * t <= MAX_BUCKET_TOKENS {
                 out.push((b, t, 0));
@@ -183,7 +205,6 @@ impl CompiledPrefill {
                 out.push((1, t, w));
                 w *= 2;
             }
-            t *= 2;
         }
         out
     }
@@ -428,10 +449,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn buckets_are_powers_of_two_within_the_limits() {
+    fn buckets_pad_rows_and_lengths_within_the_limits() {
         assert_eq!(CompiledPrefill::bucket(1, 1, 0), Some((1, 16, 0)));
         assert_eq!(CompiledPrefill::bucket(1, 17, 0), Some((1, 32, 0)));
         assert_eq!(CompiledPrefill::bucket(3, 100, 0), Some((4, 128, 0)));
+        assert_eq!(CompiledPrefill::bucket(1, 65, 0), Some((1, 128, 0)));
+        assert_eq!(CompiledPrefill::bucket(1, 272, 0), Some((1, 320, 0)));
+        assert_eq!(CompiledPrefill::bucket(4, 190, 0), Some((4, 192, 0)));
+        assert_eq!(
+            CompiledPrefill::bucket(5, 190, 0),
+            None,
+            "8 x 192 is past the total"
+        );
         assert_eq!(CompiledPrefill::bucket(1, 512, 0), Some((1, 512, 0)));
         assert_eq!(CompiledPrefill::bucket(1, 513, 0), None);
         assert_eq!(
@@ -452,8 +481,9 @@ mod tests {
             .iter()
             .all(|&(b, t, w)| CompiledPrefill::bucket(b, t, w) == Some((b, t, w))));
         let fresh = warm.iter().filter(|k| k.2 == 0).count();
-        assert_eq!(fresh, 7 + 6 + 5 + 4 + 3 + 2);
+        // Lengths 16, 32, 64, 128, 192, ... 512: rows up to 1024 tokens.
+        assert_eq!(fresh, 7 + 6 + 5 + 4 + 3 + 3 + 2 + 2 + 2 + 2);
         // One row at widths 8, 16 and 32 blocks (512 tokens), every length.
-        assert_eq!(warm.len() - fresh, 6 * 3);
+        assert_eq!(warm.len() - fresh, 10 * 3);
     }
 }
