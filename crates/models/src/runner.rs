@@ -135,7 +135,7 @@ pub struct BatchRunner {
     /// The compiled form of plain decode steps, when on (see
     /// [`set_compiled_decode`](Self::set_compiled_decode)).
     compiled: Option<crate::compiled_decode::CompiledDecode>,
-    /// The compiled prefill of fresh rows, when on (see
+    /// The compiled prefill of prompt chunks, when on (see
     /// [`set_compiled_prefill`](Self::set_compiled_prefill)).
     compiled_prefill: Option<crate::compiled_prefill::CompiledPrefill>,
     /// The forwards of one step are queued one after the other without the
@@ -1315,7 +1315,8 @@ fn compile_from_env() -> bool {
 }
 
 /// `WEFT_COMPILE_PREFILL` (`off` or `0` keeps prefill op by op where decode
-/// steps compile; anything else, or unset, compiles fresh prefill groups).
+/// steps compile; anything else, or unset, compiles prefill groups that fit
+/// its buckets).
 fn compile_prefill_from_env() -> bool {
     !matches!(
         std::env::var("WEFT_COMPILE_PREFILL").ok().as_deref(),
@@ -1384,7 +1385,7 @@ fn right_padded(rows: &[&RowStep]) -> Array {
 enum Run {
     /// The compiled decode step ([`crate::compiled_decode`]).
     CompiledDecode,
-    /// The compiled prefill of fresh rows ([`crate::compiled_prefill`]).
+    /// The compiled prefill of prompt chunks ([`crate::compiled_prefill`]).
     CompiledPrefill,
     /// Op by op.
     Ops,
@@ -1435,7 +1436,12 @@ fn bucket_groups(rows: Vec<&RowStep>) -> (Vec<Vec<&RowStep>>, Vec<&RowStep>) {
     for s in fresh {
         let t = CompiledPrefill::row_bucket(s.tokens.len()).unwrap_or(MAX_BUCKET_TOKENS);
         match groups.last_mut() {
-            Some((gt, g)) if *gt == t && (g.len() + 1) * t <= MAX_BUCKET_TOKENS => g.push(s),
+            // A bucket pads its rows to a power of two.
+            Some((gt, g))
+                if *gt == t && (g.len() + 1).next_power_of_two() * t <= MAX_BUCKET_TOKENS =>
+            {
+                g.push(s)
+            }
             _ => groups.push((t, vec![s])),
         }
     }
@@ -1604,6 +1610,16 @@ mod tests {
         let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
         assert_eq!(sizes, vec![64, 6]);
         assert!(rest.is_empty());
+        // 5 of 190 tokens (padded to 192): 4 rows fill a bucket of 768
+        // tokens, a fifth would make it 8 rows (1536).
+        let mut five = steps(5, 190);
+        five.iter_mut().for_each(|s| s.blocks = one_table());
+        let (groups, _) = bucket_groups(five.iter().collect());
+        let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
+        assert_eq!(sizes, vec![4, 1]);
+        for g in &groups {
+            assert!(crate::compiled_prefill::CompiledPrefill::bucket(g.len(), 190, 0).is_some());
+        }
     }
 
     #[test]
