@@ -1120,12 +1120,7 @@ impl BatchRunner {
                             .ok_or_else(|| ModelError::Invalid("compiled decode missing".into()))?;
                         let r: Vec<(&RowBlocks, usize)> =
                             rows.iter().map(|s| (&s.blocks[0], s.start_pos)).collect();
-                        let o = c.step(kv, tokens, &r, lora.as_ref())?;
-                        // Fault injection sees a compiled step layer by layer too.
-                        for layer in 0..self.model.num_layers() {
-                            hook(layer)?;
-                        }
-                        o
+                        c.step(kv, tokens, &r, lora.as_ref())?
                     }
                     Run::CompiledPrefill => {
                         let c = self.compiled_prefill.as_mut().ok_or_else(|| {
@@ -1135,11 +1130,7 @@ impl BatchRunner {
                             .iter()
                             .map(|s| (&s.blocks[0], s.start_pos, s.tokens.as_slice()))
                             .collect();
-                        let o = c.step(kv, &r)?;
-                        for layer in 0..self.model.num_layers() {
-                            hook(layer)?;
-                        }
-                        o
+                        c.step(kv, &r)?
                     }
                     Run::Ops => {
                         let mut kvs = kv_step(rows, *dec)?;
@@ -1154,6 +1145,12 @@ impl BatchRunner {
                         })?
                     }
                 };
+                if how[i] != Run::Ops {
+                    // Fault injection sees a compiled forward layer by layer too.
+                    for layer in 0..self.model.num_layers() {
+                        hook(layer)?;
+                    }
+                }
                 if i < last {
                     let mut pending = kv.arrays();
                     pending.push(o.clone());

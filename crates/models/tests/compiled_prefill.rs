@@ -88,6 +88,19 @@ fn compiled(runner: BatchRunner) -> BatchRunner {
     r
 }
 
+/// `steps` greedy decode steps of every row on both runners: the same logits
+/// within the tolerance and the same picks at each.
+fn decode_both(plain: &mut Rows, comp: &mut Rows, steps: usize, when: &str) {
+    for s in 0..steps {
+        agree(
+            &plain.step(&[]),
+            &comp.step(&[]),
+            &format!("decode step {s} {when}"),
+        );
+        assert_eq!(plain.at, comp.at, "decode step {s} {when}: greedy picks");
+    }
+}
+
 fn agree(want: &[f32], got: &[f32], what: &str) {
     let d = max_abs_diff(want, got);
     assert!(d <= TOLERANCE, "{what}: max |logit diff| {d}");
@@ -160,14 +173,7 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
         [(1, 32, 0), (2, 16, 0)]
     );
     assert_eq!(c.traces(), 2);
-    for s in 0..4 {
-        agree(
-            &plain.step(&[]),
-            &comp.step(&[]),
-            &format!("decode step {s}"),
-        );
-        assert_eq!(plain.at, comp.at, "decode step {s}: greedy picks");
-    }
+    decode_both(&mut plain, &mut comp, 4, "");
     // A fresh prompt joins the decoding rows (compiled beside them), then the
     // rest of it, at position 24: the deep trace (RoPE from 24, the row's
     // table gathered, its first 24 tokens in context).
@@ -187,14 +193,7 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
         "a prompt's second chunk",
     );
     assert_eq!(plain.at, comp.at);
-    for s in 0..3 {
-        agree(
-            &plain.step(&[]),
-            &comp.step(&[]),
-            &format!("decode step {s} after"),
-        );
-        assert_eq!(plain.at, comp.at, "decode step {s} after: greedy picks");
-    }
+    decode_both(&mut plain, &mut comp, 3, "after");
     // Two prompts whose second chunks start at different depths share one
     // deep forward: each row's own RoPE offset and causal edge.
     let (a, b): (Vec<u32>, Vec<u32>) = ((0..38).map(|i| i % 97).collect(), (0..26).collect());
@@ -210,17 +209,7 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
         "two chunks at 20 and 9",
     );
     assert_eq!(plain.at, comp.at);
-    for s in 0..2 {
-        agree(
-            &plain.step(&[]),
-            &comp.step(&[]),
-            &format!("decode step {s} at the end"),
-        );
-        assert_eq!(
-            plain.at, comp.at,
-            "decode step {s} at the end: greedy picks"
-        );
-    }
+    decode_both(&mut plain, &mut comp, 2, "at the end");
     let c = comp.runner.compiled_prefill().unwrap();
     assert_eq!(
         c.buckets().iter().copied().collect::<Vec<_>>(),
@@ -265,14 +254,7 @@ fn warmed_prefill_buckets_are_not_traced_while_serving() {
         .map(|(i, p)| (i as u64, *p, 0))
         .collect();
     agree(&plain.step(&prompts), &comp.step(&prompts), "prefill");
-    for s in 0..4 {
-        agree(
-            &plain.step(&[]),
-            &comp.step(&[]),
-            &format!("decode step {s}"),
-        );
-        assert_eq!(plain.at, comp.at, "decode step {s}: greedy picks");
-    }
+    decode_both(&mut plain, &mut comp, 4, "");
     assert_eq!(
         comp.runner.compiled_prefill().unwrap().traces(),
         all as u64,
