@@ -24,6 +24,8 @@
 //! the decoding streams' token gaps near the target instead of stalling them for the
 //! whole chunk.
 
+use std::cell::Cell;
+
 /// The shape of one step, as the cost model sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepShape {
@@ -97,6 +99,9 @@ const RIDGE: f64 = 1e-3;
 const RIDGE_FLOOR: f64 = 1e-12;
 /// Coordinate-descent sweeps per observation (warm-started from the last fit).
 const SWEEPS: usize = 64;
+/// The most observations a lazy fit credits with their [`SWEEPS`] (a fit after a
+/// long run of decode steps converges from its warm start well within this).
+const MAX_PENDING_SWEEPS: u64 = 16;
 /// The most a step may take, in ITL targets, for its chunks to amortize the fixed
 /// cost of prefilling (see [`StepCost::prefill_within`]): the ITL goal is 1.5
 /// targets, and steps vary.
@@ -105,8 +110,13 @@ const AMORTIZED_BOUND: f64 = 1.3;
 /// The online cost model.
 #[derive(Debug, Clone)]
 pub struct StepCost {
-    /// The fit: non-negative coefficients of the features.
-    theta: [f64; K],
+    /// The fit: non-negative coefficients of the features, solved lazily (a
+    /// decode step observes its time, and only a step that sizes a prefill chunk
+    /// predicts: solving on every observation was most of the scheduler's own time
+    /// per step).
+    theta: Cell<[f64; K]>,
+    /// Observations since `theta` was last solved.
+    pending: Cell<u64>,
     /// The weighted normal equations: `sum w x x'` (with the prior's ridge) and
     /// `sum w x y` over the steps observed, each weight decaying by [`FORGET`] a step.
     a: [[f64; K]; K],
@@ -130,7 +140,8 @@ impl StepCost {
             row[i] = RIDGE;
         }
         Self {
-            theta: [0.0; K],
+            theta: Cell::new([0.0; K]),
+            pending: Cell::new(0),
             a,
             b: [0.0; K],
             observed: 0,
@@ -156,30 +167,37 @@ impl StepCost {
             self.a[i][i] = self.a[i][i].max(RIDGE_FLOOR);
             self.b[i] = FORGET * self.b[i] + x[i] * seconds;
         }
-        self.solve();
+        self.pending.set(self.pending.get() + 1);
         self.observed += 1;
         if shape.prefill_tokens > 0 {
             self.observed_prefill += 1;
         }
     }
 
-    /// Least squares with non-negative coefficients: projected coordinate descent
-    /// on the normal equations (convex, so it converges to the optimum; warm-started,
-    /// a few sweeps follow one new observation).
-    fn solve(&mut self) {
-        for _ in 0..SWEEPS {
+    /// The fit, solved first if steps were observed since the last one: least
+    /// squares with non-negative coefficients by projected coordinate descent on the
+    /// normal equations (convex, so it converges to the optimum; warm-started from
+    /// the last fit, [`SWEEPS`] per observation since it).
+    fn fit(&self) -> [f64; K] {
+        let pending = self.pending.replace(0);
+        let mut theta = self.theta.get();
+        if pending == 0 {
+            return theta;
+        }
+        for _ in 0..SWEEPS * pending.min(MAX_PENDING_SWEEPS) as usize {
             let mut moved = 0.0f64;
             for i in 0..K {
-                let grad: f64 =
-                    (0..K).map(|j| self.a[i][j] * self.theta[j]).sum::<f64>() - self.b[i];
-                let next = (self.theta[i] - grad / self.a[i][i]).max(0.0);
-                moved = moved.max((next - self.theta[i]).abs());
-                self.theta[i] = next;
+                let grad: f64 = (0..K).map(|j| self.a[i][j] * theta[j]).sum::<f64>() - self.b[i];
+                let next = (theta[i] - grad / self.a[i][i]).max(0.0);
+                moved = moved.max((next - theta[i]).abs());
+                theta[i] = next;
             }
             if moved < 1e-12 {
                 break;
             }
         }
+        self.theta.set(theta);
+        theta
     }
 
     /// Predicted seconds of a step of `shape` (`None` until enough steps, with and
@@ -190,14 +208,14 @@ impl StepCost {
             return None;
         }
         let x = shape.features();
-        Some(self.theta.iter().zip(&x).map(|(t, v)| t * v).sum())
+        Some(self.fit().iter().zip(&x).map(|(t, v)| t * v).sum())
     }
 
     /// The fixed seconds a step pays for prefilling at all, on top of the same rows
     /// decoding alone (None until predicted).
     pub fn prefill_overhead(&self) -> Option<f64> {
         self.predict(&StepShape::default())?;
-        Some(self.theta[K - 1])
+        Some(self.fit()[K - 1])
     }
 
     /// The most prefill tokens (up to `max`) a chunk starting after `start` committed
