@@ -187,6 +187,26 @@ impl CompiledPrefill {
         (rows > 0 && b * t <= MAX_BUCKET_TOKENS && w <= MAX_TABLE_BLOCKS).then_some((b, t, w))
     }
 
+    /// The bucket of a group of rows, each `(start, tokens)`: its rows, its
+    /// longest row, and the table blocks its deepest row needs (none when
+    /// every row starts fresh), or `None` past the compiled sizes.
+    pub fn bucket_of(
+        rows: impl Iterator<Item = (usize, usize)> + Clone,
+        block_size: usize,
+    ) -> Option<(usize, usize, usize)> {
+        let bs = block_size.max(1);
+        let n = rows.clone().count();
+        let longest = rows.clone().map(|(_, t)| t).max().unwrap_or(0);
+        let blocks = if rows.clone().all(|(start, _)| start == 0) {
+            0
+        } else {
+            rows.map(|(start, t)| (start + t).div_ceil(bs))
+                .max()
+                .unwrap_or(1)
+        };
+        Self::bucket(n, longest, blocks)
+    }
+
     /// Every fresh bucket, and the deep ones of one row with tables up to
     /// `context` tokens: what [`BatchRunner::warm_prefill`] traces.
     ///
@@ -226,20 +246,11 @@ impl CompiledPrefill {
     pub fn step(&mut self, kv: &PagedKv, rows: &[(&RowBlocks, usize, &[u32])]) -> Result<Array> {
         let n = rows.len();
         let bs = self.block_size;
-        let longest = rows.iter().map(|(_, _, t)| t.len()).max().unwrap_or(0);
-        let fresh = rows.iter().all(|(_, start, _)| *start == 0);
-        let blocks = if fresh {
-            0
-        } else {
-            rows.iter()
-                .map(|(_, start, t)| (start + t.len()).div_ceil(bs))
-                .max()
-                .unwrap_or(1)
-        };
-        let (b, t, w) = Self::bucket(n, longest, blocks).ok_or_else(|| {
+        let shape = rows.iter().map(|(_, start, t)| (*start, t.len()));
+        let (b, t, w) = Self::bucket_of(shape.clone(), bs).ok_or_else(|| {
+            let longest = shape.clone().map(|(_, t)| t).max().unwrap_or(0);
             ModelError::Invalid(format!(
-                "compiled prefill: {n} rows of up to {longest} tokens in {blocks} blocks are past \
-                 its buckets"
+                "compiled prefill: {n} rows of up to {longest} tokens are past its buckets"
             ))
         })?;
         let mut batch = self.padding(b, t, w);
@@ -469,6 +480,20 @@ mod tests {
             "16 x 128 is past the total"
         );
         assert_eq!(CompiledPrefill::bucket(0, 10, 0), None);
+        // A group's bucket: its longest row, and its deepest row's blocks
+        // once any row has context.
+        let fresh = [(0, 100), (0, 30), (0, 7)];
+        assert_eq!(
+            CompiledPrefill::bucket_of(fresh.into_iter(), 16),
+            Some((4, 128, 0))
+        );
+        let deep = [(0, 20), (80, 40)];
+        assert_eq!(
+            CompiledPrefill::bucket_of(deep.into_iter(), 16),
+            Some((2, 64, 8))
+        );
+        let past = [(16000, 64), (0, 5)];
+        assert_eq!(CompiledPrefill::bucket_of(past.into_iter(), 16), None);
         assert_eq!(CompiledPrefill::bucket(1, 64, 3), Some((1, 64, 8)));
         assert_eq!(CompiledPrefill::bucket(2, 64, 300), Some((2, 64, 512)));
         assert_eq!(

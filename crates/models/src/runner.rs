@@ -1068,19 +1068,8 @@ impl BatchRunner {
                     && one_block
                     && rows.iter().all(|s| s.blocks[0].offset == 0)
                 {
-                    let longest = rows.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
-                    // Table blocks the deepest row needs (0: all start fresh).
-                    let blocks = if rows.iter().all(|s| s.start_pos == 0) {
-                        0
-                    } else {
-                        rows.iter()
-                            .map(|s| (s.start_pos + s.tokens.len()).div_ceil(bs))
-                            .max()
-                            .unwrap_or(1)
-                    };
-                    if crate::compiled_prefill::CompiledPrefill::bucket(rows.len(), longest, blocks)
-                        .is_some()
-                    {
+                    let shape = rows.iter().map(|s| (s.start_pos, s.tokens.len()));
+                    if crate::compiled_prefill::CompiledPrefill::bucket_of(shape, bs).is_some() {
                         return Run::CompiledPrefill;
                     }
                 }
