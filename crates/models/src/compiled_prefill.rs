@@ -492,7 +492,7 @@ mod tests {
             CompiledPrefill::bucket_of(deep.into_iter(), 16),
             Some((2, 64, 8))
         );
-        let past = [(16000, 64), (0, 5)];
+        let past = [(17000, 64), (0, 5)];
         assert_eq!(CompiledPrefill::bucket_of(past.into_iter(), 16), None);
         assert_eq!(CompiledPrefill::bucket(1, 64, 3), Some((1, 64, 8)));
         assert_eq!(CompiledPrefill::bucket(2, 64, 300), Some((2, 64, 512)));
