@@ -76,9 +76,12 @@ pub fn forward_times() -> ForwardTimes {
     }
 }
 
-/// Context up to which one row's compiled prefill chunks are traced at
-/// startup (a long prompt's chunks then meet no trace until past it).
-const PREFILL_WARM_CONTEXT: usize = 8192;
+/// Context up to which compiled steps are traced at startup: one row's
+/// prefill chunks, and every decode batch size's block tables (a long
+/// prompt's chunks, and the decode steps of rows that grew past the
+/// narrowest table, then meet no trace until past it; a first-use trace is a
+/// stall of every decoding row, ~12 ms per decode bucket on an H100).
+const WARM_CONTEXT: usize = 8192;
 
 fn record_forward(t: weft_models::StepTiming, total: std::time::Duration) {
     use std::sync::atomic::Ordering::Relaxed;
@@ -765,24 +768,25 @@ pub fn start_engine_with(
                 *p = Some(plan);
             }
             let t = std::time::Instant::now();
-            let traced =
-                runner.warm_decode(kv.max_batch_rows, weft_models::runner::COMPILED_MIN_CONTEXT)?;
+            let warm_context = WARM_CONTEXT.min(context as usize);
+            let traced = runner.warm_decode(kv.max_batch_rows, warm_context)?;
             if traced > 0 {
                 tracing::info!(
                     buckets = traced,
                     ms = t.elapsed().as_millis() as u64,
-                    "compiled decode steps traced for every batch size up to {} rows",
+                    "compiled decode steps traced for every batch size up to {} rows and tables \
+                     up to {warm_context} tokens",
                     kv.max_batch_rows
                 );
             }
             let t = std::time::Instant::now();
-            let traced = runner.warm_prefill(PREFILL_WARM_CONTEXT)?;
+            let traced = runner.warm_prefill(warm_context)?;
             if traced > 0 {
                 tracing::info!(
                     buckets = traced,
                     ms = t.elapsed().as_millis() as u64,
                     "compiled prefill traced for every fresh bucket and one row's chunks up to \
-                     {PREFILL_WARM_CONTEXT} tokens deep"
+                     {warm_context} tokens deep"
                 );
             }
             let gpu = runner.kv().uses_kernel();
