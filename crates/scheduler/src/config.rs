@@ -124,6 +124,10 @@ pub struct SchedulerConfig {
     /// (MLX's CUDA backend plans it): a chunk at each length the target happens to
     /// leave made a slow step of many (see [`GPU_PREFILL_GRANULE`]). 1: any length.
     pub prefill_granule: usize,
+    /// The most a step that decodes rows may take, in `itl_target`s, for its
+    /// prompt chunks to amortize the fixed cost of a step that prefills (see
+    /// [`crate::step_cost::StepCost::prefill_within`]); at least 1.
+    pub amortized_bound: f64,
     /// Speculative decoding: the most draft tokens (from prompt lookup, see
     /// `draft.rs`) a decoding row verifies per step. Only greedy requests without
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
@@ -195,6 +199,7 @@ impl Default for SchedulerConfig {
             isolation_window: Duration::from_secs(5),
             burst_step_factor: BURST_STEP_FACTOR,
             prefill_granule: 1,
+            amortized_bound: crate::step_cost::AMORTIZED_BOUND,
             speculate: 0,
             speculate_step_tokens: 8,
             max_waiting: 4096,

@@ -796,7 +796,7 @@ impl<M: Model> Scheduler<M> {
         labels.push(("other".into(), TenantMetrics::new("other")));
         let mut s = Self {
             faults: cfg.faults.clone(),
-            cost: StepCost::new(),
+            cost: StepCost::new().with_amortized_bound(cfg.amortized_bound),
             decode_times: VecDeque::new(),
             prefill_streak: 0,
             starved_streak: 0,

@@ -103,9 +103,9 @@ const SWEEPS: usize = 64;
 /// long run of decode steps converges from its warm start well within this).
 const MAX_PENDING_SWEEPS: u64 = 16;
 /// The most a step may take, in ITL targets, for its chunks to amortize the fixed
-/// cost of prefilling (see [`StepCost::prefill_within`]): the ITL goal is 1.5
-/// targets, and steps vary.
-const AMORTIZED_BOUND: f64 = 1.3;
+/// cost of prefilling (see [`StepCost::prefill_within`]), by default: the ITL goal
+/// is 1.5 targets, and steps vary. `SchedulerConfig::amortized_bound` sets it.
+pub const AMORTIZED_BOUND: f64 = 1.3;
 
 /// The online cost model.
 #[derive(Debug, Clone)]
@@ -125,6 +125,8 @@ pub struct StepCost {
     /// Steps with prefill tokens among them (without any, the prefill terms are the
     /// prior's, i.e. unknown).
     observed_prefill: u64,
+    /// [`AMORTIZED_BOUND`] unless set.
+    amortized_bound: f64,
 }
 
 impl Default for StepCost {
@@ -146,7 +148,20 @@ impl StepCost {
             b: [0.0; K],
             observed: 0,
             observed_prefill: 0,
+            amortized_bound: AMORTIZED_BOUND,
         }
+    }
+
+    /// The most a step may take, in ITL targets, for its chunks to amortize the
+    /// fixed cost of prefilling (at least 1: a bound below the target would
+    /// never amortize).
+    pub fn with_amortized_bound(mut self, bound: f64) -> Self {
+        self.amortized_bound = if bound.is_finite() {
+            bound.max(1.0)
+        } else {
+            AMORTIZED_BOUND
+        };
+        self
     }
 
     /// Steps observed so far.
@@ -226,8 +241,8 @@ impl StepCost {
     /// than the decoding rows: prompts must still advance); `max` when nothing is
     /// predicted yet. Never fewer than the chunk whose tokens cost as much
     /// as the step's [`prefill_overhead`](Self::prefill_overhead) (all of the step's
-    /// chunks together, beside its decoding rows), up to [`AMORTIZED_BOUND`]
-    /// targets unless the overhead alone is past them: a smaller one would spend
+    /// chunks together, beside its decoding rows), up to the amortized bound
+    /// ([`AMORTIZED_BOUND`] targets unless set) unless the overhead alone is past them: a smaller one would spend
     /// most of its step on that overhead (a target tighter than the overhead allows
     /// then yields; otherwise each prompt would advance by `min` tokens per
     /// overhead-dominated step, the slowest way through it).
@@ -278,7 +293,7 @@ impl StepCost {
         let amortized = match (alone, self.prefill_overhead()) {
             // (A limit within the target cannot add to `fit`: no second search.)
             (Some(alone), Some(f)) if f > 0.0 && alone + 2.0 * f > target => {
-                let (limit, bound) = (alone + 2.0 * f, AMORTIZED_BOUND * target);
+                let (limit, bound) = (alone + 2.0 * f, self.amortized_bound * target);
                 // Past the bound only where the overhead alone is: the target then
                 // yields (a prompt must advance by more than a token a step), and
                 // an overhead predicted too large is measured again (steps of one
@@ -569,6 +584,26 @@ mod tests {
             "{:.1} ms",
             device(&s) * 1e3
         );
+    }
+
+    /// A bound of one target keeps the amortized chunk within the target where
+    /// the decoding rows and the fixed cost alone fit it (the default's 1.3 lets
+    /// it run past).
+    #[test]
+    fn an_amortized_bound_of_one_target_keeps_the_step_within_it() {
+        let device = gpu(12e-3);
+        let c = joined(&device, |s, start| s.add_prompt(start, 1));
+        let step = |c: &StepCost| {
+            let n = c.prefill_within(&rows(340), 2000, 16, 512, 20e-3);
+            let mut s = rows(340);
+            s.add_prompt(2000, n);
+            (n, device(&s))
+        };
+        let (n13, t13) = step(&c);
+        let (n10, t10) = step(&c.clone().with_amortized_bound(1.0));
+        assert!(t13 > 20e-3, "default: {n13} tokens, {:.1} ms", t13 * 1e3);
+        assert!(n10 < n13 && n10 >= 16, "{n10} vs {n13} tokens");
+        assert!(t10 <= 20e-3 * 1.02, "{n10} tokens: {:.1} ms", t10 * 1e3);
     }
 
     #[test]

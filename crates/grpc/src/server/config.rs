@@ -15,6 +15,19 @@ use crate::generate::ComputeArgs;
 use crate::memory_plan::CacheLimit;
 use crate::units::parse_duration;
 
+/// [`SchedulerConfig::amortized_bound`] from `WEFT_AMORTIZED_BOUND` (an
+/// experiment: ITL targets a step may take for its prompt chunks to amortize
+/// the fixed cost of prefilling; 1.3 unless set).
+pub(crate) fn amortized_bound() -> anyhow::Result<f64> {
+    match std::env::var("WEFT_AMORTIZED_BOUND") {
+        Err(_) => Ok(weft_scheduler::step_cost::AMORTIZED_BOUND),
+        Ok(v) => match v.trim().parse::<f64>() {
+            Ok(b) if b.is_finite() && b >= 1.0 => Ok(b),
+            _ => bail!("WEFT_AMORTIZED_BOUND={v}: expected a number of ITL targets, at least 1"),
+        },
+    }
+}
+
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:8000";
@@ -424,6 +437,8 @@ pub struct Settings {
     pub itl_target: weft_scheduler::ItlTarget,
     /// `SchedulerConfig::prefill_granule`: a KV block on a GPU, 1 on the CPU.
     pub prefill_granule: usize,
+    /// `SchedulerConfig::amortized_bound` (`WEFT_AMORTIZED_BOUND`, 1.3 unless set).
+    pub amortized_bound: f64,
     pub isolation_window: Duration,
     pub speculate: usize,
     pub speculate_step_tokens: usize,
@@ -577,6 +592,7 @@ impl Settings {
             } else {
                 1
             },
+            amortized_bound: amortized_bound()?,
             isolation_window: Duration::from_millis(
                 args.isolation_window_ms
                     .or(file.isolation_window_ms)
@@ -735,6 +751,7 @@ impl Settings {
             decode_prefill_tokens: self.decode_prefill_tokens,
             itl_target: self.itl_target,
             prefill_granule: self.prefill_granule,
+            amortized_bound: self.amortized_bound,
             isolation_window: self.isolation_window,
             speculate: self.speculate,
             speculate_step_tokens: self.speculate_step_tokens,
