@@ -239,6 +239,11 @@ impl SchedulerConfig {
             }
             _ => {}
         }
+        if !(self.amortized_bound.is_finite() && self.amortized_bound >= 1.0) {
+            return Err(
+                "amortized_bound must be >= 1 (a bound below the target never amortizes)".into(),
+            );
+        }
         if self.decode_prefill_tokens == Some(0) {
             return Err(
                 "decode_prefill_tokens must be > 0 (0 would stall prompts behind decoding rows)"

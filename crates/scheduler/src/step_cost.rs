@@ -153,14 +153,10 @@ impl StepCost {
     }
 
     /// The most a step may take, in ITL targets, for its chunks to amortize the
-    /// fixed cost of prefilling (at least 1: a bound below the target would
-    /// never amortize).
+    /// fixed cost of prefilling (`SchedulerConfig::amortized_bound`, validated
+    /// there: at least 1).
     pub fn with_amortized_bound(mut self, bound: f64) -> Self {
-        self.amortized_bound = if bound.is_finite() {
-            bound.max(1.0)
-        } else {
-            AMORTIZED_BOUND
-        };
+        self.amortized_bound = bound;
         self
     }
 
