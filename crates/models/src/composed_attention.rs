@@ -21,13 +21,14 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::error::Result;
 
 /// Most score elements (rows x query heads x queries x keys) composed attention
-/// materializes at once: 2^26, i.e. 256 MiB of f32 softmax input for one chunk
-/// of one layer.
+/// materializes at once: 2^26, i.e. 128 MiB of bf16 softmax input for one
+/// chunk of one layer.
 pub const MAX_SCORES: i64 = 1 << 26;
 
-/// Bytes live per score element at the peak of one chunk, by activation size:
-/// the matmul's scores, their f32 copy, the masked f32 scores and the f32
-/// softmax (an upper bound: MLX frees each once its consumer ran).
+/// Bytes live per score element at the peak of one chunk, by activation size,
+/// an upper bound for both multi-token attentions: composed attention holds at
+/// most the matmul's scores, the masked scores and the softmax, each in the
+/// activation dtype (`3 * act_bytes`); MLX's CPU SDPA may take f32 copies.
 pub const fn bytes_per_score(act_bytes: u64) -> u64 {
     act_bytes + 12
 }
@@ -117,7 +118,28 @@ fn rows_of(m: &Array, q0: i32, q1: i32) -> Result<Array> {
     })
 }
 
+/// The most negative finite value of `dtype`: what a masked score becomes,
+/// so a query that sees no key gets a uniform softmax, not NaN (`-inf` minus
+/// `-inf`). bf16's range is f32's less its last mantissa bits, which round
+/// f32's own minimum to `-inf`.
+fn masked_score(dtype: Dtype) -> Result<Array> {
+    let min = match dtype {
+        Dtype::Float16 => -65504.0,
+        Dtype::Bfloat16 => -3.38e38,
+        _ => f32::MIN,
+    };
+    Ok(Array::from_f32(min).as_dtype(dtype)?)
+}
+
 /// One chunk of [`attention`]: all of `q`'s queries at once.
+///
+/// The scores stay in the activation dtype through the mask and the softmax
+/// (MLX's precise softmax reads bf16, reduces in f32 and writes bf16): the
+/// matmul rounds them to that dtype anyway, so an f32 copy held nothing more,
+/// and each pass over the `[rows, heads, queries, keys]` scores is the cost
+/// of a prompt chunk deep in a long prompt. Per score: the matmul writes it,
+/// the mask reads and writes it, the softmax reads it twice and writes it, the
+/// second matmul reads it (14 bytes in bf16; 36 with the f32 copies).
 fn attend(q: &Array, k: &Array, v: &Array, scale: f32, visible: Visible) -> Result<Array> {
     let (b, hq, t, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let (hkv, l) = (k.dim(1), k.dim(2));
@@ -126,8 +148,8 @@ fn attend(q: &Array, k: &Array, v: &Array, scale: f32, visible: Visible) -> Resu
     let qg = ops::multiply(q, Array::from_f32(scale).as_dtype(q.dtype())?)?
         .reshape(&[b, hkv, g, t, d])?;
     let kt = ops::expand_dims(k, 2)?.swap_axes(-1, -2)?;
-    let scores = ops::matmul(&qg, &kt)?.as_dtype(Dtype::Float32)?;
-    let masked_out = Array::from_f32(f32::MIN);
+    let scores = ops::matmul(&qg, &kt)?;
+    let masked_out = masked_score(scores.dtype())?;
     // A mask `[T, L]` or `[B | 1, 1, T, L]`, as `[B | 1, 1, 1, T, L]` over the groups.
     let grouped = |m: &Array| -> Result<Array> {
         let m = if m.ndim() == 2 {
@@ -137,19 +159,20 @@ fn attend(q: &Array, k: &Array, v: &Array, scale: f32, visible: Visible) -> Resu
         };
         Ok(m)
     };
-    let scores = match visible {
+    let seen = match visible {
         Visible::Causal => {
             let qi = ops::add(Array::from_iter(0..t, &[t, 1]), Array::from_int(l - t))?;
             let kj = Array::from_iter(0..l, &[1, l]);
-            ops::select(&kj.le(&qi)?, &scores, &masked_out)?
+            kj.le(&qi)?
         }
-        Visible::Bool(m) => ops::select(&grouped(m)?, &scores, &masked_out)?,
-        Visible::Additive(m) => {
-            let a = ops::maximum(&m.as_dtype(Dtype::Float32)?, &masked_out)?;
-            ops::add(&scores, &grouped(&a)?)?
-        }
+        Visible::Bool(m) => grouped(m)?,
+        // 0 where a key is seen, -inf where not: as booleans (the mask is
+        // `heads` times smaller than the scores), so the masked scores stay
+        // finite in a narrow dtype.
+        Visible::Additive(m) => grouped(&m.eq(Array::from_f32(0.0))?)?,
     };
-    let p = ops::softmax_axis(&scores, -1, None)?.as_dtype(q.dtype())?;
+    let scores = ops::select(&seen, &scores, &masked_out)?;
+    let p = ops::softmax_axis(&scores, -1, Some(true))?;
     let out = ops::matmul(&p, &ops::expand_dims(v, 2)?)?;
     Ok(out.reshape(&[b, hq, t, d])?)
 }
@@ -240,6 +263,22 @@ mod tests {
         let m = Array::from_slice(&[false, false, false, true, true, false], &[1, 1, 2, 3]);
         let out = attention(&q, &k, &v, 0.5, Visible::Bool(&m)).unwrap();
         assert!(out.as_slice::<f32>().iter().all(|x| x.is_finite()));
+        // The same in bf16 and f16, whose masked scores are their own minimum
+        // (f32's rounds to -inf in either), and through an additive mask.
+        let a = ops::select(&m, Array::from_f32(0.0), Array::from_f32(f32::NEG_INFINITY)).unwrap();
+        for dt in [Dtype::Bfloat16, Dtype::Float16] {
+            let (qh, kh, vh) = (
+                q.as_dtype(dt).unwrap(),
+                k.as_dtype(dt).unwrap(),
+                v.as_dtype(dt).unwrap(),
+            );
+            for visible in [Visible::Bool(&m), Visible::Additive(&a)] {
+                let out = attention(&qh, &kh, &vh, 0.5, visible).unwrap();
+                assert_eq!(out.dtype(), dt);
+                let out = out.as_dtype(Dtype::Float32).unwrap();
+                assert!(out.as_slice::<f32>().iter().all(|x| x.is_finite()), "{dt:?}");
+            }
+        }
     }
 
     #[test]
