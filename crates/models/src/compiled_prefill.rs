@@ -17,7 +17,8 @@
 //!   (a real query sees no padding key, all of which come after it);
 //! - **deep** (rows with context in the pool: a cached prefix, a long
 //!   prompt's later chunk): also each row's start (its RoPE offset) and its
-//!   block table, padded with the null block to a power of two of blocks;
+//!   block table, padded with the null block to a table width (a power of
+//!   two of blocks or one and a half times one);
 //!   each layer gathers the table's K/V after writing and attends where key
 //!   `j <= start + i`, as a gathering op-by-op step does.
 //!
@@ -175,16 +176,39 @@ impl CompiledPrefill {
     /// The `(rows, tokens, table width)` bucket of a group of `rows` rows of
     /// at most `tokens` tokens each whose tables need at most `blocks`
     /// blocks (0: every row starts fresh, no table), or `None` past the
-    /// compiled sizes. Rows and widths are powers of two, widths at least
-    /// [`MIN_TABLE_BLOCKS`]; lengths as [`row_bucket`](Self::row_bucket).
+    /// compiled sizes. Rows are powers of two; widths as
+    /// [`table_width`](Self::table_width); lengths as
+    /// [`row_bucket`](Self::row_bucket).
     pub fn bucket(rows: usize, tokens: usize, blocks: usize) -> Option<(usize, usize, usize)> {
         let t = Self::row_bucket(tokens)?;
         let b = rows.next_power_of_two();
         let w = match blocks {
             0 => 0,
-            n => n.max(MIN_TABLE_BLOCKS).next_power_of_two(),
+            n => Self::table_width(n),
         };
         (rows > 0 && b * t <= MAX_BUCKET_TOKENS && w <= MAX_TABLE_BLOCKS).then_some((b, t, w))
+    }
+
+    /// The table width a deep row needing `blocks` blocks is padded to: the
+    /// narrowest of [`table_widths`](Self::table_widths) that holds it (past
+    /// [`MAX_TABLE_BLOCKS`], the next power of two, which no bucket has).
+    pub fn table_width(blocks: usize) -> usize {
+        Self::table_widths()
+            .find(|&w| w >= blocks)
+            .unwrap_or_else(|| blocks.next_power_of_two())
+    }
+
+    /// Every table width a deep bucket has, narrowest first: powers of two and
+    /// one and a half times them, from [`MIN_TABLE_BLOCKS`] to
+    /// [`MAX_TABLE_BLOCKS`]. A deep chunk's attention reads and scores every
+    /// key slot of its width, so its cost is the width's, not the row's
+    /// context: powers of two alone padded a row to up to twice its context
+    /// (a 4610-token row scored 8192 keys), half steps to at most 1.5 times.
+    pub fn table_widths() -> impl Iterator<Item = usize> {
+        (0..)
+            .map(|i| MIN_TABLE_BLOCKS << i)
+            .flat_map(|w| [w, w + w / 2])
+            .take_while(|&w| w <= MAX_TABLE_BLOCKS)
     }
 
     /// The bucket of a group of rows, each `(start, tokens)`: its rows, its
@@ -213,17 +237,15 @@ impl CompiledPrefill {
     /// [`BatchRunner::warm_prefill`]: crate::runner::BatchRunner::warm_prefill
     pub fn warm_buckets(context: usize, block_size: usize) -> Vec<(usize, usize, usize)> {
         let mut out = Vec::new();
-        let top = context.div_ceil(block_size.max(1)).next_power_of_two();
+        let top = Self::table_width(context.div_ceil(block_size.max(1)));
         for t in Self::row_lengths() {
             let mut b = 1;
             while b * t <= MAX_BUCKET_TOKENS {
                 out.push((b, t, 0));
                 b *= 2;
             }
-            let mut w = MIN_TABLE_BLOCKS;
-            while w <= top.min(MAX_TABLE_BLOCKS) {
+            for w in Self::table_widths().take_while(|&w| w <= top) {
                 out.push((1, t, w));
-                w *= 2;
             }
         }
         out
@@ -495,7 +517,19 @@ mod tests {
         let past = [(17000, 64), (0, 5)];
         assert_eq!(CompiledPrefill::bucket_of(past.into_iter(), 16), None);
         assert_eq!(CompiledPrefill::bucket(1, 64, 3), Some((1, 64, 8)));
-        assert_eq!(CompiledPrefill::bucket(2, 64, 300), Some((2, 64, 512)));
+        assert_eq!(CompiledPrefill::bucket(2, 64, 300), Some((2, 64, 384)));
+        assert_eq!(CompiledPrefill::bucket(1, 64, 256), Some((1, 64, 256)));
+        assert_eq!(CompiledPrefill::bucket(1, 64, 257), Some((1, 64, 384)));
+        assert_eq!(CompiledPrefill::bucket(1, 64, 385), Some((1, 64, 512)));
+        assert_eq!(CompiledPrefill::bucket(1, 64, 1024), Some((1, 64, 1024)));
+        let widths: Vec<usize> = CompiledPrefill::table_widths().collect();
+        assert_eq!(widths[..5], [8, 12, 16, 24, 32]);
+        assert_eq!(widths.last(), Some(&MAX_TABLE_BLOCKS));
+        // No width pads a row past 1.5 times its blocks (from the narrowest on).
+        for n in MIN_TABLE_BLOCKS..=MAX_TABLE_BLOCKS {
+            let w = CompiledPrefill::table_width(n);
+            assert!(w >= n && 2 * w <= 3 * n, "{n} blocks -> {w}");
+        }
         assert_eq!(
             CompiledPrefill::bucket(1, 64, 1025),
             None,
@@ -508,7 +542,8 @@ mod tests {
         let fresh = warm.iter().filter(|k| k.2 == 0).count();
         // Lengths 16, 32, 64, 128, 192, ... 512: rows up to 1024 tokens.
         assert_eq!(fresh, 7 + 6 + 5 + 4 + 3 + 3 + 2 + 2 + 2 + 2);
-        // One row at widths 8, 16 and 32 blocks (512 tokens), every length.
-        assert_eq!(warm.len() - fresh, 10 * 3);
+        // One row at widths 8, 12, 16, 24 and 32 blocks (512 tokens), every
+        // length.
+        assert_eq!(warm.len() - fresh, 10 * 5);
     }
 }
