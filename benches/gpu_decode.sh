@@ -328,6 +328,9 @@ variant() {
   B=${1%%:*}; VENV=()
   if [[ $1 == *:* ]]; then IFS=, read -r -a VENV <<< "${1#*:}"; fi
   TAG=$(echo "$1" | tr -c 'A-Za-z0-9_\n' '_')
+  # A binary listed twice (runs of one binary differ): the second run's files get -2, -3...
+  local base=$TAG n=2
+  while [ -e "$O/long-trace-$TAG.log.gz" ] || [ -e "$O/mix-5000-$TAG.json" ]; do TAG=$base-$n; n=$((n + 1)); done
 }
 if has long; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R
