@@ -64,6 +64,7 @@
 #           BatchGenerator at HYBRID_STREAMS (default 1,8,32,64), prompt 128, gen 128 (issue 15
 #           item 2: recurrent-state rows on the GPU, decode op by op);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
+#           attnprobe: benches/composed_attention_probe.py (a deep chunk's attention, f32 vs bf16 scores);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
 #           (default, pinned: server and client on separate cores, pinned-t4: + TOKIO_WORKER_THREADS=4);
@@ -237,6 +238,10 @@ for r in ${QMM_SWEEP:-}; do
   WEFT_QMM_MAX_ROWS=$r python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
     --streams ${Q_STREAMS:-1,2,4,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 done
+if has attnprobe; then
+  echo "== a deep chunk's composed attention: f32 scores vs bf16 scores + precise softmax (benches/composed_attention_probe.py)" | tee -a $R
+  python3 benches/composed_attention_probe.py 2>&1 | tee -a $R
+fi
 if has firstcall; then
   echo "== first call per prefill attention shape: SDPA vs matmul + softmax (benches/attention_first_call.py)" | tee -a $R
   python3 benches/attention_first_call.py 2>&1 | tee -a $R
