@@ -337,6 +337,10 @@ impl Model for MlxModel {
             .map_err(failed)
     }
 
+    fn last_submit_blocked_seconds(&self) -> Option<f64> {
+        Some(self.runner.last_submit_blocked().as_secs_f64())
+    }
+
     fn submit_sampling(&mut self, batch: &[RowInput]) -> Result<(), ModelError> {
         let n = self.fill_sampling(batch);
         self.runner

@@ -276,7 +276,10 @@ mod tests {
                 let out = attention(&qh, &kh, &vh, 0.5, visible).unwrap();
                 assert_eq!(out.dtype(), dt);
                 let out = out.as_dtype(Dtype::Float32).unwrap();
-                assert!(out.as_slice::<f32>().iter().all(|x| x.is_finite()), "{dt:?}");
+                assert!(
+                    out.as_slice::<f32>().iter().all(|x| x.is_finite()),
+                    "{dt:?}"
+                );
             }
         }
     }

@@ -153,6 +153,9 @@ pub struct BatchRunner {
     /// oldest first (at most two, the second only when pipelined).
     open: VecDeque<OpenStep>,
     timing: StepTiming,
+    /// Time the last submitted step's submit waited on the device for its own
+    /// earlier forwards (see [`last_submit_blocked`](Self::last_submit_blocked)).
+    submit_blocked: std::time::Duration,
     /// Whether the next sampled step records its graph's census.
     census_next: bool,
     census: Option<std::collections::BTreeMap<String, usize>>,
@@ -209,6 +212,7 @@ impl BatchRunner {
             lanes_used: 0,
             open: VecDeque::new(),
             timing: StepTiming::default(),
+            submit_blocked: std::time::Duration::ZERO,
             census_next: false,
             census: None,
             adapters: None,
@@ -534,6 +538,18 @@ impl BatchRunner {
         Ok(())
     }
 
+    /// How long the last [`submit_sampled`](Self::submit_sampled) /
+    /// [`submit_unsampled`](Self::submit_unsampled) waited for the device to
+    /// finish forwards of its own step: a step of several forwards (prompt
+    /// chunks beside decoding rows on the GPU) evaluates each but the last
+    /// before building the next, inside the submit. The wait for the step
+    /// queued before it comes first and is not counted, so a pipelined
+    /// scheduler can charge this to the submitted step rather than to the
+    /// period of the step it queued behind. Zero for a one-forward step.
+    pub fn last_submit_blocked(&self) -> std::time::Duration {
+        self.submit_blocked
+    }
+
     /// Build and evaluation time of the last forward.
     pub fn last_timing(&self) -> StepTiming {
         self.timing
@@ -698,6 +714,7 @@ impl BatchRunner {
         follows: &[bool],
     ) -> Result<()> {
         let t0 = std::time::Instant::now();
+        self.submit_blocked = std::time::Duration::ZERO;
         let refused = if self.open.len() >= 2 {
             Some("a third step submitted")
         } else if self
@@ -1146,7 +1163,15 @@ impl BatchRunner {
                     if self.async_between {
                         mlx_rs::transforms::async_eval(pending.iter())?;
                     } else {
+                        // The step queued before this one (pipelined) is ahead
+                        // of this forward on the device: wait for it first, so
+                        // that what is timed after is this step's own work.
+                        if let (Some(f), 0) = (&follow, i) {
+                            mlx_rs::transforms::eval([f.tokens])?;
+                        }
+                        let t = std::time::Instant::now();
                         mlx_rs::transforms::eval(pending.iter())?;
+                        self.submit_blocked += t.elapsed();
                     }
                 }
                 outs.push(o);

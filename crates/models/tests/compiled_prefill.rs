@@ -210,6 +210,7 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
     );
     assert_eq!(plain.at, comp.at);
     decode_both(&mut plain, &mut comp, 2, "at the end");
+    submit_blocks_only_for_its_own_forwards(&mut comp);
     let c = comp.runner.compiled_prefill().unwrap();
     assert_eq!(
         c.buckets().iter().copied().collect::<Vec<_>>(),
@@ -219,6 +220,40 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
          their second chunks (18 and 17) share 2 x 32 over 8 blocks"
     );
     assert_eq!(c.traces(), 5);
+}
+
+/// A submitted step of several forwards (a compiled prompt chunk beside
+/// decoding rows) evaluates all but its last inside the submit and says how
+/// long it waited; a one-forward step (decoding rows alone) waits for nothing.
+/// Both rolled back, leaving `r` as it was.
+fn submit_blocks_only_for_its_own_forwards(r: &mut Rows) {
+    let greedy = |steps: &[RowStep]| vec![weft_models::SampleRow::default(); steps.len()];
+    let mut steps = r.steps(&[]);
+    let ops = r.kv.plan(&mut steps);
+    r.runner
+        .submit_sampled(&ops, &steps, &greedy(&steps), &[])
+        .unwrap();
+    assert_eq!(
+        r.runner.last_submit_blocked(),
+        std::time::Duration::ZERO,
+        "decoding rows alone: one forward, queued"
+    );
+    r.runner.collect().unwrap();
+    r.runner.rollback();
+    r.kv.rollback();
+    let chunk: Vec<u32> = (0..20).collect();
+    let mut steps = r.steps(&[(9, &chunk, 0)]);
+    let ops = r.kv.plan(&mut steps);
+    r.runner
+        .submit_sampled(&ops, &steps, &greedy(&steps), &[])
+        .unwrap();
+    assert!(
+        r.runner.last_submit_blocked() > std::time::Duration::ZERO,
+        "a chunk beside decoding rows: its first forward evaluated in the submit"
+    );
+    r.runner.collect().unwrap();
+    r.runner.rollback();
+    r.kv.rollback();
 }
 
 /// `warm_prefill` traces every bucket once, writing only the null block: the

@@ -297,6 +297,15 @@ pub trait Model {
     /// what the model can spare (MLX's buffer cache, scratch buffers) before the
     /// scheduler retries the step's rows in smaller batches.
     fn release_memory(&mut self) {}
+    /// Seconds the last [`submit`](Self::submit) or
+    /// [`submit_unsampled`](Self::submit_unsampled) waited on the device for part of
+    /// its own step (a step of several forwards may evaluate all but the last inside
+    /// the submit), not counting the wait for the step queued before it. A pipelined
+    /// scheduler charges them to the submitted step instead of to the period of the
+    /// step it queued behind. `None`, the default: the submit never waits so.
+    fn last_submit_blocked_seconds(&self) -> Option<f64> {
+        None
+    }
     /// Seconds the last `forward` took by the model's own measure (a fake model's
     /// simulated cost); `None`, the default, has the scheduler time the call.
     fn last_step_seconds(&self) -> Option<f64> {

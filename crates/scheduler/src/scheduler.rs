@@ -681,6 +681,10 @@ pub struct Scheduler<M: Model> {
     /// When the in-flight pipelined step's time began: the collect of the step it
     /// was queued behind, or its own launch with nothing in flight.
     cost_since: Option<Instant>,
+    /// Seconds the in-flight step's submit waited on the device for its own work
+    /// while the step before it was in flight: counted in that step's period, owed
+    /// to this one ([`pipelined_seconds`]).
+    blocked_carry: f64,
     tenants: Vec<Tenant>,
     tenant_ix: HashMap<String, usize>,
     labels: Vec<(String, TenantMetrics)>,
@@ -802,6 +806,7 @@ impl<M: Model> Scheduler<M> {
             starved_streak: 0,
             decode_skipped: false,
             cost_since: None,
+            blocked_carry: 0.0,
             cfg,
             info,
             model,
@@ -1133,7 +1138,9 @@ impl<M: Model> Scheduler<M> {
                 self.bufs.rows = plan.rows;
                 StepReport::default()
             } else if self.pipelinable(&plan) {
+                // The period from here covers the launch's own submit.
                 self.cost_since = Some(Instant::now());
+                self.blocked_carry = 0.0;
                 match self.launch(plan.rows) {
                     // Queued: collected at once, after its successor is queued.
                     Ok(rows) => self.resolve(rows, now),
@@ -2479,6 +2486,7 @@ impl<M: Model> Scheduler<M> {
     fn resolve(&mut self, rows: Vec<Planned>, now: Instant) -> StepReport {
         let (next, deferred) = self.follow_plan(&rows, now);
         let mut chained = false;
+        let mut blocked_next = 0.0;
         if !next.is_empty() {
             match self.open_step(&next, true) {
                 Ok(()) => match if deferred {
@@ -2488,7 +2496,10 @@ impl<M: Model> Scheduler<M> {
                     self.model
                         .submit(self.pool.step_ops(), &self.bufs.inputs[..next.len()])
                 } {
-                    Ok(()) => chained = true,
+                    Ok(()) => {
+                        chained = true;
+                        blocked_next = self.model.last_submit_blocked_seconds().unwrap_or(0.0);
+                    }
                     Err(e) => {
                         self.undo_newest();
                         self.count_rollback(&e.to_string(), "following step not submitted");
@@ -2511,14 +2522,17 @@ impl<M: Model> Scheduler<M> {
             // timing began (the collect of the step it queued behind: the step
             // period while steps queue back to back; or its own launch).
             let now_i = Instant::now();
-            let seconds = self
-                .model
-                .last_step_seconds()
-                .or_else(|| self.cost_since.map(|t| (now_i - t).as_secs_f64()));
+            let seconds = self.model.last_step_seconds().or_else(|| {
+                self.cost_since.map(|t| {
+                    pipelined_seconds((now_i - t).as_secs_f64(), blocked_next, self.blocked_carry)
+                })
+            });
             self.observe_cost(&rows, seconds);
             self.cost_since = chained.then_some(now_i);
+            self.blocked_carry = if chained { blocked_next } else { 0.0 };
         } else {
             self.cost_since = None;
+            self.blocked_carry = 0.0;
         }
         if let Err(e) = settled {
             if chained {
@@ -3370,6 +3384,19 @@ impl<M: Model> Scheduler<M> {
     }
 }
 
+/// A pipelined step's cost from the `period` between its collect and the collect
+/// before it (or its launch). The period holds the submit of the step queued
+/// behind it, which may wait on the device for part of that step's own work
+/// (`blocked_next`: a step of several forwards evaluates all but its last inside
+/// the submit), and lacks the like wait of its own submit (`blocked_own`),
+/// counted in the period before. Uncorrected, a decode step followed by a step
+/// with a prompt chunk was charged the chunk's forward and that step only its
+/// decoding rows: the cost model learned the two backwards, and sized chunks to
+/// match.
+fn pipelined_seconds(period: f64, blocked_next: f64, blocked_own: f64) -> f64 {
+    (period - blocked_next).max(0.0) + blocked_own
+}
+
 /// The cost model's view of a step's planned rows.
 fn shape_of(rows: &[Planned]) -> StepShape {
     let mut s = StepShape::default();
@@ -3381,4 +3408,24 @@ fn shape_of(rows: &[Planned]) -> StepShape {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pipelined_seconds;
+
+    /// A decode step (device 5 ms) queued ahead of a step whose prompt chunk's
+    /// forward the submit waits 25 ms for, then its decoding rows (8 ms more):
+    /// the first period (30 ms) holds the chunk's wait, the second (8 ms) lacks it.
+    #[test]
+    fn a_submit_that_waits_for_its_own_forward_is_charged_to_its_step() {
+        let decode = pipelined_seconds(0.030, 0.025, 0.0);
+        let mixed = pipelined_seconds(0.008, 0.0, 0.025);
+        assert!((decode - 0.005).abs() < 1e-12, "{decode}");
+        assert!((mixed - 0.033).abs() < 1e-12, "{mixed}");
+        // Queued back to back with no such waits, a step's cost is its period.
+        assert_eq!(pipelined_seconds(0.004, 0.0, 0.0), 0.004);
+        // Never negative, whatever the clocks say.
+        assert_eq!(pipelined_seconds(0.001, 0.002, 0.0), 0.0);
+    }
 }
