@@ -17,6 +17,11 @@
 //! device's default dtype; `ADAPTERS=n` (`ADAPTER_RANK=r`, default 16) gives
 //! the runner a pool of n random LoRA adapters on all seven projections and
 //! spreads the rows over them round-robin (the step cost of mixed adapters).
+//! `CHUNK=n` (with `DEPTH=d`, default 4096) adds a prompt of d tokens,
+//! prefilled first in 512-token chunks, whose next n tokens join every timed
+//! step beside the decoding rows (the mixed step of a long prompt joining
+//! them; not with `PIPELINE=1`): the step's time, and of it the wait for the
+//! chunk's forward that the step evaluates before building the decoding rows'.
 use std::time::Instant;
 
 use weft_kv_pool::{KvPool, OwnerId, Salt, SeqId, SeqSpec};
@@ -74,7 +79,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let config = m.config.clone();
     let per_row = (p + 8 + (steps + 1) * dt).div_ceil(16) + 1;
     // POOL_BLOCKS: a larger pool than the rows need (a step's cost must not grow with it).
-    let blocks = env_num("POOL_BLOCKS", b * per_row + 16);
+    // The long prompt's row of CHUNK mode: its depth and a chunk per step.
+    let long_blocks = match env_num("CHUNK", 0) {
+        0 => 0,
+        c => (env_num("DEPTH", 4096) + (steps + 1) * c).div_ceil(16) + 1,
+    };
+    let blocks = env_num("POOL_BLOCKS", b * per_row + long_blocks + 16);
     let mut runner = BatchRunner::with_memory(m, 16, KvMemory::Blocks(blocks as u32))?;
     if std::env::var_os("TWO_LANES").is_some() {
         runner.set_lanes(Lanes::cpu(2));
@@ -141,6 +151,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var("PIPELINE").is_ok_and(|v| v == "1") {
         return pipelined(&mut runner, &mut pool, &seqs, steps, census, &adapter_of);
     }
+    // A long prompt's row (row id `b`), prefilled to DEPTH, whose next CHUNK
+    // tokens join each timed step.
+    let chunk = env_num("CHUNK", 0);
+    let long = if chunk > 0 {
+        let depth = env_num("DEPTH", 4096);
+        let q = pool.allocate(SeqSpec::new(OwnerId(0)).salted(Salt(2)))?;
+        let t = Instant::now();
+        let mut at = 0;
+        while at < depth {
+            let n = (depth - at).min(512);
+            let mut one = vec![RowStep {
+                row: b as u64,
+                tokens: (at..at + n)
+                    .map(|i| (300 + (i * 7) % 30000) as u32)
+                    .collect(),
+                start_pos: at,
+                want_logits: true,
+                ..Default::default()
+            }];
+            let ops = plan(&mut pool, &[q], &mut one);
+            runner.forward(&ops, &one)?;
+            runner.commit()?;
+            pool.commit()?;
+            at += n;
+        }
+        println!(
+            "long prompt: {depth} tokens prefilled in {:.1} ms; {chunk} more join each step",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Some(q)
+    } else {
+        None
+    };
+    let mut chunk_wait = vec![];
     let mut live: Vec<usize> = (0..b).collect();
     let mut times = vec![];
     let (mut build, mut encode, mut eval) = (vec![], vec![], vec![]);
@@ -163,7 +207,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             })
             .collect();
-        let q: Vec<SeqId> = live.iter().map(|&r| seqs[r]).collect();
+        let mut q: Vec<SeqId> = live.iter().map(|&r| seqs[r]).collect();
+        if let Some(lq) = long {
+            let start = pool.sequence(lq).map(|s| s.len).unwrap_or(0);
+            batch.push(RowStep {
+                row: b as u64,
+                tokens: (0..chunk)
+                    .map(|i| (400 + (i * 13 + step) % 30000) as u32)
+                    .collect(),
+                start_pos: start,
+                want_logits: false,
+                ..Default::default()
+            });
+            q.push(lq);
+        }
         if census && step == 1 {
             runner.census_next_step();
         }
@@ -174,6 +231,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         } else {
             let greedy: Vec<SampleRow> = batch
                 .iter()
+                .filter(|s| s.want_logits)
                 .map(|_| SampleRow {
                     uniforms: vec![0.0; dt],
                     ..Default::default()
@@ -188,6 +246,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         build.push(runner.last_timing().build.as_secs_f64() * 1e3);
         encode.push(runner.last_timing().encode.as_secs_f64() * 1e3);
         eval.push(runner.last_timing().eval.as_secs_f64() * 1e3);
+        chunk_wait.push(runner.last_submit_blocked().as_secs_f64() * 1e3);
         for _ in 0..leave.min(live.len()) {
             if let Some(r) = live.pop() {
                 pool.release(seqs[r])?;
@@ -208,7 +267,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         times[(n * 9 / 10).min(n - 1)],
         rows_done as f64 * dt as f64 * 1e3 / times.iter().sum::<f64>()
     );
-    for v in [&mut build, &mut encode, &mut eval] {
+    for v in [&mut build, &mut encode, &mut eval, &mut chunk_wait] {
         v.sort_by(|a, b| a.total_cmp(b));
     }
     println!(
@@ -218,6 +277,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         eval[n / 2],
         if host_sampling { "host" } else { "device" }
     );
+    if let Some(lq) = long {
+        println!(
+            "  with a {chunk}-token chunk each step (context now {}): of the build, the wait for the chunk's forward median {:.2} ms",
+            pool.sequence(lq).map(|s| s.len).unwrap_or(0),
+            chunk_wait[n / 2]
+        );
+    }
     Ok(())
 }
 

@@ -538,11 +538,11 @@ impl BatchRunner {
         Ok(())
     }
 
-    /// How long the last [`submit_sampled`](Self::submit_sampled) /
-    /// [`submit_unsampled`](Self::submit_unsampled) waited for the device to
-    /// finish forwards of its own step: a step of several forwards (prompt
-    /// chunks beside decoding rows on the GPU) evaluates each but the last
-    /// before building the next, inside the submit. The wait for the step
+    /// How long the last step built ([`submit_sampled`](Self::submit_sampled),
+    /// [`submit_unsampled`](Self::submit_unsampled), or a forward) waited for
+    /// the device to finish forwards of its own step: a step of several
+    /// forwards (prompt chunks beside decoding rows on the GPU) evaluates each
+    /// but the last before building the next, inside the submit. The wait for the step
     /// queued before it comes first and is not counted, so a pipelined
     /// scheduler can charge this to the submitted step rather than to the
     /// period of the step it queued behind. Zero for a one-forward step.
@@ -714,7 +714,6 @@ impl BatchRunner {
         follows: &[bool],
     ) -> Result<()> {
         let t0 = std::time::Instant::now();
-        self.submit_blocked = std::time::Duration::ZERO;
         let refused = if self.open.len() >= 2 {
             Some("a third step submitted")
         } else if self
@@ -872,6 +871,7 @@ impl BatchRunner {
         steps: &[RowStep],
         follow: Option<Follow<'_>>,
     ) -> Result<Wanted> {
+        self.submit_blocked = std::time::Duration::ZERO;
         // Every step gets a state journal, closed by commit or rollback.
         self.kv.state_begin();
         let groups_needed = self.kv.groups().groups.len();
