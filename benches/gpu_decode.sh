@@ -65,6 +65,8 @@
 #           item 2: recurrent-state rows on the GPU, decode op by op);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           attnprobe: benches/composed_attention_probe.py (a deep chunk's attention, f32 vs bf16 scores);
+#           mixedstep: decode_timing with CHUNK (8 decoding rows + a long prompt's chunk each step) at
+#           MIXED_DEPTHS ("512 5000") x MIXED_CHUNKS ("16 256"), compiled prefill on and off;
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
 #           (default, pinned: server and client on separate cores, pinned-t4: + TOKIO_WORKER_THREADS=4);
@@ -238,6 +240,20 @@ for r in ${QMM_SWEEP:-}; do
   WEFT_QMM_MAX_ROWS=$r python3 benches/batch_throughput.py --native --rounds 2 --weft /root/weft --model $Q \
     --streams ${Q_STREAMS:-1,2,4,8} --gen-tokens 128 2>&1 | tail -28 | tee -a $R
 done
+if has mixedstep; then
+  # The mixed step's fixed cost (issue 17 item 1): 8 decoding rows with a long prompt's
+  # chunk each step, at MIXED_DEPTHS and MIXED_CHUNKS, compiled prefill on and off.
+  for d in ${MIXED_DEPTHS:-512 5000}; do
+    for c in ${MIXED_CHUNKS:-16 256}; do
+      for cp in on off; do
+        echo "== runner step, 8 decoding rows + a $c-token chunk at depth $d, WEFT_COMPILE_PREFILL=$cp" | tee -a $R
+        WEFT_COMPILE_PREFILL=$cp CHUNK=$c DEPTH=$d /root/decode_timing $M 8 128 20 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+      done
+    done
+  done
+  echo "== runner step, 8 decoding rows alone" | tee -a $R
+  /root/decode_timing $M 8 128 20 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+fi
 if has attnprobe; then
   echo "== a deep chunk's composed attention: f32 scores vs bf16 scores + precise softmax (benches/composed_attention_probe.py)" | tee -a $R
   python3 benches/composed_attention_probe.py 2>&1 | tee -a $R
