@@ -253,6 +253,10 @@ if has mixedstep; then
   done
   echo "== runner step, 8 decoding rows alone" | tee -a $R
   /root/decode_timing $M 8 128 20 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+  # Does the step's cost grow with the pool (a write that cannot update the pool in
+  # place copies all of it)? The same mixed step over a pool of MIXED_POOL blocks.
+  echo "== runner step, 8 decoding rows + a 16-token chunk at depth 5000, pool of ${MIXED_POOL:-100000} blocks" | tee -a $R
+  POOL_BLOCKS=${MIXED_POOL:-100000} CHUNK=16 DEPTH=5000 /root/decode_timing $M 8 128 20 2>&1 | grep -v '^prefill' | tee -a $R
 fi
 if has attnprobe; then
   echo "== a deep chunk's composed attention: f32 scores vs bf16 scores + precise softmax (benches/composed_attention_probe.py)" | tee -a $R
