@@ -77,12 +77,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?
     .model;
     let config = m.config.clone();
+    // CHUNK mode: a long prompt's row of DEPTH tokens, CHUNK more each step.
+    let chunk = env_num("CHUNK", 0);
+    let depth = env_num("DEPTH", 4096);
     let per_row = (p + 8 + (steps + 1) * dt).div_ceil(16) + 1;
     // POOL_BLOCKS: a larger pool than the rows need (a step's cost must not grow with it).
-    // The long prompt's row of CHUNK mode: its depth and a chunk per step.
-    let long_blocks = match env_num("CHUNK", 0) {
+    let long_blocks = match chunk {
         0 => 0,
-        c => (env_num("DEPTH", 4096) + (steps + 1) * c).div_ceil(16) + 1,
+        c => (depth + (steps + 1) * c).div_ceil(16) + 1,
     };
     let blocks = env_num("POOL_BLOCKS", b * per_row + long_blocks + 16);
     let mut runner = BatchRunner::with_memory(m, 16, KvMemory::Blocks(blocks as u32))?;
@@ -153,9 +155,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // A long prompt's row (row id `b`), prefilled to DEPTH, whose next CHUNK
     // tokens join each timed step.
-    let chunk = env_num("CHUNK", 0);
     let long = if chunk > 0 {
-        let depth = env_num("DEPTH", 4096);
         let q = pool.allocate(SeqSpec::new(OwnerId(0)).salted(Salt(2)))?;
         let t = Instant::now();
         let mut at = 0;

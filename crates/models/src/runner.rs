@@ -153,8 +153,8 @@ pub struct BatchRunner {
     /// oldest first (at most two, the second only when pipelined).
     open: VecDeque<OpenStep>,
     timing: StepTiming,
-    /// Time the last submitted step's submit waited on the device for its own
-    /// earlier forwards (see [`last_submit_blocked`](Self::last_submit_blocked)).
+    /// Time the last step built waited on the device for its own earlier
+    /// forwards (see [`last_submit_blocked`](Self::last_submit_blocked)).
     submit_blocked: std::time::Duration,
     /// Whether the next sampled step records its graph's census.
     census_next: bool,
