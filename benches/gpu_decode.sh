@@ -66,7 +66,10 @@
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           attnprobe: benches/composed_attention_probe.py (a deep chunk's attention, f32 vs bf16 scores);
 #           mixedstep: decode_timing with CHUNK (8 decoding rows + a long prompt's chunk each step) at
-#           MIXED_DEPTHS ("512 5000") x MIXED_CHUNKS ("16 256"), compiled prefill on and off;
+#           MIXED_DEPTHS ("512 5000") x MIXED_CHUNKS ("16 256"): one compiled mixed forward
+#           (WEFT_MIXED=on), two forwards (WEFT_MIXED=off), and the chunk op by op;
+#           mixedpar: crates/models/tests/compiled_prefill.rs on the GPU (staged when its test
+#           binary is built; MP_FILTER, default mixed), tolerance WEFT_TEST_TOLERANCE (default 1e-3);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
 #           (default, pinned: server and client on separate cores, pinned-t4: + TOKIO_WORKER_THREADS=4);
@@ -99,6 +102,12 @@ LP=$(ls -t target/debug/deps/lora_parity-* 2>/dev/null | grep -v '\.d$' | head -
 if [ -n "$LP" ]; then
   strip -o .gpustash/lora_parity "$LP"
   xz -T0 -6 -c .gpustash/lora_parity > .gpustash/d1/lora_parity.xz && rm .gpustash/lora_parity
+fi
+# So does the compiled prefill / mixed step test: `cargo test -p weft-models --test compiled_prefill --no-run`.
+CP=$(ls -t target/debug/deps/compiled_prefill-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
+if [ -n "$CP" ]; then
+  strip -o .gpustash/compiled_prefill "$CP"
+  xz -T0 -6 -c .gpustash/compiled_prefill > .gpustash/d1/compiled_prefill.xz && rm .gpustash/compiled_prefill
 fi
 cp "$M/tokenizer.json" .gpustash/d1/
 cat > .gpustash/d2/run.sh <<'EOS'
@@ -245,9 +254,9 @@ if has mixedstep; then
   # chunk each step, at MIXED_DEPTHS and MIXED_CHUNKS, compiled prefill on and off.
   for d in ${MIXED_DEPTHS:-512 5000}; do
     for c in ${MIXED_CHUNKS:-16 256}; do
-      for cp in on off; do
-        echo "== runner step, 8 decoding rows + a $c-token chunk at depth $d, WEFT_COMPILE_PREFILL=$cp" | tee -a $R
-        WEFT_COMPILE_PREFILL=$cp CHUNK=$c DEPTH=$d /root/decode_timing $M 8 128 20 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+      for v in WEFT_MIXED=on WEFT_MIXED=off WEFT_COMPILE_PREFILL=off; do
+        echo "== runner step, 8 decoding rows + a $c-token chunk at depth $d, $v" | tee -a $R
+        env $v CHUNK=$c DEPTH=$d /root/decode_timing $M 8 128 20 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
       done
     done
   done
@@ -321,6 +330,14 @@ if has adapterpar; then
   WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
     timeout ${LP_TIMEOUT:-400} /root/lora_parity ${LP_FILTER-compiled_decode} --nocapture --test-threads 1 2>&1 \
     | grep --line-buffered -E "^test |max \|dlogprob\||test result|panicked|differ" | tee -a $R || true
+fi
+if has mixedpar; then
+  echo "== compiled prefill and mixed steps vs op-by-op on the GPU: crates/models/tests/compiled_prefill.rs" | tee -a $R
+  xz -d -c $W/compiled_prefill.xz > /root/compiled_prefill && chmod +x /root/compiled_prefill
+  [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
+  WEFT_TEST_TOLERANCE=${WEFT_TEST_TOLERANCE:-1e-3} WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
+    timeout ${MP_TIMEOUT:-300} /root/compiled_prefill ${MP_FILTER-mixed} --nocapture --test-threads 1 2>&1 \
+    | grep --line-buffered -E "^test |max \||test result|panicked|left|right" | tee -a $R || true
 fi
 if has hybrid; then
   H=/root/q35

@@ -266,27 +266,33 @@ impl CompiledDecode {
 }
 
 /// The KV view a traced decode forward runs against: every per-step value is
-/// one of the trace's inputs.
-struct TracedKv {
-    start: Array,
-    write_block: Array,
-    write_offset: Array,
-    table: Array,
-    ntok: Array,
+/// one of the trace's inputs. A mixed step ([`crate::compiled_mixed`]) holds
+/// one for its decoding rows, writing every token of the step through it.
+pub(crate) struct TracedKv {
+    /// `[B]` each row's committed length (its position and attention start).
+    pub start: Array,
+    /// `[N]` block and offset of each new token's K/V (N = B in a decode step).
+    pub write_block: Array,
+    pub write_offset: Array,
+    /// `[B, W]` each row's block table.
+    pub table: Array,
+    /// `[B]` new tokens per row (ones).
+    pub ntok: Array,
     /// Per layer its K arrays then its V arrays (`KvStorage::pool_arrays`),
     /// replaced by the written arrays layer by layer.
-    pools: Vec<Array>,
+    pub pools: Vec<Array>,
     /// Pool arrays per layer: 2, or 6 when quantized.
-    per_layer: usize,
-    quant: Option<AffineQuant>,
-    kernel: Option<Rc<PagedAttention>>,
-    fused: Option<Rc<DecodeKernels>>,
-    block_size: i32,
+    pub per_layer: usize,
+    pub quant: Option<AffineQuant>,
+    pub kernel: Option<Rc<PagedAttention>>,
+    pub fused: Option<Rc<DecodeKernels>>,
+    pub block_size: i32,
 }
 
 impl TracedKv {
-    /// Writes layer `layer`'s new tokens `k`, `v`, one per row ([`write_traced`]).
-    fn write(&mut self, layer: usize, k: &Array, v: &Array) -> Result<()> {
+    /// Writes layer `layer`'s new tokens `k`, `v`, one per write position
+    /// ([`write_traced`]).
+    pub(crate) fn write(&mut self, layer: usize, k: &Array, v: &Array) -> Result<()> {
         write_traced(
             &mut self.pools,
             TracedWrite {
@@ -325,22 +331,8 @@ impl LayerKv for TracedKv {
         v: &Array,
         scale: f32,
     ) -> Result<Array> {
-        let Some(kernel) = self.kernel.clone() else {
-            return Err(ModelError::Invalid(
-                "compiled decode: fused layers need the paged kernel".into(),
-            ));
-        };
         self.write(layer, k, v)?;
-        let scale = Array::from_slice(&[scale], &[1]);
-        kernel.decode_rows(
-            q,
-            self.layer_pools(layer)?,
-            &self.table,
-            &self.start,
-            &self.ntok,
-            &scale,
-            self.keys(),
-        )
+        self.read_rows(layer, q, scale)
     }
 
     fn batch(&self) -> usize {
@@ -375,6 +367,16 @@ impl LayerKv for TracedKv {
         }
         let (b, h, d) = (ks[0], ks[1], ks[3]);
         self.write(layer, &k.reshape(&[b, h, d])?, &v.reshape(&[b, h, d])?)?;
+        self.read(layer, q, scale)
+    }
+}
+
+impl TracedKv {
+    /// Layer `layer`'s attention of the rows' one-token queries `q` `[B,
+    /// heads, 1, head_dim]` over their tables (new K/V written), `[B, heads,
+    /// 1, head_dim]`: the paged kernel where it runs, else a gather of each
+    /// table and MLX's attention to each row's length.
+    pub(crate) fn read(&self, layer: usize, q: &Array, scale: f32) -> Result<Array> {
         let keys = self.keys() as i32;
         if let Some(kernel) = &self.kernel {
             let scale = Array::from_slice(&[scale], &[1]);
@@ -388,6 +390,7 @@ impl LayerKv for TracedKv {
                 keys as usize,
             );
         }
+        let b = q.dim(0);
         let (kc, vc) = read_traced(
             &self.pools,
             self.per_layer,
@@ -407,6 +410,26 @@ impl LayerKv for TracedKv {
         Ok(fast::scaled_dot_product_attention(
             &q, &kc, &vc, scale, &mask, None,
         )?)
+    }
+
+    /// [`read`](Self::read) in the fused layer's form: `[B, heads *
+    /// head_dim]` by the paged kernel (the fused layers run only with it).
+    pub(crate) fn read_rows(&self, layer: usize, q: &Array, scale: f32) -> Result<Array> {
+        let Some(kernel) = &self.kernel else {
+            return Err(ModelError::Invalid(
+                "compiled decode: fused layers need the paged kernel".into(),
+            ));
+        };
+        let scale = Array::from_slice(&[scale], &[1]);
+        kernel.decode_rows(
+            q,
+            self.layer_pools(layer)?,
+            &self.table,
+            &self.start,
+            &self.ntok,
+            &scale,
+            self.keys(),
+        )
     }
 }
 

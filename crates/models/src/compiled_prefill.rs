@@ -459,19 +459,53 @@ impl LayerKv for TracedChunk {
         let Some(table) = &self.table else {
             return self.attention.fresh(q, k, v, scale);
         };
+        let at = TableRead {
+            per_layer: self.per_layer,
+            quant: self.quant,
+            attention: self.attention,
+            block_size: self.block_size,
+        };
+        at.attend(&self.pools, layer, table, &self.start, q, scale)
+    }
+}
+
+/// How a traced forward reads a layer's pools along rows' block tables.
+#[derive(Clone, Copy)]
+pub(crate) struct TableRead {
+    /// Pool arrays per layer: 2, or 6 when quantized.
+    pub per_layer: usize,
+    pub quant: Option<AffineQuant>,
+    pub attention: TracedAttention,
+    pub block_size: i32,
+}
+
+impl TableRead {
+    /// Layer `layer`'s attention of rows' chunks `q` `[B, heads, T,
+    /// head_dim]` (new K/V written in `pools`) over each row's table `[B, W]`
+    /// gathered: query `i` of a row starting at `start` `[B]` sees key `j`
+    /// where `j <= start + i`. `[B, heads, T, head_dim]`.
+    pub(crate) fn attend(
+        &self,
+        pools: &[Array],
+        layer: usize,
+        table: &Array,
+        start: &Array,
+        q: &Array,
+        scale: f32,
+    ) -> Result<Array> {
+        let (b, t) = (q.dim(0), q.dim(2));
         let (kc, vc) = read_traced(
-            &self.pools,
+            pools,
             self.per_layer,
             self.quant,
             layer,
             table,
             self.block_size,
         )?;
-        // Query i of a row sees key j where j <= start + i.
         let keys = kc.dim(2);
         let key = ops::arange::<_, i32>(0, keys, 1)?.reshape(&[1, 1, 1, keys])?;
-        let query = ops::arange::<_, i32>(0, self.t, 1)?.reshape(&[1, 1, self.t, 1])?;
-        let seen = ops::add(&self.start.reshape(&[self.b, 1, 1, 1])?, &query)?;
+        let query = ops::arange::<_, i32>(0, t, 1)?.reshape(&[1, 1, t, 1])?;
+        let seen = ops::add(&start.reshape(&[b, 1, 1, 1])?, &query)?;
         let visible = key.le(&seen)?;
         self.attention.gathered(q, &kc, &vc, scale, &visible)
     }

@@ -949,6 +949,12 @@ pub trait LayerKv {
     fn offsets(&self) -> &Array;
     /// `[B, 1, 1]` index of each row's last token, when rows are ragged.
     fn last_index(&self) -> Option<&Array>;
+    /// `[R]` the rows whose logits the forward returns, in this order (`[R,
+    /// 1, vocab]`), where not every row's are wanted: a mixed step's
+    /// decoding rows and each chunk's last token. `None`: every row's.
+    fn logit_rows(&self) -> Option<&Array> {
+        None
+    }
     /// Writes layer `layer`'s new K/V and attends `q` over each row's context
     /// (shapes as [`KvStep::attend`]).
     fn attend(

@@ -5,6 +5,7 @@
 pub mod adapter;
 pub mod causal_conv;
 pub mod compiled_decode;
+pub mod compiled_mixed;
 pub mod compiled_prefill;
 pub mod composed_attention;
 pub mod config;

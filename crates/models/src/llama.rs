@@ -884,6 +884,11 @@ impl LlamaModel {
             rows_t = last.dim(1);
             h = last.reshape(&[b * rows_t, -1])?;
         }
+        let mut b = b;
+        if let (Some(keep), 1) = (kv.logit_rows(), rows_t) {
+            h = h.take_axis(keep, 0)?;
+            b = keep.dim(0);
+        }
         let h = fast::rms_norm(&h, Some(&self.norm), self.config.rms_norm_eps)?;
         let logits = match &self.lm_head {
             Some(head) => head.forward_async(&h).await?,
@@ -1084,11 +1089,15 @@ impl LlamaModel {
             after_layer(i)?;
         }
         drop(h);
+        let x = match kv.logit_rows() {
+            Some(keep) => x.take_axis(keep, 0)?,
+            None => x,
+        };
         let logits = match &self.lm_head {
             Some(head) => k.linear(head, &x)?,
             None => k.linear(&self.embed, &x)?,
         };
-        Ok(logits.reshape(&[b, 1, -1])?)
+        Ok(logits.reshape(&[x.dim(0), 1, -1])?)
     }
 
     /// The model's RMS norm of weight `w`, before a GEMV.
@@ -1114,7 +1123,6 @@ impl LlamaModel {
         scale: f32,
         after_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Array> {
-        let b = h.dim(0);
         for (i, layer) in self.layers.iter().enumerate() {
             let attn = layer.mixer.attn(i)?;
             let (mlp, post_norm) = layer.mlp.as_ref().ok_or_else(|| {
@@ -1142,9 +1150,13 @@ impl LlamaModel {
             h = k.product(&mlp.down, &act, Pre::None, Post::Residual(&h1))?;
             after_layer(i)?;
         }
+        let h = match kv.logit_rows() {
+            Some(keep) => h.take_axis(keep, 0)?,
+            None => h,
+        };
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let logits = k.product(head, &h, self.pre_norm(&self.norm), Post::None)?;
-        Ok(logits.reshape(&[b, 1, -1])?)
+        Ok(logits.reshape(&[h.dim(0), 1, -1])?)
     }
 
     #[allow(clippy::too_many_arguments)]

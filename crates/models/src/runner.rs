@@ -138,6 +138,9 @@ pub struct BatchRunner {
     /// The compiled prefill of prompt chunks, when on (see
     /// [`set_compiled_prefill`](Self::set_compiled_prefill)).
     compiled_prefill: Option<crate::compiled_prefill::CompiledPrefill>,
+    /// The compiled forward of a chunk group beside decoding rows, when on
+    /// (see [`set_compiled_mixed`](Self::set_compiled_mixed)).
+    compiled_mixed: Option<crate::compiled_mixed::CompiledMixed>,
     /// The forwards of one step are queued one after the other without the
     /// host waiting for each (`WEFT_FORWARD_SYNC=async`, an experiment: whether
     /// MLX then still writes the pool in place is measured on a GPU, not
@@ -201,11 +204,21 @@ impl BatchRunner {
             && compile_from_env()
             && compile_prefill_from_env())
         .then(|| crate::compiled_prefill::CompiledPrefill::new(model.clone(), &kv));
+        let compiled_mixed = (compiled.is_some() && compiled_prefill.is_some() && mixed_from_env())
+            .then(|| {
+                crate::compiled_mixed::CompiledMixed::new(
+                    model.clone(),
+                    &kv,
+                    fused_kernels(),
+                    compiled_min_width(&kv),
+                )
+            });
         Self {
             model,
             kv,
             compiled,
             compiled_prefill,
+            compiled_mixed,
             async_between: std::env::var("WEFT_FORWARD_SYNC").is_ok_and(|v| v == "async"),
             layer_hook: None,
             lanes: Lanes::single(),
@@ -443,6 +456,41 @@ impl BatchRunner {
         self.compiled_prefill =
             on.then(|| crate::compiled_prefill::CompiledPrefill::new(self.model.clone(), &self.kv));
         Ok(())
+    }
+
+    /// Turns compiled mixed steps on or off ([`crate::compiled_mixed`]): on,
+    /// a step whose prefill is one group the compiled prefill would run,
+    /// beside decoding rows the compiled decode would run (no adapters, no
+    /// drafts), runs as one traced forward instead of two. It takes effect
+    /// only while both of those are on (on by default on a GPU, unless
+    /// `WEFT_MIXED=off`). Refused while a step is open.
+    pub fn set_compiled_mixed(&mut self, on: bool) -> Result<()> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "compiled mixed steps switched inside an open step".into(),
+            ));
+        }
+        if on && (self.model.policy.host_gemm || !self.kv.compilable()) {
+            return Err(ModelError::Invalid(
+                "compiled mixed steps need what compiled decode and prefill need: MLX linears, \
+                 one full-attention KV group and no recurrent layers"
+                    .into(),
+            ));
+        }
+        self.compiled_mixed = on.then(|| {
+            crate::compiled_mixed::CompiledMixed::new(
+                self.model.clone(),
+                &self.kv,
+                fused_kernels(),
+                compiled_min_width(&self.kv),
+            )
+        });
+        Ok(())
+    }
+
+    /// The compiled mixed step, when on: its trace count and buckets.
+    pub fn compiled_mixed(&self) -> Option<&crate::compiled_mixed::CompiledMixed> {
+        self.compiled_mixed.as_ref()
     }
 
     /// Traces the compiled prefill buckets up front (rows reading and writing
@@ -1109,7 +1157,41 @@ impl BatchRunner {
             step.with_slots(&slots, real)
         };
         let mut outs: Vec<Array> = Vec::with_capacity(jobs.len());
-        if (kv.uses_kernel() && jobs.len() > 1) || how.iter().any(|h| *h != Run::Ops) {
+        // A compiled chunk group beside a compiled decode batch: one forward
+        // ([`crate::compiled_mixed`]) where its bucket exists.
+        let mixed = match (&self.compiled_mixed, jobs.as_slice(), how.as_slice()) {
+            (
+                Some(c),
+                [(chunks, _, _, false), (rows, _, _, true)],
+                [Run::CompiledPrefill, Run::CompiledDecode],
+            ) if loras.iter().all(Option::is_none) => c
+                .bucket(
+                    rows.iter().map(|s| s.start_pos),
+                    rows.len(),
+                    chunks.iter().map(|s| (s.start_pos, s.tokens.len())),
+                )
+                .is_some(),
+            _ => false,
+        };
+        if mixed {
+            let c = self
+                .compiled_mixed
+                .as_mut()
+                .ok_or_else(|| ModelError::Invalid("compiled mixed step missing".into()))?;
+            let (chunks, rows, tokens) = (&jobs[0].0, &jobs[1].0, &jobs[1].2);
+            let d: Vec<(&RowBlocks, usize)> =
+                rows.iter().map(|s| (&s.blocks[0], s.start_pos)).collect();
+            let ch: Vec<(&RowBlocks, usize, &[u32])> = chunks
+                .iter()
+                .map(|s| (&s.blocks[0], s.start_pos, s.tokens.as_slice()))
+                .collect();
+            let (dec, chunk) = c.step(kv, tokens, &d, &ch)?;
+            // Fault injection sees a compiled forward layer by layer too.
+            for layer in 0..self.model.num_layers() {
+                hook(layer)?;
+            }
+            outs = vec![chunk, dec];
+        } else if (kv.uses_kernel() && jobs.len() > 1) || how.iter().any(|h| *h != Run::Ops) {
             // One forward after the other, each evaluated before the next: on
             // the GPU a pool array still referenced by an earlier forward's
             // pending attention cannot be updated in place by the next
@@ -1322,6 +1404,15 @@ fn compile_from_env() -> bool {
     !matches!(
         std::env::var("WEFT_COMPILE").ok().as_deref(),
         Some("off") | Some("0")
+    )
+}
+
+/// `WEFT_MIXED` (`off` or `0` keeps a chunk beside decoding rows two
+/// forwards; anything else, or unset, makes it one where both compile).
+fn mixed_from_env() -> bool {
+    !matches!(
+        std::env::var("WEFT_MIXED").ok().as_deref(),
+        Some("off" | "0")
     )
 }
 
