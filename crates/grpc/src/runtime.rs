@@ -341,6 +341,10 @@ impl Model for MlxModel {
         Some(self.runner.last_submit_blocked().as_secs_f64())
     }
 
+    fn last_build_traced(&self) -> bool {
+        self.runner.last_build_traced()
+    }
+
     fn submit_sampling(&mut self, batch: &[RowInput]) -> Result<(), ModelError> {
         let n = self.fill_sampling(batch);
         self.runner
@@ -791,6 +795,17 @@ pub fn start_engine_with(
                     ms = t.elapsed().as_millis() as u64,
                     "compiled prefill traced for every fresh bucket and one row's chunks up to \
                      {warm_context} tokens deep"
+                );
+            }
+            let t = std::time::Instant::now();
+            let traced = runner.warm_mixed(kv.max_batch_rows, warm_context)?;
+            if traced > 0 {
+                tracing::info!(
+                    buckets = traced,
+                    ms = t.elapsed().as_millis() as u64,
+                    "compiled mixed steps traced: up to {} decoding rows beside one chunk up to \
+                     {warm_context} tokens deep",
+                    weft_models::runner::mixed_warm_rows().min(kv.max_batch_rows)
                 );
             }
             let gpu = runner.kv().uses_kernel();

@@ -179,9 +179,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Every bucket the chunks will meet traced now, as `weft serve` does at
         // startup (the chunk's table widens as it goes).
         let t1 = Instant::now();
-        let traced = runner.warm_prefill(depth + (steps + 1) * chunk)?;
+        let traced = runner.warm_prefill(depth + (steps + 1) * chunk)?
+            + runner.warm_mixed(b, depth + (steps + 1) * chunk)?;
         println!(
-            "long prompt: {depth} tokens prefilled in {:.1} ms; {traced} prefill buckets traced in {:.1} ms; {chunk} more join each step",
+            "long prompt: {depth} tokens prefilled in {:.1} ms; {traced} prefill and mixed buckets traced in {:.1} ms; {chunk} more join each step",
             (t1 - t).as_secs_f64() * 1e3,
             t1.elapsed().as_secs_f64() * 1e3
         );

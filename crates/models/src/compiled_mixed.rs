@@ -42,12 +42,18 @@ use crate::error::{ModelError, Result};
 use crate::kv::{LayerKv, PagedKv};
 use crate::llama::LlamaModel;
 
+/// Fewest decoding rows of a bucket: fewer are padded to it (rows that read
+/// and write only the null block), so 1 to 8 rows share one set of traces.
+pub const MIN_DECODE_ROWS: usize = 8;
+
 /// Inputs before the pool arrays: tokens, positions, write block, write
 /// offset, decode table, chunk starts, chunk tables, logit rows.
 const FIXED_INPUTS: usize = 8;
 
-/// A mixed step's shape: its decoding rows (padded) and their table width,
-/// and its chunks' `(rows, tokens, table width)` deep prefill bucket.
+/// A mixed step's shape: its decoding rows (padded) and their table width
+/// (the chunks' where the rows fit it, else a power of two as a compiled
+/// decode step's), and its chunks' `(rows, tokens, table width)` deep
+/// prefill bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct MixedBucket {
     pub decode_rows: usize,
@@ -67,6 +73,11 @@ pub struct CompiledMixed {
     /// Decode tables' narrowest width, as the compiled decode step's.
     min_width: usize,
     pools: usize,
+    /// Steps built (warm-up steps included).
+    steps: u64,
+    /// Whether a step may trace a bucket it is the first to meet; otherwise
+    /// only warmed buckets run (see [`warm`](Self::warm)).
+    on_demand: bool,
 }
 
 impl CompiledMixed {
@@ -146,7 +157,102 @@ impl CompiledMixed {
             null_block: kv.null_block(),
             min_width: min_width.max(1).next_power_of_two(),
             pools,
+            steps: 0,
+            on_demand: false,
         }
+    }
+
+    /// Lets steps trace buckets no warm-up traced (the first step of each
+    /// pays its trace; by default such a step runs as two forwards instead).
+    pub fn trace_on_demand(mut self, on: bool) -> Self {
+        self.on_demand = on;
+        self
+    }
+
+    /// Whether a step of `bucket` may run mixed: traced already, or traced on
+    /// demand.
+    pub fn runs(&self, bucket: &MixedBucket) -> bool {
+        self.on_demand || self.buckets.contains(bucket)
+    }
+
+    /// The buckets [`BatchRunner::warm_mixed`] traces: decoding rows padded
+    /// to each of `decode_rows` (tables of the narrowest width) beside one
+    /// chunk of every compiled prefill length over tables up to `context`
+    /// tokens.
+    ///
+    /// [`BatchRunner::warm_mixed`]: crate::runner::BatchRunner::warm_mixed
+    pub fn warm_buckets(
+        &self,
+        decode_rows: impl Iterator<Item = usize>,
+        context: usize,
+    ) -> Vec<MixedBucket> {
+        let mut rows: Vec<usize> = decode_rows.map(|r| r.max(MIN_DECODE_ROWS)).collect();
+        rows.sort_unstable();
+        rows.dedup();
+        let bs = self.block_size.max(1);
+        let top = CompiledPrefill::table_width(context.div_ceil(bs));
+        let mut out = Vec::new();
+        for &r in &rows {
+            for (b, t, w) in CompiledPrefill::warm_buckets(context, bs) {
+                // One chunk over a table, and a fresh one's own blocks.
+                let w = if w == 0 {
+                    CompiledPrefill::table_width(t.div_ceil(bs))
+                } else {
+                    w
+                };
+                // (A table narrower than the chunk holds no such step.)
+                if b == 1 && w <= top && w * bs >= t {
+                    out.push(MixedBucket {
+                        decode_rows: r,
+                        decode_width: self.min_width.max(w),
+                        chunk_rows: 1,
+                        chunk_tokens: t,
+                        chunk_width: w,
+                    });
+                }
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Traces (and runs, evaluated) `bucket` with rows that read and write
+    /// only the null block. Returns whether this traced it.
+    pub fn warm(&mut self, kv: &PagedKv, bucket: MixedBucket) -> Result<bool> {
+        if self.buckets.contains(&bucket) {
+            return Ok(false);
+        }
+        let before = self.traces();
+        let null = RowBlocks {
+            offset: 0,
+            blocks: vec![self.null_block; bucket.chunk_width],
+        };
+        let bd = bucket.decode_rows;
+        let decode: Vec<(&RowBlocks, usize)> = vec![(&null, 0); bd];
+        let tokens = vec![0u32; bucket.chunk_tokens];
+        let chunks: Vec<(&RowBlocks, usize, &[u32])> = vec![(&null, 0, tokens.as_slice())];
+        // A start that makes the chunk's table the bucket's width.
+        let bs = self.block_size;
+        let start = (bucket.chunk_width * bs).saturating_sub(bucket.chunk_tokens);
+        let chunks: Vec<(&RowBlocks, usize, &[u32])> = chunks
+            .into_iter()
+            .map(|(t, _, toks)| (t, start, toks))
+            .collect();
+        let zeros = Array::from_slice(&vec![0i32; bd], &[bd as i32, 1]);
+        let got = self.bucket(
+            decode.iter().map(|d| d.1),
+            bd,
+            chunks.iter().map(|c| (c.1, c.2.len())),
+        );
+        if got != Some(bucket) {
+            return Err(ModelError::Invalid(format!(
+                "compiled mixed step: {bucket:?} is not a bucket"
+            )));
+        }
+        let (a, b) = self.step(kv, &zeros, &decode, &chunks)?;
+        mlx_rs::transforms::eval([&a, &b])?;
+        Ok(self.traces() > before)
     }
 
     /// The bucket of a step of `decode` rows (each `(table blocks,
@@ -172,8 +278,10 @@ impl CompiledMixed {
             .max(1);
         let (b, t, w) = CompiledPrefill::bucket(rows, longest, blocks)?;
         (decode_rows > 0).then_some(MixedBucket {
-            decode_rows,
-            decode_width: width,
+            decode_rows: decode_rows.max(MIN_DECODE_ROWS),
+            // The chunks' width where the rows fit it (the paged kernel walks
+            // each row only to its length): no dimension of its own to trace.
+            decode_width: width.max(w),
             chunk_rows: b,
             chunk_tokens: t,
             chunk_width: w,
@@ -183,6 +291,11 @@ impl CompiledMixed {
     /// Traces so far (one per bucket first met, more means a retrace).
     pub fn traces(&self) -> u64 {
         self.traces.get()
+    }
+
+    /// Mixed steps built so far (warm-up steps included).
+    pub fn steps(&self) -> u64 {
+        self.steps
     }
 
     /// Buckets stepped so far.
@@ -222,18 +335,18 @@ impl CompiledMixed {
                 ))
             })?;
         let MixedBucket {
+            decode_rows: bdp,
             decode_width: wd,
             chunk_rows: bc,
             chunk_tokens: t,
             chunk_width: wc,
-            ..
         } = bucket;
-        let n = bd + bc * t;
+        let n = bdp + bc * t;
         let null = self.null_block as i32;
         let mut positions = Vec::with_capacity(n);
         let mut block = Vec::with_capacity(n);
         let mut offset = Vec::with_capacity(n);
-        let mut table_d = Vec::with_capacity(bd * wd);
+        let mut table_d = Vec::with_capacity(bdp * wd);
         for (tb, len) in decode {
             let need = len / bs + 1;
             if tb.offset != 0 || tb.blocks.len() < need {
@@ -249,18 +362,25 @@ impl CompiledMixed {
             table_d.extend(tb.blocks[..need].iter().map(|&x| x as i32));
             table_d.extend(std::iter::repeat_n(null, wd - need));
         }
+        // Padding decoding rows (up to the bucket's): position 0 of the null block.
+        for _ in bd..bdp {
+            positions.push(0);
+            block.push(null);
+            offset.push(0);
+            table_d.extend(std::iter::repeat_n(null, wd));
+        }
         // Chunk tokens: padding tokens (and padding rows) write the null
         // block, which nothing reads.
         let mut chunk_tokens = vec![0i32; bc * t];
         let mut start = vec![0i32; bc];
         let mut table_c = vec![null; bc * wc];
-        let mut keep: Vec<i32> = (0..bd as i32).collect();
+        let mut keep: Vec<i32> = (0..bdp as i32).collect();
         for i in 0..bc {
             let Some((tb, s, toks)) = chunks.get(i) else {
                 positions.extend((0..t).map(|p| p as i32));
                 block.extend(std::iter::repeat_n(null, t));
                 offset.extend((0..t).map(|p| (p % bs) as i32));
-                keep.push((bd + i * t) as i32);
+                keep.push((bdp + i * t) as i32);
                 continue;
             };
             let need = (s + toks.len()).div_ceil(bs);
@@ -291,13 +411,18 @@ impl CompiledMixed {
                     .map(|&x| x as i32)
                     .collect::<Vec<_>>(),
             );
-            keep.push((bd + i * t + toks.len() - 1) as i32);
+            keep.push((bdp + i * t + toks.len() - 1) as i32);
         }
-        let (ni, bdi, bci, wdi, wci) = (n as i32, bd as i32, bc as i32, wd as i32, wc as i32);
+        let (ni, bdi, bpi) = (n as i32, bd as i32, bdp as i32);
+        let (bci, wdi, wci) = (bc as i32, wd as i32, wc as i32);
+        // The decoding rows' tokens (maybe on the device), then the padding
+        // rows' and the chunks' from the host.
+        let mut host = vec![0i32; bdp - bd];
+        host.extend_from_slice(&chunk_tokens);
         let all_tokens = ops::concatenate(
             &[
                 tokens.as_dtype(mlx_rs::Dtype::Int32)?.reshape(&[bdi])?,
-                Array::from_slice(&chunk_tokens, &[bci * t as i32]),
+                Array::from_slice(&host, &[host.len() as i32]),
             ],
             0,
         )?
@@ -307,10 +432,10 @@ impl CompiledMixed {
             Array::from_slice(&positions, &[ni]),
             Array::from_slice(&block, &[ni]),
             Array::from_slice(&offset, &[ni]),
-            Array::from_slice(&table_d, &[bdi, wdi]),
+            Array::from_slice(&table_d, &[bpi, wdi]),
             Array::from_slice(&start, &[bci]),
             Array::from_slice(&table_c, &[bci, wci]),
-            Array::from_slice(&keep, &[bdi + bci]),
+            Array::from_slice(&keep, &[bpi + bci]),
         ];
         let logits = run_traced(
             &mut self.f,
@@ -323,8 +448,9 @@ impl CompiledMixed {
             },
         )?;
         self.buckets.insert(bucket);
+        self.steps += 1;
         let rows = chunks.len() as i32;
-        Ok((logits.try_index(..bdi)?, logits.try_index(bdi..bdi + rows)?))
+        Ok((logits.try_index(..bdi)?, logits.try_index(bpi..bpi + rows)?))
     }
 }
 

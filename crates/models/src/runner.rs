@@ -159,6 +159,8 @@ pub struct BatchRunner {
     /// Time the last step built waited on the device for its own earlier
     /// forwards (see [`last_submit_blocked`](Self::last_submit_blocked)).
     submit_blocked: std::time::Duration,
+    /// Whether the last step built traced a compiled form first.
+    build_traced: bool,
     /// Whether the next sampled step records its graph's census.
     census_next: bool,
     census: Option<std::collections::BTreeMap<String, usize>>,
@@ -204,7 +206,10 @@ impl BatchRunner {
             && compile_from_env()
             && compile_prefill_from_env())
         .then(|| crate::compiled_prefill::CompiledPrefill::new(model.clone(), &kv));
-        let compiled_mixed = (compiled.is_some() && compiled_prefill.is_some() && mixed_from_env())
+        let mixed = mixed_from_env();
+        let compiled_mixed = (compiled.is_some()
+            && compiled_prefill.is_some()
+            && mixed != MixedSteps::Off)
             .then(|| {
                 crate::compiled_mixed::CompiledMixed::new(
                     model.clone(),
@@ -212,6 +217,7 @@ impl BatchRunner {
                     fused_kernels(),
                     compiled_min_width(&kv),
                 )
+                .trace_on_demand(mixed == MixedSteps::OnDemand)
             });
         Self {
             model,
@@ -226,6 +232,7 @@ impl BatchRunner {
             open: VecDeque::new(),
             timing: StepTiming::default(),
             submit_blocked: std::time::Duration::ZERO,
+            build_traced: false,
             census_next: false,
             census: None,
             adapters: None,
@@ -458,13 +465,15 @@ impl BatchRunner {
         Ok(())
     }
 
-    /// Turns compiled mixed steps on or off ([`crate::compiled_mixed`]): on,
-    /// a step whose prefill is one group the compiled prefill would run,
-    /// beside decoding rows the compiled decode would run (no adapters, no
-    /// drafts), runs as one traced forward instead of two. It takes effect
-    /// only while both of those are on (on by default on a GPU, unless
-    /// `WEFT_MIXED=off`). Refused while a step is open.
-    pub fn set_compiled_mixed(&mut self, on: bool) -> Result<()> {
+    /// Sets how compiled mixed steps run ([`crate::compiled_mixed`],
+    /// [`MixedSteps`]): a step whose prefill is one group the compiled
+    /// prefill would run, beside decoding rows the compiled decode would run
+    /// (no adapters, no drafts), runs as one traced forward instead of two.
+    /// It takes effect only while both of those are on. On a GPU the default
+    /// is `WEFT_MIXED`'s ([`MixedSteps::Warmed`] unless it says `off` or
+    /// `lazy`). Refused while a step is open.
+    pub fn set_compiled_mixed(&mut self, mode: MixedSteps) -> Result<()> {
+        let on = mode != MixedSteps::Off;
         if !self.open.is_empty() {
             return Err(ModelError::Invalid(
                 "compiled mixed steps switched inside an open step".into(),
@@ -484,8 +493,35 @@ impl BatchRunner {
                 fused_kernels(),
                 compiled_min_width(&self.kv),
             )
+            .trace_on_demand(mode == MixedSteps::OnDemand)
         });
         Ok(())
+    }
+
+    /// Traces the compiled mixed buckets up front (rows reading and writing
+    /// only the null block): decoding batches of up to `max_rows` rows
+    /// padded to each decode bucket up to [`mixed_warm_rows`] (8 unless
+    /// `WEFT_MIXED_WARM_ROWS` says more; every batch of up to 8 shares one)
+    /// beside one chunk of every compiled length over tables up to `context`
+    /// tokens. Steps of other shapes run as two forwards unless the mixed
+    /// step traces on demand. Returns how many it traced (0 where mixed steps
+    /// are off). Refused while a step is open.
+    pub fn warm_mixed(&mut self, max_rows: usize, context: usize) -> Result<usize> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "mixed buckets warmed inside an open step".into(),
+            ));
+        }
+        let top = max_rows.min(mixed_warm_rows()).max(1);
+        let rows: Vec<usize> = (1..=top).map(|r| self.padded_rows(r)).collect();
+        let Some(c) = self.compiled_mixed.as_mut() else {
+            return Ok(0);
+        };
+        let mut traced = 0;
+        for bucket in c.warm_buckets(rows.into_iter(), context) {
+            traced += usize::from(c.warm(&self.kv, bucket)?);
+        }
+        Ok(traced)
     }
 
     /// The compiled mixed step, when on: its trace count and buckets.
@@ -584,6 +620,13 @@ impl BatchRunner {
             self.census = Some(crate::graph_census::census(pending)?);
         }
         Ok(())
+    }
+
+    /// Whether the last step built (submitted or forwarded) traced a compiled
+    /// form of one of its forwards for the first time (MLX then also builds
+    /// its kernels at the first run): its time is not what its shape costs.
+    pub fn last_build_traced(&self) -> bool {
+        self.build_traced
     }
 
     /// How long the last step built ([`submit_sampled`](Self::submit_sampled),
@@ -920,6 +963,26 @@ impl BatchRunner {
         follow: Option<Follow<'_>>,
     ) -> Result<Wanted> {
         self.submit_blocked = std::time::Duration::ZERO;
+        let traces = self.traces();
+        let w = self.build_wanted(ops, steps, follow);
+        // A failed build may have traced too; the flag is read after successes.
+        self.build_traced = self.traces() > traces;
+        w
+    }
+
+    /// This runner's compiled forms' traces so far.
+    fn traces(&self) -> u64 {
+        self.compiled.as_ref().map_or(0, |c| c.traces())
+            + self.compiled_prefill.as_ref().map_or(0, |c| c.traces())
+            + self.compiled_mixed.as_ref().map_or(0, |c| c.traces())
+    }
+
+    fn build_wanted(
+        &mut self,
+        ops: &[StorageOp],
+        steps: &[RowStep],
+        follow: Option<Follow<'_>>,
+    ) -> Result<Wanted> {
         // Every step gets a state journal, closed by commit or rollback.
         self.kv.state_begin();
         let groups_needed = self.kv.groups().groups.len();
@@ -1170,7 +1233,7 @@ impl BatchRunner {
                     rows.len(),
                     chunks.iter().map(|s| (s.start_pos, s.tokens.len())),
                 )
-                .is_some(),
+                .is_some_and(|b| c.runs(&b)),
             _ => false,
         };
         if mixed {
@@ -1407,13 +1470,35 @@ fn compile_from_env() -> bool {
     )
 }
 
-/// `WEFT_MIXED` (`off` or `0` keeps a chunk beside decoding rows two
-/// forwards; anything else, or unset, makes it one where both compile).
-fn mixed_from_env() -> bool {
-    !matches!(
-        std::env::var("WEFT_MIXED").ok().as_deref(),
-        Some("off" | "0")
-    )
+/// How a step carrying a chunk group beside decoding rows runs where both
+/// compile ([`BatchRunner::set_compiled_mixed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MixedSteps {
+    /// Two forwards, the chunks' evaluated before the decoding rows' is built.
+    Off,
+    /// One forward where [`BatchRunner::warm_mixed`] traced its bucket, else two
+    /// (no step pays a trace while serving).
+    Warmed,
+    /// One forward, each bucket traced by the first step that meets it.
+    OnDemand,
+}
+
+/// `WEFT_MIXED`: `off` or `0`, `lazy` (on demand), else warmed.
+fn mixed_from_env() -> MixedSteps {
+    match std::env::var("WEFT_MIXED").ok().as_deref() {
+        Some("off" | "0") => MixedSteps::Off,
+        Some("lazy") => MixedSteps::OnDemand,
+        _ => MixedSteps::Warmed,
+    }
+}
+
+/// Decoding batches [`BatchRunner::warm_mixed`] warms up to:
+/// `WEFT_MIXED_WARM_ROWS`, else 8.
+pub fn mixed_warm_rows() -> usize {
+    std::env::var("WEFT_MIXED_WARM_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(crate::compiled_mixed::MIN_DECODE_ROWS)
 }
 
 /// `WEFT_COMPILE_PREFILL` (`off` or `0` keeps prefill op by op where decode

@@ -321,7 +321,8 @@ fn mixed_steps_match_the_op_by_op_forward() {
     let mut r = runner(load_f32(&md, false), 64);
     r.set_compiled_decode(true).unwrap();
     r.set_compiled_prefill(true).unwrap();
-    r.set_compiled_mixed(true).unwrap();
+    r.set_compiled_mixed(weft_models::runner::MixedSteps::OnDemand)
+        .unwrap();
     let mut comp = Rows::new(r);
     let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
         .iter()
@@ -389,14 +390,72 @@ fn mixed_steps_match_the_op_by_op_forward() {
         .collect();
     assert_eq!(
         shapes,
-        [(3, 1, 16, 8), (3, 1, 32, 8), (4, 2, 32, 8)],
-        "3 decoding rows beside the 24-token prompt (32 tokens) then its 16-token rest; \
+        [(8, 1, 16, 8), (8, 1, 32, 8), (8, 2, 32, 8)],
+        "3 decoding rows (padded to 8) beside the 24-token prompt (32 tokens) then its 16-token rest; \
          the two first chunks (20 and 9) are two prefill groups (apart: two forwards \
-         beside the rows), their rest (18 and 17) one group of 2 x 32 beside 4 rows"
+         beside the rows), their rest (18 and 17) one group of 2 x 32 beside 4 rows (padded to 8)"
     );
     assert_eq!(
         m.traces(),
         m.buckets().len() as u64,
         "a bucket traced twice"
     );
+}
+
+/// With mixed steps only for warmed buckets (the GPU's default): before
+/// `warm_mixed` a chunk beside decoding rows runs as two forwards and traces
+/// no mixed bucket; after it, the same kind of step runs mixed without a
+/// trace, and both match the op-by-op forward.
+#[test]
+fn warmed_mixed_buckets_run_without_tracing() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
+    let mut r = runner(load_f32(&md, false), 64);
+    r.set_compiled_decode(true).unwrap();
+    r.set_compiled_prefill(true).unwrap();
+    r.set_compiled_mixed(weft_models::runner::MixedSteps::Warmed)
+        .unwrap();
+    let mut comp = Rows::new(r);
+    let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, *p, 0))
+        .collect();
+    agree(&plain.step(&prompts), &comp.step(&prompts), "prefill");
+    let late: Vec<u32> = (0..60).map(|i| (i * 37 + 11) % 200).collect();
+    let first = [(3, &late[..20], 0)];
+    agree(
+        &plain.step(&first),
+        &comp.step(&first),
+        "a chunk beside decoding rows, not warmed",
+    );
+    let m = comp.runner.compiled_mixed().unwrap();
+    assert!(
+        m.steps() == 0 && m.traces() == 0,
+        "an unwarmed bucket ran mixed"
+    );
+    for r in [&mut plain, &mut comp] {
+        r.at.pop();
+    }
+    let warmed = comp.runner.warm_mixed(8, 64).unwrap();
+    // Decode rows padded to 8; tables up to 64 tokens (4 blocks) are the
+    // narrowest width (8 blocks, 128 tokens): one chunk of each compiled
+    // length that fits it (16, 32, 64, 128).
+    assert_eq!(warmed, 4);
+    assert_eq!(comp.runner.warm_mixed(8, 64).unwrap(), 0, "warming twice");
+    let steps = comp.runner.compiled_mixed().unwrap().steps();
+    let rest = [(3, &late[20..40], 20)];
+    agree(
+        &plain.step(&rest),
+        &comp.step(&rest),
+        "a warmed chunk beside decoding rows",
+    );
+    assert!(!comp.runner.last_build_traced(), "the warmed step traced");
+    let m = comp.runner.compiled_mixed().unwrap();
+    assert_eq!(m.steps(), steps + 1, "the warmed step did not run mixed");
+    assert_eq!(m.traces(), warmed as u64, "a warmed bucket traced again");
+    assert_eq!(plain.at, comp.at);
+    decode_both(&mut plain, &mut comp, 2, "after the warmed mixed step");
 }

@@ -82,6 +82,7 @@ fn setup(
         state_slots: 0,
         unmeasured_pipelined: false,
         new_shape_cost: 0.0,
+        reports_traces: false,
     };
     let cfg = SchedulerConfig {
         max_batch_rows: rows,

@@ -93,6 +93,9 @@ pub struct FakeConfig {
     /// the fake has not run before (a GPU's first call of a new shape: MLX's CUDA
     /// backend plans every new one). 0: none.
     pub new_shape_cost: f64,
+    /// A step that paid `new_shape_cost` says so ([`Model::last_build_traced`]),
+    /// as a real model reports the traces of its compiled forms.
+    pub reports_traces: bool,
 }
 
 /// Seconds a fake forward "takes": `base + per_decode_row * rows feeding one token +
@@ -163,6 +166,7 @@ impl Default for FakeConfig {
             state_slots: 0,
             unmeasured_pipelined: false,
             new_shape_cost: 0.0,
+            reports_traces: false,
         }
     }
 }
@@ -318,6 +322,10 @@ pub struct FakeModel {
     last_unmeasured: bool,
     /// Chunk lengths run so far (for `new_shape_cost`).
     shapes_seen: std::collections::HashSet<usize>,
+    /// The last step built paid a first call ([`FakeConfig::reports_traces`]).
+    last_traced: bool,
+    /// Steps that paid a first call.
+    traced_steps: u64,
     /// Registered adapters, and the resident ones with the forward that last used each.
     adapters: std::collections::BTreeSet<u32>,
     resident: Vec<(u32, u64)>,
@@ -356,6 +364,8 @@ impl FakeModel {
             step_costs: Vec::new(),
             last_unmeasured: false,
             shapes_seen: Default::default(),
+            last_traced: false,
+            traced_steps: 0,
             adapters: Default::default(),
             resident: Vec::new(),
             adapter_counters: Default::default(),
@@ -364,6 +374,11 @@ impl FakeModel {
 
     /// (decoding rows, other tokens, simulated seconds) of every step whose picks a
     /// forward or collect returned, under [`FakeConfig::step_cost`], oldest first.
+    /// Steps that paid `new_shape_cost` (a first call of a chunk length).
+    pub fn traced_steps(&self) -> u64 {
+        self.traced_steps
+    }
+
     pub fn step_costs(&self) -> &[(usize, usize, f64)] {
         &self.step_costs
     }
@@ -901,6 +916,8 @@ impl FakeModel {
                 first_calls += usize::from(self.shapes_seen.insert(r.tokens.len()));
             }
         }
+        self.last_traced = self.cfg.reports_traces && first_calls > 0;
+        self.traced_steps += u64::from(first_calls > 0);
         let first_calls = first_calls as f64 * self.cfg.new_shape_cost;
         let cost = self.cfg.step_cost.map(|c| {
             let decode = batch.iter().filter(|r| r.tokens.len() == 1).count();
@@ -1049,6 +1066,10 @@ impl Model for FakeModel {
         }
         self.last_unmeasured = false;
         Ok(out)
+    }
+
+    fn last_build_traced(&self) -> bool {
+        self.last_traced
     }
 
     fn last_step_seconds(&self) -> Option<f64> {

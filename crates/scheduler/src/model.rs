@@ -306,6 +306,14 @@ pub trait Model {
     fn last_submit_blocked_seconds(&self) -> Option<f64> {
         None
     }
+    /// Whether the last `forward` or submit built a compiled form of its step for
+    /// the first time (a trace, and its first run's kernel builds): its time is
+    /// then not what its shape costs, and the scheduler's cost model does not learn
+    /// from it (one such step of seconds taught it a per-token cost hundreds of
+    /// times the real one). `false`, the default: nothing is compiled.
+    fn last_build_traced(&self) -> bool {
+        false
+    }
     /// Seconds the last `forward` took by the model's own measure (a fake model's
     /// simulated cost); `None`, the default, has the scheduler time the call.
     fn last_step_seconds(&self) -> Option<f64> {

@@ -685,6 +685,9 @@ pub struct Scheduler<M: Model> {
     /// while the step before it was in flight: counted in that step's period, owed
     /// to this one ([`pipelined_seconds`]).
     blocked_carry: f64,
+    /// The in-flight step's build traced a compiled form first
+    /// ([`Model::last_build_traced`]): its time is not its shape's cost.
+    traced_carry: bool,
     tenants: Vec<Tenant>,
     tenant_ix: HashMap<String, usize>,
     labels: Vec<(String, TenantMetrics)>,
@@ -807,6 +810,7 @@ impl<M: Model> Scheduler<M> {
             decode_skipped: false,
             cost_since: None,
             blocked_carry: 0.0,
+            traced_carry: false,
             cfg,
             info,
             model,
@@ -856,6 +860,11 @@ impl<M: Model> Scheduler<M> {
 
     pub fn model(&self) -> &M {
         &self.model
+    }
+
+    /// The learned step cost model, read-only (tests and diagnostics).
+    pub fn step_cost(&self) -> &StepCost {
+        &self.cost
     }
 
     /// The KV pool, read-only (tests audit its tables; metrics read its counts).
@@ -1141,6 +1150,7 @@ impl<M: Model> Scheduler<M> {
                 // The period from here covers the launch's own submit.
                 self.cost_since = Some(Instant::now());
                 self.blocked_carry = 0.0;
+                self.traced_carry = false;
                 match self.launch(plan.rows) {
                     // Queued: collected at once, after its successor is queued.
                     Ok(rows) => self.resolve(rows, now),
@@ -2258,11 +2268,13 @@ impl<M: Model> Scheduler<M> {
             .model
             .last_step_seconds()
             .unwrap_or_else(|| t.elapsed().as_secs_f64());
+        // A step that traced a compiled form first took the trace's time too.
+        let measured = (!self.model.last_build_traced()).then_some(seconds);
         self.cost_since = None;
         self.settle(rows, &out)?;
         self.model.commit().map_err(StepFault::model)?;
         self.pool_commit();
-        self.observe_cost(rows, Some(seconds));
+        self.observe_cost(rows, measured);
         let mut commits = std::mem::take(&mut self.bufs.commits);
         let rep = self.apply(rows, &mut commits, now);
         self.bufs.commits = commits;
@@ -2366,7 +2378,10 @@ impl<M: Model> Scheduler<M> {
             .model
             .submit(self.pool.step_ops(), &self.bufs.inputs[..rows.len()])
         {
-            Ok(()) => Ok(rows),
+            Ok(()) => {
+                self.traced_carry = self.model.last_build_traced();
+                Ok(rows)
+            }
             Err(e) => {
                 self.undo_newest();
                 self.count_rollback(&e.to_string(), "pipelined step not submitted");
@@ -2487,6 +2502,7 @@ impl<M: Model> Scheduler<M> {
         let (next, deferred) = self.follow_plan(&rows, now);
         let mut chained = false;
         let mut blocked_next = 0.0;
+        let mut traced_next = false;
         if !next.is_empty() {
             match self.open_step(&next, true) {
                 Ok(()) => match if deferred {
@@ -2499,6 +2515,7 @@ impl<M: Model> Scheduler<M> {
                     Ok(()) => {
                         chained = true;
                         blocked_next = self.model.last_submit_blocked_seconds().unwrap_or(0.0);
+                        traced_next = self.model.last_build_traced();
                     }
                     Err(e) => {
                         self.undo_newest();
@@ -2521,18 +2538,23 @@ impl<M: Model> Scheduler<M> {
             // A pipelined step's cost: the model's measure, else the time since its
             // timing began (the collect of the step it queued behind: the step
             // period while steps queue back to back; or its own launch).
+            // Not measured where this step's build or the next one's (inside this
+            // step's period) traced a compiled form first.
             let now_i = Instant::now();
             let seconds = self.model.last_step_seconds().or_else(|| {
                 self.cost_since.map(|t| {
                     pipelined_seconds((now_i - t).as_secs_f64(), blocked_next, self.blocked_carry)
                 })
             });
-            self.observe_cost(&rows, seconds);
+            let traced = self.traced_carry || traced_next;
+            self.observe_cost(&rows, seconds.filter(|_| !traced));
             self.cost_since = chained.then_some(now_i);
             self.blocked_carry = if chained { blocked_next } else { 0.0 };
+            self.traced_carry = chained && traced_next;
         } else {
             self.cost_since = None;
             self.blocked_carry = 0.0;
+            self.traced_carry = false;
         }
         if let Err(e) = settled {
             if chained {

@@ -846,3 +846,56 @@ fn steps_with_prompt_chunks_are_queued_behind_the_step_before() {
     assert!(chained * 10 >= steps * 9, "{chained} of {steps} chained");
     assert!(chained > steps - mixed, "mixed steps chained too");
 }
+
+/// A step that traced a compiled form first (a GPU's first call of a new shape:
+/// on an H100 one such step of 896 prompt tokens took 4.8 s) is not what its
+/// shape costs: the model says so ([`Model::last_build_traced`]) and the cost
+/// model does not learn from it (learned, one such step priced prompt tokens at
+/// hundreds of times their cost, and a long prompt crept beside the decoding rows
+/// a few tokens a step for the rest of the run). A step whose follower traced is
+/// not learned either (that trace ran inside its period).
+#[test]
+fn steps_that_traced_do_not_teach_the_cost_model() {
+    let cost = FakeStepCost {
+        base: 5e-3,
+        per_decode_row: 5e-5,
+        per_prefill_token: 5e-5,
+        per_attention: 1e-10,
+        per_context_key: 1e-7,
+        jitter: 0.05,
+        overlap: false,
+        per_mixed_step: 3e-3,
+    };
+    let specs = workload_of(3000, [200, 240]);
+    let run = |reports_traces: bool| {
+        let fake = FakeConfig {
+            step_cost: Some(cost),
+            new_shape_cost: 2.0,
+            reports_traces,
+            ..fake()
+        };
+        // Chunks cut to blocks, as on a GPU: few lengths, each traced once.
+        let cfg = SchedulerConfig {
+            prefill_granule: 16,
+            ..config(Some(Duration::from_millis(20)))
+        };
+        let r = run_timed(cfg, fake, &specs);
+        assert_clean(&r);
+        let steps = r.sched.model().step_costs().len() as u64;
+        let seen = r.sched.model().traced_steps();
+        let observed = r.sched.step_cost().observed();
+        eprintln!(
+            "first calls reported {reports_traces}: {steps} steps, {seen} of them traced, \
+             {observed} observed"
+        );
+        (steps, seen, observed)
+    };
+    let (steps, seen, observed) = run(true);
+    assert!(seen > 0, "no step traced");
+    assert!(
+        observed + seen <= steps,
+        "{observed} steps of {steps} observed, {seen} of them traced"
+    );
+    let (steps, _, observed) = run(false);
+    assert_eq!(observed, steps, "unreported first calls are learned");
+}
