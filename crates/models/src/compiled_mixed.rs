@@ -70,7 +70,8 @@ pub struct CompiledMixed {
     buckets: BTreeSet<MixedBucket>,
     block_size: usize,
     null_block: u32,
-    /// Decode tables' narrowest width, as the compiled decode step's.
+    /// Decode tables' narrowest width: the compiled decode step's, raised by
+    /// [`cover_decode`](Self::cover_decode).
     min_width: usize,
     pools: usize,
     /// Steps built (warm-up steps included).
@@ -160,6 +161,16 @@ impl CompiledMixed {
             steps: 0,
             on_demand: false,
         }
+    }
+
+    /// Pads every step's decoding rows' tables to at least `context` tokens
+    /// (a power of two of blocks): rows up to that deep then never make a
+    /// bucket of their own, so warming each chunk bucket once covers them.
+    /// The paged kernel walks each row only to its length; a wider table is
+    /// table bytes and a few more idle splits.
+    pub fn cover_decode(&mut self, context: usize) {
+        let blocks = context.div_ceil(self.block_size.max(1));
+        self.min_width = self.min_width.max(blocks.next_power_of_two());
     }
 
     /// Lets steps trace buckets no warm-up traced (the first step of each

@@ -503,7 +503,8 @@ impl BatchRunner {
     /// padded to each decode bucket up to [`mixed_warm_rows`] (8 unless
     /// `WEFT_MIXED_WARM_ROWS` says more; every batch of up to 8 shares one)
     /// beside one chunk of every compiled length over tables up to `context`
-    /// tokens. Steps of other shapes run as two forwards unless the mixed
+    /// tokens, decoding rows' tables padded to `context` (rows up to that deep
+    /// add no shape). Steps of other shapes run as two forwards unless the mixed
     /// step traces on demand. Returns how many it traced (0 where mixed steps
     /// are off). Refused while a step is open.
     pub fn warm_mixed(&mut self, max_rows: usize, context: usize) -> Result<usize> {
@@ -517,6 +518,7 @@ impl BatchRunner {
         let Some(c) = self.compiled_mixed.as_mut() else {
             return Ok(0);
         };
+        c.cover_decode(context);
         let mut traced = 0;
         for bucket in c.warm_buckets(rows.into_iter(), context) {
             traced += usize::from(c.warm(&self.kv, bucket)?);

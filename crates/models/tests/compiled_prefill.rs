@@ -440,9 +440,9 @@ fn warmed_mixed_buckets_run_without_tracing() {
         r.at.pop();
     }
     let warmed = comp.runner.warm_mixed(8, 64).unwrap();
-    // Decode rows padded to 8; tables up to 64 tokens (4 blocks) are the
-    // narrowest width (8 blocks, 128 tokens): one chunk of each compiled
-    // length that fits it (16, 32, 64, 128).
+    // Decode rows padded to 8 (their tables to 64 tokens, 4 blocks); chunk
+    // tables up to 64 tokens are the narrowest width (8 blocks, 128 tokens):
+    // one chunk of each compiled length that fits it (16, 32, 64, 128).
     assert_eq!(warmed, 4);
     assert_eq!(comp.runner.warm_mixed(8, 64).unwrap(), 0, "warming twice");
     let steps = comp.runner.compiled_mixed().unwrap().steps();
