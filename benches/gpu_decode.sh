@@ -337,7 +337,7 @@ if has mixedpar; then
   [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
   WEFT_TEST_TOLERANCE=${WEFT_TEST_TOLERANCE:-1e-3} WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
     timeout ${MP_TIMEOUT:-300} /root/compiled_prefill ${MP_FILTER-mixed} --nocapture --test-threads 1 2>&1 \
-    | grep --line-buffered -E "^test |max \||test result|panicked|left|right" | tee -a $R || true
+    | grep --line-buffered -E "^test |max \||test result|panicked|left|right|Err|called |step:" | tee -a $R || true
 fi
 if has hybrid; then
   H=/root/q35
