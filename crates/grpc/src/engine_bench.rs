@@ -250,7 +250,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         } else {
             1
         },
-        amortized_bound: crate::server::config::amortized_bound()?,
+        amortized_bound: crate::server::config::amortized_bound(gpu)?,
         ..SchedulerConfig::default()
     };
     // Room for every stream's whole context (16-token blocks, each row's last

@@ -205,7 +205,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<LongPromptsReport> {
         } else {
             1
         },
-        amortized_bound: crate::server::config::amortized_bound()?,
+        amortized_bound: crate::server::config::amortized_bound(gpu)?,
         ..SchedulerConfig::default()
     };
     let tokens = args.streams * (args.prompt_tokens + STREAM_TOKENS)

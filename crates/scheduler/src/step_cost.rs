@@ -106,6 +106,13 @@ const MAX_PENDING_SWEEPS: u64 = 16;
 /// cost of prefilling (see [`StepCost::prefill_within`]), by default: the ITL goal
 /// is 1.5 targets, and steps vary. `SchedulerConfig::amortized_bound` sets it.
 pub const AMORTIZED_BOUND: f64 = 1.3;
+/// [`AMORTIZED_BOUND`] where steps run on a GPU (`weft serve` and the benches
+/// pick it there): a prompt chunk beside decoding rows is one compiled forward
+/// with them, its fixed cost a few ms, and chunks sized past the target to
+/// amortize it were the steps past the ITL goal (H100, 1.2B, 8 streams while a
+/// 2048- and a 7000-token prompt join: ITL p99 2.42x the target at 1.3, 1.58x at
+/// 1.0, same call).
+pub const GPU_AMORTIZED_BOUND: f64 = 1.0;
 
 /// The online cost model.
 #[derive(Debug, Clone)]

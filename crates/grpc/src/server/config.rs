@@ -15,11 +15,12 @@ use crate::generate::ComputeArgs;
 use crate::memory_plan::CacheLimit;
 use crate::units::parse_duration;
 
-/// [`SchedulerConfig::amortized_bound`] from `WEFT_AMORTIZED_BOUND` (an
-/// experiment: ITL targets a step may take for its prompt chunks to amortize
-/// the fixed cost of prefilling; 1.3 unless set).
-pub(crate) fn amortized_bound() -> anyhow::Result<f64> {
+/// [`SchedulerConfig::amortized_bound`] from `WEFT_AMORTIZED_BOUND` (ITL
+/// targets a step may take for its prompt chunks to amortize the fixed cost of
+/// prefilling; unless set, 1.0 on a GPU, 1.3 elsewhere).
+pub(crate) fn amortized_bound(gpu: bool) -> anyhow::Result<f64> {
     match std::env::var("WEFT_AMORTIZED_BOUND") {
+        Err(_) if gpu => Ok(weft_scheduler::step_cost::GPU_AMORTIZED_BOUND),
         Err(_) => Ok(weft_scheduler::step_cost::AMORTIZED_BOUND),
         Ok(v) => match v.trim().parse::<f64>() {
             Ok(b) if b.is_finite() && b >= 1.0 => Ok(b),
@@ -437,7 +438,8 @@ pub struct Settings {
     pub itl_target: weft_scheduler::ItlTarget,
     /// `SchedulerConfig::prefill_granule`: a KV block on a GPU, 1 on the CPU.
     pub prefill_granule: usize,
-    /// `SchedulerConfig::amortized_bound` (`WEFT_AMORTIZED_BOUND`, 1.3 unless set).
+    /// `SchedulerConfig::amortized_bound` (`WEFT_AMORTIZED_BOUND`; unless set 1.0
+    /// on a GPU, 1.3 elsewhere).
     pub amortized_bound: f64,
     pub isolation_window: Duration,
     pub speculate: usize,
@@ -592,7 +594,7 @@ impl Settings {
             } else {
                 1
             },
-            amortized_bound: amortized_bound()?,
+            amortized_bound: amortized_bound(gpu)?,
             isolation_window: Duration::from_millis(
                 args.isolation_window_ms
                     .or(file.isolation_window_ms)
