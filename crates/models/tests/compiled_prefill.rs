@@ -184,42 +184,7 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
     );
     assert_eq!(c.traces(), 2);
     decode_both(&mut plain, &mut comp, 4, "");
-    // A fresh prompt joins the decoding rows (compiled beside them), then the
-    // rest of it, at position 24: the deep trace (RoPE from 24, the row's
-    // table gathered, its first 24 tokens in context).
-    let late: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
-    let fresh = [(3, &late[..24], 0)];
-    agree(
-        &plain.step(&fresh),
-        &comp.step(&fresh),
-        "fresh prompt beside decoding rows",
-    );
-    plain.at.pop();
-    comp.at.pop();
-    let rest = [(3, &late[24..], 24)];
-    agree(
-        &plain.step(&rest),
-        &comp.step(&rest),
-        "a prompt's second chunk",
-    );
-    assert_eq!(plain.at, comp.at);
-    decode_both(&mut plain, &mut comp, 3, "after");
-    // Two prompts whose second chunks start at different depths share one
-    // deep forward: each row's own RoPE offset and causal edge.
-    let (a, b): (Vec<u32>, Vec<u32>) = ((0..38).map(|i| i % 97).collect(), (0..26).collect());
-    let first = [(4, &a[..20], 0), (5, &b[..9], 0)];
-    agree(&plain.step(&first), &comp.step(&first), "two first chunks");
-    for r in [&mut plain, &mut comp] {
-        r.at.truncate(4);
-    }
-    let second = [(4, &a[20..], 20), (5, &b[9..], 9)];
-    agree(
-        &plain.step(&second),
-        &comp.step(&second),
-        "two chunks at 20 and 9",
-    );
-    assert_eq!(plain.at, comp.at);
-    decode_both(&mut plain, &mut comp, 2, "at the end");
+    prompts_beside_decoding_rows(&mut plain, &mut comp, false);
     submit_blocks_only_for_its_own_forwards(&mut comp);
     let c = comp.runner.compiled_prefill().unwrap();
     assert_eq!(
@@ -230,6 +195,63 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
          their second chunks (18 and 17) share 2 x 32 over 8 blocks"
     );
     assert_eq!(c.traces(), 5);
+}
+
+/// A fresh prompt joins the decoding rows, then the rest of it at position 24
+/// (a deep chunk: RoPE from 24, the row's table gathered, its first 24 tokens
+/// in context); then two prompts whose second chunks start at different depths
+/// share one forward (each row's own RoPE offset and causal edge). Both
+/// runners agree at every step; with `fault`, the compiled side's first try
+/// of the fresh prompt's step fails at layer 1 and is rolled back first.
+fn prompts_beside_decoding_rows(plain: &mut Rows, comp: &mut Rows, fault: bool) {
+    let late: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
+    let fresh = [(3, &late[..24], 0)];
+    if fault {
+        let mut fired = false;
+        comp.runner.set_layer_hook(Some(Box::new(move |layer| {
+            if layer == 1 && !fired {
+                fired = true;
+                return Err(weft_models::ModelError::Invalid("injected".into()));
+            }
+            Ok(())
+        })));
+        let mut steps = comp.steps(&fresh);
+        let ops = comp.kv.plan(&mut steps);
+        assert!(comp.runner.forward(&ops, &steps).is_err());
+        comp.runner.rollback();
+        comp.kv.rollback();
+        comp.runner.set_layer_hook(None);
+    }
+    agree(
+        &plain.step(&fresh),
+        &comp.step(&fresh),
+        "fresh prompt beside decoding rows",
+    );
+    assert_eq!(plain.at, comp.at);
+    plain.at.pop();
+    comp.at.pop();
+    let rest = [(3, &late[24..], 24)];
+    agree(
+        &plain.step(&rest),
+        &comp.step(&rest),
+        "a prompt's second chunk beside decoding rows",
+    );
+    assert_eq!(plain.at, comp.at);
+    decode_both(plain, comp, 3, "after");
+    let (a, b): (Vec<u32>, Vec<u32>) = ((0..38).map(|i| i % 97).collect(), (0..26).collect());
+    let first = [(4, &a[..20], 0), (5, &b[..9], 0)];
+    agree(&plain.step(&first), &comp.step(&first), "two first chunks");
+    for r in [&mut *plain, &mut *comp] {
+        r.at.truncate(4);
+    }
+    let second = [(4, &a[20..], 20), (5, &b[9..], 9)];
+    agree(
+        &plain.step(&second),
+        &comp.step(&second),
+        "two chunks at 20 and 9 beside decoding rows",
+    );
+    assert_eq!(plain.at, comp.at);
+    decode_both(plain, comp, 2, "at the end");
 }
 
 /// A submitted step of several forwards (a compiled prompt chunk beside
@@ -335,53 +357,7 @@ fn mixed_steps_match_the_op_by_op_forward() {
         "no decoding rows yet: no mixed step"
     );
     decode_both(&mut plain, &mut comp, 2, "");
-    let late: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
-    let fresh = [(3, &late[..24], 0)];
-    // A fault at layer 1 of the mixed step: rolled back, then redone.
-    let mut fired = false;
-    comp.runner.set_layer_hook(Some(Box::new(move |layer| {
-        if layer == 1 && !fired {
-            fired = true;
-            return Err(weft_models::ModelError::Invalid("injected".into()));
-        }
-        Ok(())
-    })));
-    let mut steps = comp.steps(&fresh);
-    let ops = comp.kv.plan(&mut steps);
-    assert!(comp.runner.forward(&ops, &steps).is_err());
-    comp.runner.rollback();
-    comp.kv.rollback();
-    comp.runner.set_layer_hook(None);
-    agree(
-        &plain.step(&fresh),
-        &comp.step(&fresh),
-        "fresh prompt beside decoding rows",
-    );
-    assert_eq!(plain.at, comp.at);
-    plain.at.pop();
-    comp.at.pop();
-    let rest = [(3, &late[24..], 24)];
-    agree(
-        &plain.step(&rest),
-        &comp.step(&rest),
-        "a prompt's second chunk beside decoding rows",
-    );
-    assert_eq!(plain.at, comp.at);
-    decode_both(&mut plain, &mut comp, 2, "after one prompt");
-    let (a, b): (Vec<u32>, Vec<u32>) = ((0..38).map(|i| i % 97).collect(), (0..26).collect());
-    let first = [(4, &a[..20], 0), (5, &b[..9], 0)];
-    agree(&plain.step(&first), &comp.step(&first), "two first chunks");
-    for r in [&mut plain, &mut comp] {
-        r.at.truncate(4);
-    }
-    let second = [(4, &a[20..], 20), (5, &b[9..], 9)];
-    agree(
-        &plain.step(&second),
-        &comp.step(&second),
-        "two chunks at 20 and 9 beside decoding rows",
-    );
-    assert_eq!(plain.at, comp.at);
-    decode_both(&mut plain, &mut comp, 3, "at the end");
+    prompts_beside_decoding_rows(&mut plain, &mut comp, true);
     let m = comp.runner.compiled_mixed().unwrap();
     let shapes: Vec<(usize, usize, usize, usize)> = m
         .buckets()
