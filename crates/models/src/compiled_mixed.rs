@@ -242,25 +242,16 @@ impl CompiledMixed {
         let bd = bucket.decode_rows;
         let decode: Vec<(&RowBlocks, usize)> = vec![(&null, 0); bd];
         let tokens = vec![0u32; bucket.chunk_tokens];
-        let chunks: Vec<(&RowBlocks, usize, &[u32])> = vec![(&null, 0, tokens.as_slice())];
         // A start that makes the chunk's table the bucket's width.
-        let bs = self.block_size;
-        let start = (bucket.chunk_width * bs).saturating_sub(bucket.chunk_tokens);
-        let chunks: Vec<(&RowBlocks, usize, &[u32])> = chunks
-            .into_iter()
-            .map(|(t, _, toks)| (t, start, toks))
-            .collect();
-        let zeros = Array::from_slice(&vec![0i32; bd], &[bd as i32, 1]);
-        let got = self.bucket(
-            decode.iter().map(|d| d.1),
-            bd,
-            chunks.iter().map(|c| (c.1, c.2.len())),
-        );
-        if got != Some(bucket) {
+        let start = (bucket.chunk_width * self.block_size).saturating_sub(bucket.chunk_tokens);
+        let chunks: Vec<(&RowBlocks, usize, &[u32])> = vec![(&null, start, tokens.as_slice())];
+        let shape = chunks.iter().map(|c| (c.1, c.2.len()));
+        if self.bucket(decode.iter().map(|d| d.1), bd, shape) != Some(bucket) {
             return Err(ModelError::Invalid(format!(
                 "compiled mixed step: {bucket:?} is not a bucket"
             )));
         }
+        let zeros = Array::from_slice(&vec![0i32; bd], &[bd as i32, 1]);
         let (a, b) = self.step(kv, &zeros, &decode, &chunks)?;
         mlx_rs::transforms::eval([&a, &b])?;
         Ok(self.traces() > before)

@@ -10,6 +10,7 @@
 mod common;
 
 use common::*;
+use weft_models::runner::MixedSteps;
 use weft_models::{AffineQuant, BatchRunner, KvMemory, RowStep};
 
 /// f32 logits of the compiled and op-by-op forwards agree this closely
@@ -329,6 +330,27 @@ fn warmed_prefill_buckets_are_not_traced_while_serving() {
     );
 }
 
+/// The op-by-op runner and one with compiled decode, prefill and mixed steps
+/// (`mode`) over the llama fixture (made under `dir`), both past the prefill of
+/// [`PROMPTS`] (agreeing).
+fn prefilled_mixed(dir: &std::path::Path, mode: MixedSteps) -> (Rows, Rows) {
+    let md = dir.join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
+    let mut r = runner(load_f32(&md, false), 64);
+    r.set_compiled_decode(true).unwrap();
+    r.set_compiled_prefill(true).unwrap();
+    r.set_compiled_mixed(mode).unwrap();
+    let mut comp = Rows::new(r);
+    let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, *p, 0))
+        .collect();
+    agree(&plain.step(&prompts), &comp.step(&prompts), "prefill");
+    (plain, comp)
+}
+
 /// A chunk group beside decoding rows as one compiled forward (every token
 /// one row: shared projections, one write per layer, split attention) gives
 /// the op-by-op step's logits and K/V: fresh prompts joining, a prompt's
@@ -337,21 +359,7 @@ fn warmed_prefill_buckets_are_not_traced_while_serving() {
 #[test]
 fn mixed_steps_match_the_op_by_op_forward() {
     let dir = tempfile::tempdir().unwrap();
-    let md = dir.path().join("m");
-    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
-    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
-    let mut r = runner(load_f32(&md, false), 64);
-    r.set_compiled_decode(true).unwrap();
-    r.set_compiled_prefill(true).unwrap();
-    r.set_compiled_mixed(weft_models::runner::MixedSteps::OnDemand)
-        .unwrap();
-    let mut comp = Rows::new(r);
-    let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (i as u64, *p, 0))
-        .collect();
-    agree(&plain.step(&prompts), &comp.step(&prompts), "prefill");
+    let (mut plain, mut comp) = prefilled_mixed(dir.path(), MixedSteps::OnDemand);
     assert!(
         comp.runner.compiled_mixed().unwrap().buckets().is_empty(),
         "no decoding rows yet: no mixed step"
@@ -385,21 +393,7 @@ fn mixed_steps_match_the_op_by_op_forward() {
 #[test]
 fn warmed_mixed_buckets_run_without_tracing() {
     let dir = tempfile::tempdir().unwrap();
-    let md = dir.path().join("m");
-    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
-    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
-    let mut r = runner(load_f32(&md, false), 64);
-    r.set_compiled_decode(true).unwrap();
-    r.set_compiled_prefill(true).unwrap();
-    r.set_compiled_mixed(weft_models::runner::MixedSteps::Warmed)
-        .unwrap();
-    let mut comp = Rows::new(r);
-    let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (i as u64, *p, 0))
-        .collect();
-    agree(&plain.step(&prompts), &comp.step(&prompts), "prefill");
+    let (mut plain, mut comp) = prefilled_mixed(dir.path(), MixedSteps::Warmed);
     let late: Vec<u32> = (0..60).map(|i| (i * 37 + 11) % 200).collect();
     let first = [(3, &late[..20], 0)];
     agree(
