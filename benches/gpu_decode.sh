@@ -98,13 +98,13 @@ for nb in ${BASE_WEFT:+weft_base=$BASE_WEFT} ${EXTRA_WEFTS:-}; do
 done
 # The LoRA parity test (mlx-lm as the oracle) runs on the GPU too when built:
 # `cargo test -p weft-models --test lora_parity --no-run` first.
-LP=$(ls -t target/debug/deps/lora_parity-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
+LP=$(ls -t target/debug/deps/lora_parity-* target/release/deps/lora_parity-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
 if [ -n "$LP" ]; then
   strip -o .gpustash/lora_parity "$LP"
   xz -T0 -6 -c .gpustash/lora_parity > .gpustash/d1/lora_parity.xz && rm .gpustash/lora_parity
 fi
 # So does the compiled prefill / mixed step test: `cargo test -p weft-models --test compiled_prefill --no-run`.
-CP=$(ls -t target/debug/deps/compiled_prefill-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
+CP=$(ls -t target/debug/deps/compiled_prefill-* target/release/deps/compiled_prefill-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
 if [ -n "$CP" ]; then
   strip -o .gpustash/compiled_prefill "$CP"
   xz -T0 -6 -c .gpustash/compiled_prefill > .gpustash/d1/compiled_prefill.xz && rm .gpustash/compiled_prefill
@@ -338,6 +338,23 @@ if has mixedpar; then
   WEFT_TEST_TOLERANCE=${WEFT_TEST_TOLERANCE:-1e-3} WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
     timeout ${MP_TIMEOUT:-300} /root/compiled_prefill ${MP_FILTER-mixed} --nocapture --test-threads 1 2>&1 \
     | grep --line-buffered -E "^test |max \||test result|panicked|left|right|Err|called |step:" | tee -a $R || true
+  # MP_GDB=1: the first failing test again under gdb (cuda-gdb where the machine has
+  # no gdb), launches synchronous (no CUDA graphs): a backtrace at the failing CUDA
+  # call and at the first C++ throw names the primitive whose launch failed.
+  G=$(command -v gdb || ls /usr/local/cuda/bin/cuda-gdb 2>/dev/null || true)
+  if [ -n "${MP_GDB:-}" ] && [ -n "$G" ]; then
+    MLX_USE_CUDA_GRAPHS=0 WEFT_TEST_TOLERANCE=${WEFT_TEST_TOLERANCE:-1e-3} WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
+      timeout ${MP_TIMEOUT:-300} "$G" -q -batch -ex "set pagination off" -ex "set cuda api_failures stop" -ex "catch throw" \
+      -ex run -ex bt -ex continue -ex bt --args /root/compiled_prefill ${MP_GDB_FILTER:-mixed_steps_match} --nocapture --test-threads 1 \
+      > $O/mixedpar-gdb.log 2>&1 || true
+    grep -E "^#[0-9]+ |Catchpoint|API error|signal" $O/mixedpar-gdb.log | head -80 | tee -a $R || true
+  fi
+  if [ -n "${MP_NOGRAPH:-}" ]; then
+    echo "-- again with MLX_USE_CUDA_GRAPHS=0" | tee -a $R
+    MLX_USE_CUDA_GRAPHS=0 WEFT_TEST_TOLERANCE=${WEFT_TEST_TOLERANCE:-1e-3} WEFT_ORACLE_DEVICE=${WEFT_ORACLE_DEVICE:-cpu} WEFT_PYTHON=$(command -v python3) \
+      timeout ${MP_TIMEOUT:-300} /root/compiled_prefill ${MP_FILTER-mixed} --nocapture --test-threads 1 2>&1 \
+      | grep --line-buffered -E "^test |max \||test result|panicked|Err|called |step:" | tee -a $R || true
+  fi
 fi
 if has hybrid; then
   H=/root/q35
@@ -381,7 +398,7 @@ if has long; then
   echo "-- /root/$B ${VENV[*]}" | tee -a $R
   if [ -n "${LONG_TRACE:-}" ]; then
     # The scheduler's per-step trace ("step cost": each step's shape and seconds), kept whole.
-    env "${VENV[@]}" RUST_LOG=warn,weft_scheduler=trace /root/$B bench-engine --scenario long-prompts --model $M > $O/long-trace-$TAG.log 2>&1 || true
+    env "${VENV[@]}" RUST_LOG=warn,weft_scheduler=trace,weft_models::runner=trace /root/$B bench-engine --scenario long-prompts --model $M > $O/long-trace-$TAG.log 2>&1 || true
     tail -4 $O/long-trace-$TAG.log | tee -a $R
     gzip -f $O/long-trace-$TAG.log
   else

@@ -1238,6 +1238,18 @@ impl BatchRunner {
                 .is_some_and(|b| c.runs(&b)),
             _ => false,
         };
+        if jobs.len() > 1 || how.iter().any(|h| *h == Run::CompiledPrefill) {
+            // Which path a step with prompt chunks took (the scheduler's "step
+            // cost" line that follows says what it cost).
+            tracing::trace!(
+                mixed,
+                forwards = if mixed { 1 } else { jobs.len() },
+                how = ?how,
+                chunk_rows = jobs.iter().filter(|j| !j.3).map(|j| j.0.len()).sum::<usize>(),
+                decode_rows = jobs.iter().filter(|j| j.3).map(|j| j.0.len()).sum::<usize>(),
+                "step forwards"
+            );
+        }
         if mixed {
             let c = self
                 .compiled_mixed

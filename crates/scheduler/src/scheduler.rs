@@ -1561,6 +1561,12 @@ impl<M: Model> Scheduler<M> {
     /// instead, which costs about what the mixed step would have cost them. Never
     /// twice in a row (decoding rows always advance every other step), not under
     /// probation, not with the batch full. None: plan as usual.
+    ///
+    /// Only for a request whose prompt is one chunk (`prefill_chunk`): a longer
+    /// one's first token is several steps away whatever its first step is, and a
+    /// step of its own would only stretch the decoding rows' gap, which spans that
+    /// step and their next one (on an H200 the skipped step and the mixed step after
+    /// it made the long-prompts run's worst gaps, 56-76 ms under a 20 ms target).
     fn plan_starting(&mut self, now: Instant) -> Option<Plan> {
         if self.decode_skipped
             || !self.probation.is_empty()
@@ -1579,6 +1585,10 @@ impl<M: Model> Scheduler<M> {
             .iter()
             .any(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem == 1))
         {
+            return None;
+        }
+        let first = self.tenants[t].queue.values().next()?;
+        if self.reqs.get(first)?.seq_len() > self.cfg.prefill_chunk {
             return None;
         }
         let mut rows = std::mem::take(&mut self.bufs.rows);

@@ -717,6 +717,46 @@ fn a_starting_tenants_prefill_runs_without_the_others_decoding_rows() {
     );
 }
 
+/// A long prompt of a tenant holding no row gets no step of its own (one it does
+/// not finish would only stretch the decoding rows' gap: they would wait for it and
+/// then for a full mixed step): from the first decode step on, every step that
+/// prefills the long prompts carries the streams too. A starting tenant's prompt
+/// of one chunk still runs alone.
+#[test]
+fn a_long_prompt_never_runs_in_a_step_without_the_decoding_rows() {
+    let specs = workload();
+    let r = run_timed(config(Some(TARGET)), fake(), &specs);
+    assert_clean(&r);
+    let steps = r.sched.model().step_costs().to_vec();
+    let first_decode = steps.iter().position(|c| c.0 > 0).unwrap();
+    let alone: Vec<_> = steps[first_decode..]
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.0 == 0 && c.1 > 0)
+        .collect();
+    assert!(
+        alone.is_empty(),
+        "prompt steps without the streams: {alone:?}"
+    );
+    // Short prompts of starting tenants still run alone (the test above); here
+    // a 24-token one beside the streams, and a 600-token one (two chunks) that
+    // does not.
+    let mut g = rng(5);
+    let mut specs = requests(&mut g, "flood", "f", 8, (40, 200), 0);
+    specs.extend(requests(&mut g, "light", "s", 1, (24, 4), 40));
+    specs.extend(requests(&mut g, "other", "l", 1, (600, 4), 120));
+    let r = run_timed(config(Some(TARGET)), fake(), &specs);
+    assert_clean(&r);
+    let steps = r.sched.model().step_costs().to_vec();
+    let first_decode = steps.iter().position(|c| c.0 > 0).unwrap();
+    let alone: Vec<usize> = steps[first_decode..]
+        .iter()
+        .filter(|c| c.0 == 0 && c.1 > 0)
+        .map(|c| c.1)
+        .collect();
+    assert_eq!(alone, [24], "only the short prompt alone: {steps:?}");
+}
+
 /// A GPU's regime, where the model reports no step's seconds and the scheduler
 /// times them itself: a plain decode step runs compiled (5 ms beside 8 rows), a
 /// step with a prompt chunk op by op (12 ms more), tokens cheap. Under a 20 ms
