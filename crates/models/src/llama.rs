@@ -1326,16 +1326,73 @@ impl Rope {
     }
 
     fn apply(&self, x: &Array, offsets: &Array) -> Result<Array> {
-        Ok(fast::rope_dynamic(
-            x,
-            self.dims,
-            false,
-            self.base,
-            self.scale,
-            offsets,
-            self.freqs.as_ref(),
-        )?)
+        let rope = |x: &Array, offsets: &Array| {
+            fast::rope_dynamic(
+                x,
+                self.dims,
+                false,
+                self.base,
+                self.scale,
+                offsets,
+                self.freqs.as_ref(),
+            )
+        };
+        let s = x.shape();
+        let rows = match s {
+            [b, h, t, _] => mlx_cuda_rope_rows(self.dims, *t, *h).filter(|r| *b > *r),
+            _ => None,
+        };
+        let Some(rows) = rows else {
+            return Ok(rope(x, offsets)?);
+        };
+        // Rows at a time, each with its own offsets (or the one shared).
+        let b = s[0];
+        let mut parts = Vec::new();
+        for lo in (0..b).step_by(rows as usize) {
+            let hi = (lo + rows).min(b);
+            let idx = ops::arange::<_, i32>(lo, hi, 1)?;
+            let o = if offsets.ndim() == 1 {
+                offsets.take_axis(&idx, 0)?
+            } else {
+                offsets.clone()
+            };
+            parts.push(rope(&x.take_axis(&idx, 0)?, &o)?);
+        }
+        Ok(ops::concatenate(&parts, 0)?)
     }
+}
+
+/// The most rows of `[rows, heads, t, head]` one `fast::rope` call may take
+/// on MLX's CUDA backend, where fewer than all of them: its launch gives the
+/// thread block up to 2^10 threads over `(dims / 2, t, rows * ceil(heads /
+/// 4))`, a power of two per axis in turn, without the 64 that CUDA allows
+/// along z, so a narrow rotation (head 16, one token a row) over 128 or more
+/// of those z rows fails to launch ("invalid argument"). `None`: any count
+/// launches (or no row count would).
+fn mlx_cuda_rope_rows(dims: i32, t: i32, heads: i32) -> Option<i32> {
+    // MLX's block shape: each axis in turn gains a power of two while its
+    // size allows, up to 2^10 threads in all.
+    let block_z = |d0: i32, d1: i32, d2: i32| {
+        let (mut p, mut sum) = ([0u32; 3], 0);
+        loop {
+            let before = sum;
+            for (i, d) in [d0, d1, d2].into_iter().enumerate() {
+                if sum < 10 && i64::from(d) >= 1i64 << (p[i] + 1) {
+                    p[i] += 1;
+                    sum += 1;
+                }
+            }
+            if sum == before || sum == 10 {
+                return 1i64 << p[2];
+            }
+        }
+    };
+    let per_row = (heads + 3) / 4;
+    // The z axis reaches 128 threads only from 128 z rows on.
+    if block_z(dims / 2, t, 128) <= 64 || per_row >= 128 {
+        return None;
+    }
+    Some(127 / per_row)
 }
 
 /// Drives a forward to completion on this thread (its awaits are the packed
@@ -1361,5 +1418,45 @@ fn bad_scaling(msg: &str) -> ModelError {
     ModelError::Config {
         path: "config.json".into(),
         message: format!("rope_scaling: {msg}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn narrow_rotations_are_split_where_mlx_cuda_would_not_launch_them() {
+        // Head 16, one token a row: the z axis takes 7 of the 10 powers of two.
+        assert_eq!(mlx_cuda_rope_rows(16, 1, 4), Some(127));
+        assert_eq!(mlx_cuda_rope_rows(16, 1, 8), Some(63));
+        // Real heads leave z at most 2^5 (head 64) or 2^4 (head 128); a chunk's
+        // tokens take their share too.
+        assert_eq!(mlx_cuda_rope_rows(64, 1, 32), None);
+        assert_eq!(mlx_cuda_rope_rows(128, 1, 32), None);
+        assert_eq!(mlx_cuda_rope_rows(16, 32, 4), None);
+    }
+
+    #[test]
+    fn a_split_rotation_equals_one_call() {
+        // Heads of 16, as the test fixtures'.
+        let c = ModelConfig::parse(
+            r#"{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
+                "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-5, "vocab_size": 256}"#,
+        )
+        .unwrap();
+        let rope = Rope::from_config(&c).unwrap();
+        let (b, h) = (300, 4);
+        let x = mlx_rs::random::normal::<f32>(&[b, h, 1, 16], None, None, None).unwrap();
+        let offsets = Array::from_slice(&(0..b).map(|i| i * 7 % 97).collect::<Vec<i32>>(), &[b]);
+        let split = rope.apply(&x, &offsets).unwrap();
+        let one = fast::rope_dynamic(&x, 16, false, rope.base, rope.scale, &offsets, None).unwrap();
+        let diff = ops::abs(&ops::subtract(&split, &one).unwrap())
+            .unwrap()
+            .max(None)
+            .unwrap()
+            .item::<f32>();
+        assert_eq!(diff, 0.0);
     }
 }

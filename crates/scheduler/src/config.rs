@@ -128,6 +128,11 @@ pub struct SchedulerConfig {
     /// prompt chunks to amortize the fixed cost of a step that prefills (see
     /// [`crate::step_cost::StepCost::prefill_within`]); at least 1.
     pub amortized_bound: f64,
+    /// Steps that decode rows stay within `amortized_bound` targets by prediction
+    /// even where the predicted fixed cost of prefilling alone is past it (see
+    /// [`crate::step_cost::StepCost::with_strict_bound`]); off, the target then
+    /// yields to that cost (a CPU's op-by-op mixed step).
+    pub strict_bound: bool,
     /// Speculative decoding: the most draft tokens (from prompt lookup, see
     /// `draft.rs`) a decoding row verifies per step. Only greedy requests without
     /// penalties or stop strings speculate, so their tokens are exactly plain decoding's.
@@ -200,6 +205,7 @@ impl Default for SchedulerConfig {
             burst_step_factor: BURST_STEP_FACTOR,
             prefill_granule: 1,
             amortized_bound: crate::step_cost::AMORTIZED_BOUND,
+            strict_bound: false,
             speculate: 0,
             speculate_step_tokens: 8,
             max_waiting: 4096,

@@ -803,7 +803,9 @@ impl<M: Model> Scheduler<M> {
         labels.push(("other".into(), TenantMetrics::new("other")));
         let mut s = Self {
             faults: cfg.faults.clone(),
-            cost: StepCost::new().with_amortized_bound(cfg.amortized_bound),
+            cost: StepCost::new()
+                .with_amortized_bound(cfg.amortized_bound)
+                .with_strict_bound(cfg.strict_bound),
             decode_times: VecDeque::new(),
             prefill_streak: 0,
             starved_streak: 0,

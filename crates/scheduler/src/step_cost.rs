@@ -134,6 +134,9 @@ pub struct StepCost {
     observed_prefill: u64,
     /// [`AMORTIZED_BOUND`] unless set.
     amortized_bound: f64,
+    /// Never past the bound, even where the overhead alone is (see
+    /// [`StepCost::with_strict_bound`]).
+    strict_bound: bool,
 }
 
 impl Default for StepCost {
@@ -156,6 +159,7 @@ impl StepCost {
             observed: 0,
             observed_prefill: 0,
             amortized_bound: AMORTIZED_BOUND,
+            strict_bound: false,
         }
     }
 
@@ -164,6 +168,19 @@ impl StepCost {
     /// there: at least 1).
     pub fn with_amortized_bound(mut self, bound: f64) -> Self {
         self.amortized_bound = bound;
+        self
+    }
+
+    /// Holds every step within the amortized bound by prediction, even where the
+    /// predicted overhead of prefilling is past it alone (a chunk of `min` tokens
+    /// then, which measures that overhead again), instead of letting the target
+    /// yield. For a GPU, where a chunk beside decoding rows runs in their one
+    /// compiled forward and its true fixed cost is a few ms: there the overhead the
+    /// fit learns is what is poorly known (a linear fit over 200-500-token chunks
+    /// split 33 ms as 15 fixed + 18 per token on an H100), and yielding to it sized
+    /// chunks of 33 ms under a 20 ms target.
+    pub fn with_strict_bound(mut self, strict: bool) -> Self {
+        self.strict_bound = strict;
         self
     }
 
@@ -301,7 +318,7 @@ impl StepCost {
                 // yields (a prompt must advance by more than a token a step), and
                 // an overhead predicted too large is measured again (steps of one
                 // token beside decoding rows run as decode steps and never would).
-                largest_within(if alone + f < bound {
+                largest_within(if alone + f < bound || self.strict_bound {
                     limit.min(bound)
                 } else {
                     limit
@@ -310,6 +327,12 @@ impl StepCost {
             _ => 0,
         };
         let alone_fits = alone.is_some_and(|t| t <= target);
+        if self.strict_bound && alone_fits {
+            // Within the bound, and at least a block's worth: where the overhead
+            // is predicted past the bound, that block measures it (one token
+            // would run as a decoding row and teach it nothing).
+            return fit.max(amortized).max(min.min(max)).max(1.min(max));
+        }
         if fit > 0 {
             // Fewer than `min` when that is what fits: deep in a long prompt a
             // block's worth of queries can cost more than the target alone.
@@ -607,6 +630,30 @@ mod tests {
         assert!(t13 > 20e-3, "default: {n13} tokens, {:.1} ms", t13 * 1e3);
         assert!(n10 < n13 && n10 >= 16, "{n10} vs {n13} tokens");
         assert!(t10 <= 20e-3 * 1.02, "{n10} tokens: {:.1} ms", t10 * 1e3);
+    }
+
+    /// A strict bound holds the step within it where the overhead alone is past
+    /// it: a block's worth (which measures that overhead again) rather than a
+    /// chunk that amortizes it at three targets.
+    #[test]
+    fn a_strict_bound_does_not_yield_to_the_overhead() {
+        let device = gpu(30e-3);
+        let c = joined(&device, |s, start| s.add_prompt(start, 1))
+            .with_amortized_bound(1.0)
+            .with_strict_bound(true);
+        let n = c.prefill_within(&rows(340), 2000, 16, 512, 20e-3);
+        assert_eq!(n, 16, "a block's worth");
+        // Where the overhead is small the strict bound changes nothing.
+        let device = gpu(4e-3);
+        let c = joined(&device, |s, start| s.add_prompt(start, 1)).with_amortized_bound(1.0);
+        let loose = c.prefill_within(&rows(340), 2000, 16, 512, 20e-3);
+        let strict = c
+            .with_strict_bound(true)
+            .prefill_within(&rows(340), 2000, 16, 512, 20e-3);
+        assert_eq!(loose, strict);
+        let mut s = rows(340);
+        s.add_prompt(2000, strict);
+        assert!(strict > 16 && device(&s) <= 20e-3 * 1.02, "{strict} tokens");
     }
 
     #[test]

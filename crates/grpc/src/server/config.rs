@@ -29,6 +29,17 @@ pub(crate) fn amortized_bound(gpu: bool) -> anyhow::Result<f64> {
     }
 }
 
+/// [`SchedulerConfig::strict_bound`] from `WEFT_STRICT_BOUND` (`1`/`on` or
+/// `0`/`off`; unless set, on a GPU only).
+pub(crate) fn strict_bound(gpu: bool) -> anyhow::Result<bool> {
+    match std::env::var("WEFT_STRICT_BOUND").as_deref() {
+        Err(_) | Ok("") => Ok(gpu),
+        Ok("1") | Ok("on") => Ok(true),
+        Ok("0") | Ok("off") => Ok(false),
+        Ok(v) => bail!("WEFT_STRICT_BOUND={v}: expected on or off"),
+    }
+}
+
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:8000";
@@ -441,6 +452,9 @@ pub struct Settings {
     /// `SchedulerConfig::amortized_bound` (`WEFT_AMORTIZED_BOUND`; unless set 1.0
     /// on a GPU, 1.3 elsewhere).
     pub amortized_bound: f64,
+    /// `SchedulerConfig::strict_bound` (`WEFT_STRICT_BOUND`; unless set, on a
+    /// GPU only).
+    pub strict_bound: bool,
     pub isolation_window: Duration,
     pub speculate: usize,
     pub speculate_step_tokens: usize,
@@ -595,6 +609,7 @@ impl Settings {
                 1
             },
             amortized_bound: amortized_bound(gpu)?,
+            strict_bound: strict_bound(gpu)?,
             isolation_window: Duration::from_millis(
                 args.isolation_window_ms
                     .or(file.isolation_window_ms)
@@ -754,6 +769,7 @@ impl Settings {
             itl_target: self.itl_target,
             prefill_granule: self.prefill_granule,
             amortized_bound: self.amortized_bound,
+            strict_bound: self.strict_bound,
             isolation_window: self.isolation_window,
             speculate: self.speculate,
             speculate_step_tokens: self.speculate_step_tokens,
