@@ -174,11 +174,13 @@ impl StepCost {
     /// Holds every step within the amortized bound by prediction, even where the
     /// predicted overhead of prefilling is past it alone (a chunk of `min` tokens
     /// then, which measures that overhead again), instead of letting the target
-    /// yield. For a GPU, where a chunk beside decoding rows runs in their one
-    /// compiled forward and its true fixed cost is a few ms: there the overhead the
-    /// fit learns is what is poorly known (a linear fit over 200-500-token chunks
-    /// split 33 ms as 15 fixed + 18 per token on an H100), and yielding to it sized
-    /// chunks of 33 ms under a 20 ms target.
+    /// yield. Meant for a GPU, where a chunk beside decoding rows runs in their
+    /// one compiled forward and its true fixed cost is a few ms: there the
+    /// overhead the fit learns is what is poorly known (a linear fit over
+    /// 200-500-token chunks split 33 ms as ~15 fixed + 18 per token on an H100),
+    /// and yielding to it sized chunks of 33-47 ms under a 20 ms target. Opt-in:
+    /// where the fit's overhead stays past the bound (slow first calls, a noisy
+    /// host), a prompt then creeps a block or a few per step.
     pub fn with_strict_bound(mut self, strict: bool) -> Self {
         self.strict_bound = strict;
         self

@@ -784,7 +784,7 @@ fn prompts_keep_joining_when_the_model_does_not_time_its_steps() {
         per_mixed_step: 12e-3,
     };
     let specs = workload_of(3000, [200, 240]);
-    // The strict bound (a GPU's default) only where first calls are rare (its
+    // The strict bound (opt-in on a GPU) only where first calls are rare (its
     // chunk shapes warmed up front, in multiples of a block): under a slow first
     // call of every new length it held p99 to 20 ms but the 7000-token prompt's
     // first token came after 543 steps, the fit's overhead kept past the bound.
