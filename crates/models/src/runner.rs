@@ -1238,7 +1238,7 @@ impl BatchRunner {
                 .is_some_and(|b| c.runs(&b)),
             _ => false,
         };
-        if jobs.len() > 1 || how.iter().any(|h| *h == Run::CompiledPrefill) {
+        if jobs.len() > 1 || how.contains(&Run::CompiledPrefill) {
             // Which path a step with prompt chunks took (the scheduler's "step
             // cost" line that follows says what it cost).
             tracing::trace!(
