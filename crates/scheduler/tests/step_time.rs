@@ -724,19 +724,23 @@ fn a_starting_tenants_prefill_runs_without_the_others_decoding_rows() {
 /// of one chunk still runs alone.
 #[test]
 fn a_long_prompt_never_runs_in_a_step_without_the_decoding_rows() {
-    let specs = workload();
-    let r = run_timed(config(Some(TARGET)), fake(), &specs);
-    assert_clean(&r);
-    let steps = r.sched.model().step_costs().to_vec();
-    let first_decode = steps.iter().position(|c| c.0 > 0).unwrap();
-    let alone: Vec<_> = steps[first_decode..]
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.0 == 0 && c.1 > 0)
-        .collect();
+    // The prompt tokens of each step without decoding rows after the first
+    // step that decoded.
+    let alone = |specs: &[Spec]| -> Vec<usize> {
+        let r = run_timed(config(Some(TARGET)), fake(), specs);
+        assert_clean(&r);
+        let steps = r.sched.model().step_costs();
+        let first_decode = steps.iter().position(|c| c.0 > 0).unwrap();
+        steps[first_decode..]
+            .iter()
+            .filter(|c| c.0 == 0 && c.1 > 0)
+            .map(|c| c.1)
+            .collect()
+    };
+    let long = alone(&workload());
     assert!(
-        alone.is_empty(),
-        "prompt steps without the streams: {alone:?}"
+        long.is_empty(),
+        "prompt steps without the streams: {long:?}"
     );
     // Short prompts of starting tenants still run alone (the test above); here
     // a 24-token one beside the streams, and a 600-token one (two chunks) that
@@ -745,16 +749,7 @@ fn a_long_prompt_never_runs_in_a_step_without_the_decoding_rows() {
     let mut specs = requests(&mut g, "flood", "f", 8, (40, 200), 0);
     specs.extend(requests(&mut g, "light", "s", 1, (24, 4), 40));
     specs.extend(requests(&mut g, "other", "l", 1, (600, 4), 120));
-    let r = run_timed(config(Some(TARGET)), fake(), &specs);
-    assert_clean(&r);
-    let steps = r.sched.model().step_costs().to_vec();
-    let first_decode = steps.iter().position(|c| c.0 > 0).unwrap();
-    let alone: Vec<usize> = steps[first_decode..]
-        .iter()
-        .filter(|c| c.0 == 0 && c.1 > 0)
-        .map(|c| c.1)
-        .collect();
-    assert_eq!(alone, [24], "only the short prompt alone: {steps:?}");
+    assert_eq!(alone(&specs), [24], "only the short prompt alone");
 }
 
 /// A GPU's regime, where the model reports no step's seconds and the scheduler
