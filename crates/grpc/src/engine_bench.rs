@@ -251,7 +251,7 @@ pub fn throughput(args: EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
             1
         },
         amortized_bound: crate::server::config::amortized_bound(gpu)?,
-        strict_bound: crate::server::config::strict_bound(gpu)?,
+        strict_bound: crate::server::config::strict_bound()?,
         ..SchedulerConfig::default()
     };
     // Room for every stream's whole context (16-token blocks, each row's last

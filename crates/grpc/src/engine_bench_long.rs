@@ -206,7 +206,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<LongPromptsReport> {
             1
         },
         amortized_bound: crate::server::config::amortized_bound(gpu)?,
-        strict_bound: crate::server::config::strict_bound(gpu)?,
+        strict_bound: crate::server::config::strict_bound()?,
         ..SchedulerConfig::default()
     };
     let tokens = args.streams * (args.prompt_tokens + STREAM_TOKENS)

@@ -1346,18 +1346,18 @@ impl Rope {
             return Ok(rope(x, offsets)?);
         };
         // Rows at a time, each with its own offsets (or the one shared).
-        let b = s[0];
-        let mut parts = Vec::new();
-        for lo in (0..b).step_by(rows as usize) {
-            let hi = (lo + rows).min(b);
-            let idx = ops::arange::<_, i32>(lo, hi, 1)?;
-            let o = if offsets.ndim() == 1 {
-                offsets.take_axis(&idx, 0)?
-            } else {
-                offsets.clone()
-            };
-            parts.push(rope(&x.take_axis(&idx, 0)?, &o)?);
-        }
+        let cuts: Vec<i32> = (rows..s[0]).step_by(rows as usize).collect();
+        let xs = x.split_at_indices(&cuts, 0)?;
+        let os = if offsets.ndim() == 1 {
+            offsets.split_at_indices(&cuts, 0)?
+        } else {
+            vec![offsets.clone(); xs.len()]
+        };
+        let parts = xs
+            .iter()
+            .zip(&os)
+            .map(|(x, o)| rope(x, o))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(ops::concatenate(&parts, 0)?)
     }
 }

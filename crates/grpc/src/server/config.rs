@@ -34,7 +34,7 @@ pub(crate) fn amortized_bound(gpu: bool) -> anyhow::Result<f64> {
 /// nearer the target in one run of two, and in the other its 7000-token prompt
 /// crept at 16-100 tokens a step, TTFT 3.1 s against 0.4-0.5 s, see
 /// benches/RESULTS.md).
-pub(crate) fn strict_bound(_gpu: bool) -> anyhow::Result<bool> {
+pub(crate) fn strict_bound() -> anyhow::Result<bool> {
     match std::env::var("WEFT_STRICT_BOUND").as_deref() {
         Err(_) | Ok("") => Ok(false),
         Ok("1") | Ok("on") => Ok(true),
@@ -611,7 +611,7 @@ impl Settings {
                 1
             },
             amortized_bound: amortized_bound(gpu)?,
-            strict_bound: strict_bound(gpu)?,
+            strict_bound: strict_bound()?,
             isolation_window: Duration::from_millis(
                 args.isolation_window_ms
                     .or(file.isolation_window_ms)
