@@ -804,8 +804,10 @@ pub fn start_engine_with(
                     buckets = traced,
                     ms = t.elapsed().as_millis() as u64,
                     "compiled mixed steps traced: up to {} decoding rows beside one chunk up to \
-                     {warm_context} tokens deep",
-                    weft_models::runner::mixed_warm_rows().min(kv.max_batch_rows)
+                     {warm_context} tokens deep, up to {} beside a fresh prompt of up to {} tokens",
+                    weft_models::runner::mixed_warm_rows().min(kv.max_batch_rows),
+                    kv.max_batch_rows,
+                    weft_models::runner::mixed_wide_tokens()
                 );
             }
             let gpu = runner.kv().uses_kernel();

@@ -228,6 +228,42 @@ impl CompiledMixed {
         out
     }
 
+    /// The buckets of a short fresh prompt (one chunk of each compiled length
+    /// up to `tokens`, over its own blocks' table) beside decoding rows padded
+    /// to each of `decode_rows`: what [`BatchRunner::warm_mixed`] traces for
+    /// batches wider than the ones it warms in full, so a new request's
+    /// prompt joins a wide batch's step as one forward (not two, nor a step
+    /// of its own that the batch skips).
+    ///
+    /// [`BatchRunner::warm_mixed`]: crate::runner::BatchRunner::warm_mixed
+    pub fn fresh_buckets(
+        &self,
+        decode_rows: impl Iterator<Item = usize>,
+        tokens: usize,
+    ) -> Vec<MixedBucket> {
+        let bs = self.block_size.max(1);
+        let mut out: Vec<MixedBucket> = decode_rows
+            .flat_map(|r| {
+                CompiledPrefill::warm_buckets(0, bs)
+                    .into_iter()
+                    .filter(move |&(b, t, w)| b == 1 && w == 0 && t <= tokens)
+                    .map(move |(_, t, _)| {
+                        let w = CompiledPrefill::table_width(t.div_ceil(bs));
+                        MixedBucket {
+                            decode_rows: r.max(MIN_DECODE_ROWS),
+                            decode_width: self.min_width.max(w),
+                            chunk_rows: 1,
+                            chunk_tokens: t,
+                            chunk_width: w,
+                        }
+                    })
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
     /// Traces (and runs, evaluated) `bucket` with rows that read and write
     /// only the null block. Returns whether this traced it.
     pub fn warm(&mut self, kv: &PagedKv, bucket: MixedBucket) -> Result<bool> {

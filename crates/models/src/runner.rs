@@ -504,9 +504,13 @@ impl BatchRunner {
     /// `WEFT_MIXED_WARM_ROWS` says more; every batch of up to 8 shares one)
     /// beside one chunk of every compiled length over tables up to `context`
     /// tokens, decoding rows' tables padded to `context` (rows up to that deep
-    /// add no shape). Steps of other shapes run as two forwards unless the mixed
-    /// step traces on demand. Returns how many it traced (0 where mixed steps
-    /// are off). Refused while a step is open.
+    /// add no shape); where decode batches are bucketed (the GPU), every
+    /// wider bucket up to `max_rows` beside a short fresh prompt of each
+    /// compiled length up to [`mixed_wide_tokens`] (128 unless
+    /// `WEFT_MIXED_WIDE_TOKENS` says otherwise; 0: none). Steps of other
+    /// shapes run as two forwards unless the mixed step traces on demand.
+    /// Returns how many it traced (0 where mixed steps are off). Refused
+    /// while a step is open.
     pub fn warm_mixed(&mut self, max_rows: usize, context: usize) -> Result<usize> {
         if !self.open.is_empty() {
             return Err(ModelError::Invalid(
@@ -515,12 +519,19 @@ impl BatchRunner {
         }
         let top = max_rows.min(mixed_warm_rows()).max(1);
         let rows: Vec<usize> = (1..=top).map(|r| self.padded_rows(r)).collect();
+        let wide: Vec<usize> = if self.kv.uses_kernel() {
+            (top + 1..=max_rows).map(|r| self.padded_rows(r)).collect()
+        } else {
+            Vec::new()
+        };
         let Some(c) = self.compiled_mixed.as_mut() else {
             return Ok(0);
         };
         c.cover_decode(context);
+        let mut buckets = c.warm_buckets(rows.into_iter(), context);
+        buckets.extend(c.fresh_buckets(wide.into_iter(), mixed_wide_tokens()));
         let mut traced = 0;
-        for bucket in c.warm_buckets(rows.into_iter(), context) {
+        for bucket in buckets {
             traced += usize::from(c.warm(&self.kv, bucket)?);
         }
         Ok(traced)
@@ -1513,6 +1524,16 @@ pub fn mixed_warm_rows() -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(crate::compiled_mixed::MIN_DECODE_ROWS)
+}
+
+/// Longest short fresh prompt [`BatchRunner::warm_mixed`] warms beside
+/// decoding batches wider than [`mixed_warm_rows`]: `WEFT_MIXED_WIDE_TOKENS`,
+/// else 128 (0: none).
+pub fn mixed_wide_tokens() -> usize {
+    std::env::var("WEFT_MIXED_WIDE_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128)
 }
 
 /// `WEFT_COMPILE_PREFILL` (`off` or `0` keeps prefill op by op where decode

@@ -428,4 +428,27 @@ fn warmed_mixed_buckets_run_without_tracing() {
     assert_eq!(m.traces(), warmed as u64, "a warmed bucket traced again");
     assert_eq!(plain.at, comp.at);
     decode_both(&mut plain, &mut comp, 2, "after the warmed mixed step");
+    // The short fresh prompts warmed beside wider batches (where decode
+    // batches are bucketed, the GPU) are the buckets such steps meet: a
+    // prompt of 16 to 128 tokens beside 40 or 64 decoding rows.
+    let m = comp.runner.compiled_mixed().unwrap();
+    let fresh = m.fresh_buckets([40usize, 64, 64].into_iter(), 128);
+    assert_eq!(
+        fresh.len(),
+        8,
+        "two batches x 16, 32, 64, 128 tokens: {fresh:?}"
+    );
+    for rows in [40, 64] {
+        for (len, t) in [(5, 16), (20, 32), (64, 64), (100, 128), (128, 128)] {
+            let b = m
+                .bucket(
+                    std::iter::repeat_n(63, rows),
+                    rows,
+                    std::iter::once((0, len)),
+                )
+                .unwrap();
+            assert_eq!((b.decode_rows, b.chunk_rows, b.chunk_tokens), (rows, 1, t));
+            assert!(fresh.contains(&b), "{b:?} is not among {fresh:?}");
+        }
+    }
 }
