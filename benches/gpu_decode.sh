@@ -44,11 +44,10 @@
 #           Weft 8 adapters / mlx-lm one adapter;
 #           cache: bench-engine at CACHE_STREAMS (64) with --mlx-cache-limit in CACHE_LIMITS ("40MiB auto
 #           off": one decode step's bound, the GPU's auto, MLX's default), no adapters and 8 rank-16
-#           adapters each, the adapters once per shrink in CACHE_SHRINKS (default "kernel";
-#           "matmul": WEFT_LORA_SHRINK=matmul, each shrink a cuBLAS matmul as before the kernel);
+#           adapters each;
 #           lorastep: decode_timing (pipelined, compiled, census) at LORA_STREAMS rows with 8 random
 #           rank-16 adapters vs none, twice each: the step's host time and primitives (LORASTEP_RUNS,
-#           default "0 8 8m 0 8 8m"; 8m: WEFT_LORA_SHRINK=matmul);
+#           default "0 8 0 8");
 #           lorasweep: Weft alone at LORA_STREAMS, no adapters then 8 under each of LORA_VARIANTS
 #           (env settings; default: as is, MLX_MAX_MB_PER_BUFFER=1000000, WEFT_LORA_LAYOUT=gathered),
 #           ~30 s each;
@@ -195,9 +194,9 @@ if has cache; then
   # no adapters and 8 (CACHE_STREAMS rows, default 64; prompt 128, gen 128).
   echo "== bench-engine, --mlx-cache-limit auto vs off (steady tok/s, step ms, build ms, eval wait ms)" | tee -a $R
   for cl in ${CACHE_LIMITS:-40MiB auto off}; do
-    for ad in "" $(for sh in ${CACHE_SHRINKS:-kernel}; do echo "$sh:--adapters=8:--adapter-rank=16"; done); do
-      WEFT_LORA_SHRINK=${ad%%:*} /root/weft bench-engine --model $M --streams ${CACHE_STREAMS:-64} --prompt-tokens 128 \
-        --gen-tokens 128 --rounds 2 --mlx-cache-limit $cl $(echo ${ad#*:} | tr : ' ') 2>/dev/null | tail -1 \
+    for ad in "" "--adapters 8 --adapter-rank 16"; do
+      /root/weft bench-engine --model $M --streams ${CACHE_STREAMS:-64} --prompt-tokens 128 \
+        --gen-tokens 128 --rounds 2 --mlx-cache-limit $cl $ad 2>/dev/null | tail -1 \
         | python3 -c "import json,sys; d=json.load(sys.stdin); \
         print('cache $cl', '${ad:-no adapters}', round(d['steady_decode_tok_per_s'], 1), round(d['step_ms'], 2), \
         round(d['build_ms'], 2), round(d['eval_ms'], 2))" | tee -a $R
@@ -206,11 +205,9 @@ if has cache; then
 fi
 if has lorastep; then
   # The decode step's host time and primitives with 8 mixed adapters vs none (issue 18 item 5).
-  # 8m: 8 adapters with WEFT_LORA_SHRINK=matmul (each shrink a cuBLAS matmul, not the shrink kernel).
-  for a in ${LORASTEP_RUNS:-0 8 8m 0 8 8m}; do
+  for a in ${LORASTEP_RUNS:-0 8 0 8}; do
     echo "== runner decode step, ${LORA_STREAMS:-64} rows, pipelined, compiled, ADAPTERS=$a (rank 16, all projections)" | tee -a $R
-    sh=kernel; [[ $a == *m ]] && sh=matmul
-    WEFT_LORA_SHRINK=$sh ADAPTERS=${a%m} CENSUS=1 PIPELINE=1 /root/decode_timing $M ${LORA_STREAMS:-64} 128 60 2>&1 \
+    ADAPTERS=$a CENSUS=1 PIPELINE=1 /root/decode_timing $M ${LORA_STREAMS:-64} 128 60 2>&1 \
       | grep -v '^KV\|^prefill' | tee -a $R
   done
 fi

@@ -17,8 +17,7 @@
 //!
 //! With adapters (a dense adapter pool) the three kernels that read a
 //! projection's output read its LoRA expand with it ([`lora_prelude`]), so
-//! an adapted projection adds one primitive, its shrink ([`SHRINK_SOURCE`]:
-//! a kernel, not a matmul).
+//! an adapted projection adds one primitive, its shrink matmul.
 //!
 //! Each kernel rounds where MLX's own ops round (the residual sum to the
 //! model dtype before its norm; the norm's `x * rsqrt(mean(x^2) + eps)` to
@@ -79,67 +78,6 @@ const ADD_NORM_SOURCE: &str = r#"
         normed[base + i] = static_cast<DT>(static_cast<float>(w[i]) * static_cast<float>(y));
     }
 "#;
-
-/// The LoRA shrink of a decode step's projection input, a kernel of its
-/// own instead of a matmul (MLX encodes each cuBLAS matmul through a stream
-/// capture, ~15 us of host time on the H200 against ~4 us for a custom
-/// kernel, and a decode step's time is the host's): `z` `[N, SQ * SS * SR]`
-/// in the dense stack `a` `[K, SQ * SS * SR]`'s (part, slot, rank) column
-/// order gets `x[n] @ a[:, block]` for the row's own slot's block of each
-/// part only, the block its consumer's [`lora_prelude`] reads (no other is
-/// written; slot 0 rows write nothing). One thread block per (row, part):
-/// thread `t` sums rank column `t % SR` over every `G`-th input element
-/// (`G = blockDim / SR`), so `SR` neighbouring threads read contiguous
-/// values of a stack row; the `G` partial sums meet in shared memory and
-/// the sum is rounded to the dtype, as a matmul's output is.
-const SHRINK_SOURCE: &str = r#"
-    const int N = x_shape[0];
-    const int K = x_shape[1];
-    const int n = blockIdx.x / SQ;
-    const int p = blockIdx.x % SQ;
-    if (n >= N) {
-        return;
-    }
-    const int s = (int)slots[n / (N / slots_shape[0])];
-    if (s == 0) {
-        return;
-    }
-    constexpr int W = SQ * SS * SR;
-    const int G = blockDim.x / SR;
-    const int t = threadIdx.x;
-    const int r = t % SR;
-    const int g = t / SR;
-    const int col = (p * SS + s) * SR + r;
-    const size_t base = (size_t)n * K;
-    float acc = 0.f;
-    if (g < G) {
-        for (int k = g; k < K; k += G) {
-            acc += static_cast<float>(x[base + k]) * static_cast<float>(a[(size_t)k * W + col]);
-        }
-    }
-    __shared__ float red[1024];
-    red[t] = acc;
-    __syncthreads();
-    if (t < SR) {
-        float v = 0.f;
-        for (int q = 0; q < G; ++q) {
-            v += red[q * SR + t];
-        }
-        z[(size_t)n * W + col] = static_cast<DT>(v);
-    }
-"#;
-
-/// The LoRA shrink kernel's source ([`SHRINK_SOURCE`]): inputs `x`, `a`,
-/// `slots`; output `z`; template arguments `SQ`, `SS`, `SR` and the dtype
-/// `DT`.
-pub fn shrink_source() -> KernelSource {
-    KernelSource {
-        name: "weft_lora_shrink".into(),
-        inputs: vec!["x".into(), "a".into(), "slots".into()],
-        outputs: vec!["z"],
-        source: SHRINK_SOURCE.into(),
-    }
-}
 
 /// RoPE of the query and key heads of a fused `[B, (HQ + 2 KVH) * HD]`
 /// projection (MLX's non-traditional layout: element `i` pairs with
@@ -401,8 +339,6 @@ const THREADS: i32 = 256;
 pub struct DecodeKernels {
     /// Each by the adapted parts of the projection it reads (0: none).
     add_norm: Vec<Kernel>,
-    /// The LoRA shrink of an adapted projection's input ([`SHRINK_SOURCE`]).
-    shrink: Kernel,
     rope_qkv: Vec<Kernel>,
     silu_mul: Vec<Kernel>,
     gemv: Gemv,
@@ -421,11 +357,6 @@ impl DecodeKernels {
     pub fn new() -> Result<Self> {
         Ok(Self {
             add_norm: variants(Consumer::AddNorm)?,
-            shrink: {
-                let k = shrink_source();
-                let ins: Vec<&str> = k.inputs.iter().map(String::as_str).collect();
-                Kernel::new(&k.name, &ins, &k.outputs, &k.source)?
-            },
             rope_qkv: variants(Consumer::RopeQkv)?,
             silu_mul: variants(Consumer::SiluMul)?,
             gemv: Gemv::new()?,
@@ -519,52 +450,6 @@ impl DecodeKernels {
                 "add_rms_norm: expected 2 outputs".into(),
             )),
         }
-    }
-
-    /// The LoRA shrink of `x` `[N, K]` for the row's own slot only
-    /// ([`SHRINK_SOURCE`]): `z` `[N, parts * slots_n * rank]` in the dense
-    /// stack `a` `[K, parts * slots_n * rank]`'s column order, `slots`
-    /// `[B]` uint32 each row's slot (`N / B` tokens a row). The blocks of
-    /// other slots are left unwritten: only the consumer's
-    /// [`lora_prelude`] reads `z`, and only the row's own block.
-    pub(crate) fn lora_shrink(
-        &self,
-        x: &Array,
-        a: &Array,
-        slots: &Array,
-        (parts, slots_n, rank): (i32, i32, i32),
-    ) -> Result<Array> {
-        let s = x.shape();
-        let width = parts * slots_n * rank;
-        let rows = slots.dim(0);
-        if s.len() != 2
-            || parts < 1
-            || parts as usize > LORA_MAX_PARTS
-            || !(1..=THREADS).contains(&rank)
-            || a.shape() != [s[1], width]
-            || a.dtype() != x.dtype()
-            || slots.dtype() != Dtype::Uint32
-            || rows == 0
-            || s[0] % rows != 0
-        {
-            return Err(ModelError::Invalid(format!(
-                "lora_shrink: x {s:?} {:?}, a {:?} {:?} for {parts} parts x {slots_n} slots x rank {rank}, slots {:?}",
-                x.dtype(),
-                a.shape(),
-                a.dtype(),
-                slots.shape()
-            )));
-        }
-        let mut out = self.shrink.apply(
-            &[x, a, slots],
-            &[(&[s[0], width], x.dtype())],
-            (s[0] * parts * THREADS, 1),
-            THREADS,
-            &[("SQ", parts), ("SS", slots_n), ("SR", rank)],
-            ("DT", x.dtype()),
-        )?;
-        out.pop()
-            .ok_or_else(|| ModelError::Invalid("lora_shrink: no output".into()))
     }
 
     /// Rotated queries `[B, HQ, 1, D]` and keys, and values, both `[B, 1,

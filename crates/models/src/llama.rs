@@ -920,11 +920,9 @@ impl LlamaModel {
         let qd = c.num_heads * c.head_dim;
         let kvd = c.num_kv_heads * c.head_dim;
         // Adapters of a fused projection's output `y`: a pool stacked
-        // densely hands the shrink of `x` (one kernel, or a matmul with
-        // `WEFT_LORA_SHRINK=matmul`) to the kernel that reads `y`, which adds
-        // the expand as it reads; a gathered one adds its delta through
-        // `gather_mm`s and an add here.
-        let shrink_matmul = crate::lora::shrink_matmul();
+        // densely hands the shrink of `x` (one matmul) to the kernel that
+        // reads `y`, which adds the expand as it reads; a gathered one adds
+        // its delta through `gather_mm`s and an add here.
         let adapt = |y: Array,
                      i: usize,
                      g: Group,
@@ -943,15 +941,7 @@ impl LlamaModel {
                     })
                 };
                 let b = d.b.iter().map(cast).collect::<Result<Vec<_>>>()?;
-                let z = match (shrink_matmul, b.first()) {
-                    (false, Some(b0)) => k.lora_shrink(
-                        &cast(x)?,
-                        &cast(d.a)?,
-                        l.slots(),
-                        (d.parts.len() as i32, b0.dim(0), b0.dim(1)),
-                    )?,
-                    _ => ops::matmul(&cast(x)?, &cast(d.a)?)?,
-                };
+                let z = ops::matmul(&cast(x)?, &cast(d.a)?)?;
                 let cols: Vec<(i32, i32)> = d
                     .parts
                     .iter()

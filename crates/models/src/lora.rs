@@ -11,10 +11,9 @@
 //!   `z = x @ A`; row `i` then keeps its own slot's block of `z`, which is
 //!   masked to the row's slot and multiplied by `B` viewed as `[slots *
 //!   rank, out]`. The GPU's fused decode layer (`crate::decode_kernels`)
-//!   computes only the row's own block of `z` in one kernel and adds the
-//!   expand, `y + z[slot] @ B[slot]`, inside the kernel that reads the
-//!   projection's output, so there an adapted projection costs one
-//!   primitive. The plain shrink's work grows with the slots, so this is
+//!   adds the expand, `y + z[slot] @ B[slot]`, inside the kernel that reads
+//!   the projection's output, so there an adapted projection costs one
+//!   primitive, its shrink matmul. The plain shrink's work grows with the slots, so this is
 //!   the layout of small pools on a GPU.
 //! - **gathered** `[slots, in, parts * rank]`: each delta is two gathered
 //!   matmuls (`gather_mm`: row `i` multiplies by slot `slots[i]`'s matrices
@@ -544,17 +543,6 @@ impl AdapterPool {
                 .collect(),
         )
     }
-}
-
-/// `WEFT_LORA_SHRINK=matmul`: on the GPU's fused decode layer, each
-/// adapted projection's shrink is a matmul of every row by every slot's `A`
-/// (how it was before the shrink kernel,
-/// `crate::decode_kernels::DecodeKernels::lora_shrink`, which computes each
-/// row's own slot only and costs the host a quarter of a matmul's encode);
-/// kept to measure the two side by side.
-pub(crate) fn shrink_matmul() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("WEFT_LORA_SHRINK").is_ok_and(|v| v == "matmul"))
 }
 
 /// Which groups and parts a pool's stacks have, per layer: how a compiled

@@ -85,8 +85,7 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
 /// (`decode_kernels::Consumer`: residual add + RMS norm, RoPE of the fused
 /// QKV, SwiGLU of the fused gate/up), plain and with the LoRA expand of one
 /// to all of the projection's parts read in (`decode_kernels::lora_prelude`),
-/// and the LoRA shrink kernel over 1-3 parts, each dtype, ranks 16, 12 and
-/// 64.
+/// each dtype, ranks 16, 12 and 64.
 #[test]
 fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
     use weft_models::decode_kernels::*;
@@ -137,24 +136,6 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                     "source": k.source,
                 }));
             }
-        }
-    }
-    let k = shrink_source();
-    for parts in 1..=LORA_MAX_PARTS as i32 {
-        for (dt, rank) in ranks {
-            let inputs: Vec<_> = k
-                .inputs
-                .iter()
-                .map(|n| json!([n, if n == "slots" { "uint32_t" } else { dt }]))
-                .collect();
-            spec.push(json!({
-                "name": k.name,
-                "inputs": inputs,
-                "outputs": [["z", dt]],
-                "consts": [["SQ", parts], ["SS", 9], ["SR", rank]],
-                "types": [["DT", dt]],
-                "source": k.source,
-            }));
         }
     }
     check(&spec);
