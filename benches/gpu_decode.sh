@@ -47,7 +47,7 @@
 #           adapters each;
 #           lorastep: decode_timing (pipelined, compiled, census) at LORA_STREAMS rows with 8 random
 #           rank-16 adapters vs none, twice each: the step's host time and primitives (LORASTEP_RUNS,
-#           default "0 8 0 8");
+#           default "0 8 8f 0 8 8f"; 8f: WEFT_LORA_SHRINK=fused);
 #           lorasweep: Weft alone at LORA_STREAMS, no adapters then 8 under each of LORA_VARIANTS
 #           (env settings; default: as is, MLX_MAX_MB_PER_BUFFER=1000000, WEFT_LORA_LAYOUT=gathered),
 #           ~30 s each;
@@ -195,9 +195,8 @@ if has cache; then
   echo "== bench-engine, --mlx-cache-limit auto vs off (steady tok/s, step ms, build ms, eval wait ms)" | tee -a $R
   for cl in ${CACHE_LIMITS:-40MiB auto off}; do
     for ad in "" "--adapters 8 --adapter-rank 16"; do
-      /root/weft bench-engine --model $M --streams ${CACHE_STREAMS:-64} --prompt-tokens 128 \
-        --gen-tokens 128 --rounds 2 --mlx-cache-limit $cl $ad 2>/dev/null | tail -1 \
-        | python3 -c "import json,sys; d=json.load(sys.stdin); \
+      /root/weft bench-engine --model $M --streams ${CACHE_STREAMS:-64} --prompt-tokens 128 --gen-tokens 128 \
+        --rounds 2 --mlx-cache-limit $cl $ad 2>/dev/null | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); \
         print('cache $cl', '${ad:-no adapters}', round(d['steady_decode_tok_per_s'], 1), round(d['step_ms'], 2), \
         round(d['build_ms'], 2), round(d['eval_ms'], 2))" | tee -a $R
     done
@@ -205,9 +204,11 @@ if has cache; then
 fi
 if has lorastep; then
   # The decode step's host time and primitives with 8 mixed adapters vs none (issue 18 item 5).
-  for a in ${LORASTEP_RUNS:-0 8 0 8}; do
+  # 8f: 8 adapters with WEFT_LORA_SHRINK=fused (the add-norm kernels compute the QKV and gate/up shrinks).
+  for a in ${LORASTEP_RUNS:-0 8 8f 0 8 8f}; do
     echo "== runner decode step, ${LORA_STREAMS:-64} rows, pipelined, compiled, ADAPTERS=$a (rank 16, all projections)" | tee -a $R
-    ADAPTERS=$a CENSUS=1 PIPELINE=1 /root/decode_timing $M ${LORA_STREAMS:-64} 128 60 2>&1 \
+    sh=matmul; [[ $a == *f ]] && sh=fused
+    WEFT_LORA_SHRINK=$sh ADAPTERS=${a%f} CENSUS=1 PIPELINE=1 /root/decode_timing $M ${LORA_STREAMS:-64} 128 60 2>&1 \
       | grep -v '^KV\|^prefill' | tee -a $R
   done
 fi

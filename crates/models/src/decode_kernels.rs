@@ -79,6 +79,87 @@ const ADD_NORM_SOURCE: &str = r#"
     }
 "#;
 
+/// The epilogue of the add-norm and (row-wise) SwiGLU kernels that also
+/// computes the next projection's LoRA shrink of the row they wrote
+/// (`WEFT_LORA_SHRINK=fused`): `src` `[N, len]` is that row's output, `sz`
+/// `[N, SQ * SS * SR]` in the dense stack `sa` `[len, SQ * SS * SR]`'s
+/// (part, slot, rank) column order, only the row's own slot's block written
+/// (the consumer's [`lora_prelude`] reads no other; slot 0 rows write
+/// nothing). Thread `t` sums the rank column `t % SR` of every part over
+/// every `G`-th input element (`G = blockDim / SR`), so `SR` neighbouring
+/// threads read contiguous values of a stack row; four input elements a
+/// turn, their loads issued together (a thread block is one row, so few
+/// warps share an SM: without that the loop waits on each load in turn,
+/// measured as 7.5 ms of device time a 64-row step). The `G` partial sums
+/// meet in shared memory. The kernel's block is one row (`row`, `base = row
+/// * len`).
+fn shrink_epilogue(src: &str, len: &str) -> String {
+    format!(
+        r#"
+    __syncthreads();
+    const int s_slot = (int)sslots[row / (N / sslots_shape[0])];
+    if (s_slot != 0) {{
+        __shared__ float sred[SQ][256];
+        const int G = blockDim.x / SR;
+        const int t = threadIdx.x;
+        const int r = t % SR;
+        const int g = t / SR;
+        constexpr int W = SQ * SS * SR;
+        float acc[SQ];
+        #pragma unroll
+        for (int p = 0; p < SQ; ++p) {{
+            acc[p] = 0.f;
+        }}
+        const size_t col0 = (size_t)s_slot * SR + r;
+        if (g < G) {{
+            int k = g;
+            for (; k + 3 * G < {len}; k += 4 * G) {{
+                float xv[4];
+                float av[4][SQ];
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {{
+                    const int ku = k + u * G;
+                    xv[u] = static_cast<float>({src}[base + ku]);
+                    #pragma unroll
+                    for (int p = 0; p < SQ; ++p) {{
+                        av[u][p] = static_cast<float>(sa[(size_t)ku * W + (size_t)p * SS * SR + col0]);
+                    }}
+                }}
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {{
+                    #pragma unroll
+                    for (int p = 0; p < SQ; ++p) {{
+                        acc[p] += xv[u] * av[u][p];
+                    }}
+                }}
+            }}
+            for (; k < {len}; k += G) {{
+                const float xk = static_cast<float>({src}[base + k]);
+                #pragma unroll
+                for (int p = 0; p < SQ; ++p) {{
+                    acc[p] += xk * static_cast<float>(sa[(size_t)k * W + (size_t)p * SS * SR + col0]);
+                }}
+            }}
+        }}
+        #pragma unroll
+        for (int p = 0; p < SQ; ++p) {{
+            sred[p][t] = acc[p];
+        }}
+        __syncthreads();
+        if (t < SQ * SR) {{
+            const int p = t / SR;
+            const int rr = t % SR;
+            float v = 0.f;
+            for (int q = 0; q < G; ++q) {{
+                v += sred[p][q * SR + rr];
+            }}
+            sz[(size_t)row * W + (size_t)(p * SS + s_slot) * SR + rr] = static_cast<DT>(v);
+        }}
+    }}
+"#
+    )
+}
+
 /// RoPE of the query and key heads of a fused `[B, (HQ + 2 KVH) * HD]`
 /// projection (MLX's non-traditional layout: element `i` pairs with
 /// `i + HD / 2`), the value heads copied: one thread per (row, head, pair).
@@ -135,6 +216,25 @@ const SILU_MUL_SOURCE: &str = r#"
     const DT sig = static_cast<DT>(1.f / (1.f + expf(-g)));
     const DT gs = static_cast<DT>(g * static_cast<float>(sig));
     out[idx] = static_cast<DT>(static_cast<float>(gs) * u);
+"#;
+
+/// [`SILU_MUL_SOURCE`] one thread block per row, for the variant that also
+/// computes the down projection's LoRA shrink ([`shrink_epilogue`]).
+const SILU_MUL_ROW_SOURCE: &str = r#"
+    const int N = gu_shape[0];
+    const int F = gu_shape[1] / 2;
+    const int row = blockIdx.x;
+    if (row >= N) {
+        return;
+    }
+    const size_t base = (size_t)row * F;
+    for (int j = threadIdx.x; j < F; j += blockDim.x) {
+        const float g = ld(gu[base * 2 + j], row, j);
+        const float u = ld(gu[base * 2 + F + j], row, F + j);
+        const DT sig = static_cast<DT>(1.f / (1.f + expf(-g)));
+        const DT gs = static_cast<DT>(g * static_cast<float>(sig));
+        out[base + j] = static_cast<DT>(static_cast<float>(gs) * u);
+    }
 "#;
 
 /// The adapted parts (up to three) of one fused projection.
@@ -221,6 +321,13 @@ impl Consumer {
 
     /// The kernel with `parts` adapted parts of its projection (0: none).
     pub fn source(self, parts: usize) -> KernelSource {
+        self.source_with_shrink(parts, 0)
+    }
+
+    /// [`Self::source`], the add-norm or SwiGLU kernel also computing the
+    /// next projection's LoRA shrink over `shrink` parts (0: none;
+    /// [`shrink_epilogue`]; the SwiGLU variant runs a block per row).
+    pub fn source_with_shrink(self, parts: usize, shrink: usize) -> KernelSource {
         let (name, inputs, outputs, body): (_, &[&str], _, _) = match self {
             Self::AddNorm => (
                 "weft_add_rms_norm",
@@ -244,8 +351,24 @@ impl Consumer {
             inputs.extend((0..parts).map(|k| format!("lb{k}")));
             format!("{name}_lora{parts}")
         };
+        let mut outputs = outputs;
+        let shrink = if self == Self::RopeQkv { 0 } else { shrink };
         let mut source = lora_prelude(parts);
-        source.push_str(body);
+        let name = if shrink > 0 {
+            inputs.extend(["sa".into(), "sslots".into()]);
+            outputs.push("sz");
+            if self == Self::AddNorm {
+                source.push_str(body);
+                source.push_str(&shrink_epilogue("normed", "H"));
+            } else {
+                source.push_str(SILU_MUL_ROW_SOURCE);
+                source.push_str(&shrink_epilogue("out", "F"));
+            }
+            format!("{name}_shrink{shrink}")
+        } else {
+            source.push_str(body);
+            name
+        };
         KernelSource {
             name,
             inputs,
@@ -339,6 +462,12 @@ const THREADS: i32 = 256;
 pub struct DecodeKernels {
     /// Each by the adapted parts of the projection it reads (0: none).
     add_norm: Vec<Kernel>,
+    /// `add_norm` with the next projection's LoRA shrink: by its parts
+    /// (1 ..= [`LORA_MAX_PARTS`]), then as `add_norm`.
+    add_norm_shrink: Vec<Vec<Kernel>>,
+    /// `silu_mul` a block per row with the down projection's (one part)
+    /// LoRA shrink, as `silu_mul`.
+    silu_mul_shrink: Vec<Kernel>,
     rope_qkv: Vec<Kernel>,
     silu_mul: Vec<Kernel>,
     gemv: Gemv,
@@ -357,6 +486,10 @@ impl DecodeKernels {
     pub fn new() -> Result<Self> {
         Ok(Self {
             add_norm: variants(Consumer::AddNorm)?,
+            add_norm_shrink: (1..=LORA_MAX_PARTS)
+                .map(|q| shrink_variants(Consumer::AddNorm, q))
+                .collect::<Result<_>>()?,
+            silu_mul_shrink: shrink_variants(Consumer::SiluMul, 1)?,
             rope_qkv: variants(Consumer::RopeQkv)?,
             silu_mul: variants(Consumer::SiluMul)?,
             gemv: Gemv::new()?,
@@ -409,12 +542,15 @@ impl DecodeKernels {
                 };
                 Ok(mlx_rs::ops::add(r, &y)?)
             }
-            Post::SiluPair => self.silu_mul(&y, None),
+            Post::SiluPair => Ok(self.silu_mul(&y, None, None)?.0),
         }
     }
 
     /// `(h + a, rms_norm(h + a) * w)` for `h`, `a` `[N, H]` and `w` `[H]`
-    /// (`eps` `[1]` f32), `a` plus its adapters' delta where `lora` says.
+    /// (`eps` `[1]` f32), `a` plus its adapters' delta where `lora` says;
+    /// with `shrink` also the next projection's LoRA shrink of the normed
+    /// rows (the `z` its consumer's [`lora_prelude`] reads; only each row's
+    /// own slot's block is written).
     pub(crate) fn add_rms_norm(
         &self,
         h: &Array,
@@ -422,7 +558,8 @@ impl DecodeKernels {
         w: &Array,
         eps: &Array,
         lora: Option<&LoraIn>,
-    ) -> Result<(Array, Array)> {
+        shrink: Option<&ShrinkIn>,
+    ) -> Result<(Array, Array, Option<Array>)> {
         let s = h.shape();
         if s.len() != 2 || a.shape() != s || w.shape() != [s[1]] || h.dtype() != a.dtype() {
             return Err(ModelError::Invalid(format!(
@@ -434,20 +571,43 @@ impl DecodeKernels {
             )));
         }
         let dt = h.dtype();
+        let Some(sh) = shrink else {
+            let mut out = launch(
+                &self.add_norm,
+                vec![h, a, w, eps],
+                lora,
+                (s[0], s[1]),
+                &[(s, dt), (s, dt)],
+                (s[0] * THREADS, 1),
+                &[],
+                &[],
+            )?;
+            let normed = out.pop();
+            return match (out.pop(), normed) {
+                (Some(sum), Some(normed)) => Ok((sum, normed, None)),
+                _ => Err(ModelError::Invalid(
+                    "add_rms_norm: expected 2 outputs".into(),
+                )),
+            };
+        };
+        let width = sh.check("add_rms_norm", s[0], s[1], dt)?;
+        let kernels = &self.add_norm_shrink[sh.parts as usize - 1];
         let mut out = launch(
-            &self.add_norm,
+            kernels,
             vec![h, a, w, eps],
             lora,
             (s[0], s[1]),
-            &[(s, dt), (s, dt)],
+            &[(s, dt), (s, dt), (&[s[0], width], dt)],
             (s[0] * THREADS, 1),
-            &[],
+            &[("SQ", sh.parts), ("SS", sh.slots_n), ("SR", sh.rank)],
+            &[&sh.a, &sh.slots],
         )?;
+        let z = out.pop();
         let normed = out.pop();
-        match (out.pop(), normed) {
-            (Some(sum), Some(normed)) => Ok((sum, normed)),
+        match (out.pop(), normed, z) {
+            (Some(sum), Some(normed), Some(z)) => Ok((sum, normed, Some(z))),
             _ => Err(ModelError::Invalid(
-                "add_rms_norm: expected 2 outputs".into(),
+                "add_rms_norm: expected 3 outputs".into(),
             )),
         }
     }
@@ -492,6 +652,7 @@ impl DecodeKernels {
             &[(&q, dt), (&kv, dt), (&kv, dt)],
             (grid, 1),
             &[("HQ", heads.q), ("KVH", heads.kv), ("HD", heads.dim)],
+            &[],
         )?;
         let [q, k, v]: [Array; 3] = out
             .try_into()
@@ -501,25 +662,53 @@ impl DecodeKernels {
 
     /// `silu(g) * u` `[N, F]` of the fused gate/up projection `gu` `[N, 2F]`,
     /// plus its adapters' delta where `lora` says.
-    pub(crate) fn silu_mul(&self, gu: &Array, lora: Option<&LoraIn>) -> Result<Array> {
+    /// With `shrink`, also the down projection's LoRA shrink of the output
+    /// (as [`Self::add_rms_norm`]'s).
+    pub(crate) fn silu_mul(
+        &self,
+        gu: &Array,
+        lora: Option<&LoraIn>,
+        shrink: Option<&ShrinkIn>,
+    ) -> Result<(Array, Option<Array>)> {
         let s = gu.shape();
         if s.len() != 2 || s[1] % 2 != 0 {
             return Err(ModelError::Invalid(format!("silu_mul: gate/up {s:?}")));
         }
         let (n, f) = (s[0], s[1] / 2);
         let dt = gu.dtype();
-        let grid = (n * f + THREADS - 1) / THREADS * THREADS;
+        let Some(sh) = shrink else {
+            let grid = (n * f + THREADS - 1) / THREADS * THREADS;
+            let mut out = launch(
+                &self.silu_mul,
+                vec![gu],
+                lora,
+                (n, 2 * f),
+                &[(&[n, f], dt)],
+                (grid, 1),
+                &[],
+                &[],
+            )?;
+            let act = out
+                .pop()
+                .ok_or_else(|| ModelError::Invalid("silu_mul: no output".into()))?;
+            return Ok((act, None));
+        };
+        let width = sh.check("silu_mul", n, f, dt)?;
         let mut out = launch(
-            &self.silu_mul,
+            &self.silu_mul_shrink,
             vec![gu],
             lora,
             (n, 2 * f),
-            &[(&[n, f], dt)],
-            (grid, 1),
-            &[],
+            &[(&[n, f], dt), (&[n, width], dt)],
+            (n * THREADS, 1),
+            &[("SQ", sh.parts), ("SS", sh.slots_n), ("SR", sh.rank)],
+            &[&sh.a, &sh.slots],
         )?;
-        out.pop()
-            .ok_or_else(|| ModelError::Invalid("silu_mul: no output".into()))
+        let z = out.pop();
+        match (out.pop(), z) {
+            (Some(act), Some(z)) => Ok((act, Some(z))),
+            _ => Err(ModelError::Invalid("silu_mul: expected 2 outputs".into())),
+        }
     }
 }
 
@@ -534,8 +723,61 @@ fn variants(c: Consumer) -> Result<Vec<Kernel>> {
         .collect()
 }
 
+/// The add-norm or SwiGLU kernel's variants with a shrink of `shrink`
+/// parts, by the adapted parts of the projection it reads.
+fn shrink_variants(c: Consumer, shrink: usize) -> Result<Vec<Kernel>> {
+    (0..=c.max_parts())
+        .map(|p| {
+            let k = c.source_with_shrink(p, shrink);
+            let ins: Vec<&str> = k.inputs.iter().map(String::as_str).collect();
+            Kernel::new(&k.name, &ins, &k.outputs, &k.source)
+        })
+        .collect()
+}
+
+/// The next projection's LoRA shrink, computed by the add-norm kernel that
+/// makes its input: `a` `[H, parts * slots_n * rank]` the dense stack of
+/// `A`s (in the rows' dtype), `slots` `[B]` uint32 each row's slot.
+pub struct ShrinkIn {
+    pub a: Array,
+    pub slots: Array,
+    pub parts: i32,
+    pub slots_n: i32,
+    pub rank: i32,
+}
+
+impl ShrinkIn {
+    /// Checks it against the `[n, len]` rows it shrinks (dtype `dt`);
+    /// returns the shrink's width (`parts * slots_n * rank`).
+    fn check(&self, what: &str, n: i32, len: i32, dt: Dtype) -> Result<i32> {
+        let width = self.parts * self.slots_n * self.rank;
+        let rows = self.slots.dim(0);
+        if self.parts < 1
+            || self.parts as usize > LORA_MAX_PARTS
+            || self.rank < 1
+            || self.rank > THREADS
+            || self.a.shape() != [len, width]
+            || self.a.dtype() != dt
+            || self.slots.dtype() != Dtype::Uint32
+            || rows == 0
+            || n % rows != 0
+        {
+            return Err(ModelError::Invalid(format!(
+                "{what}: LoRA shrink a {:?} {:?} for {} parts x {} slots x rank {}, slots {:?}, rows [{n}, {len}] {dt:?}",
+                self.a.shape(),
+                self.a.dtype(),
+                self.parts,
+                self.slots_n,
+                self.rank,
+                self.slots.shape()
+            )));
+        }
+        Ok(width)
+    }
+}
+
 /// Launches the variant of `kernels` for `lora`'s parts (none without it)
-/// over `inputs` and then `lora`'s inputs; `y` (rows, columns) is
+/// over `inputs`, `lora`'s inputs and then `extra`; `y` (rows, columns) is
 /// the shape of the projection output the kernel reads.
 #[allow(clippy::too_many_arguments)]
 fn launch<'a>(
@@ -546,6 +788,7 @@ fn launch<'a>(
     outputs: &[(&[i32], Dtype)],
     grid: (i32, i32),
     ints: &[(&str, i32)],
+    extra: &[&'a Array],
 ) -> Result<Vec<Array>> {
     let dt = inputs[0].dtype();
     let mut ints: Vec<(String, i32)> = ints.iter().map(|&(k, v)| (k.to_string(), v)).collect();
@@ -556,6 +799,7 @@ fn launch<'a>(
         }
         None => 0,
     };
+    inputs.extend_from_slice(extra);
     let kernel = kernels.get(parts).ok_or_else(|| {
         ModelError::Invalid(format!("no fused decode kernel for {parts} adapted parts"))
     })?;

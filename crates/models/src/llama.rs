@@ -12,7 +12,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::config::{Activation, Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
-use crate::decode_kernels::{self, DecodeKernels, LoraIn, QkvHeads};
+use crate::decode_kernels::{self, DecodeKernels, LoraIn, QkvHeads, ShrinkIn};
 use crate::error::{ModelError, Result};
 use crate::gated_delta::GatedDeltaNet;
 use crate::gemv::{Post, Pre};
@@ -920,14 +920,17 @@ impl LlamaModel {
         let qd = c.num_heads * c.head_dim;
         let kvd = c.num_kv_heads * c.head_dim;
         // Adapters of a fused projection's output `y`: a pool stacked
-        // densely hands the shrink of `x` (one matmul) to the kernel that
-        // reads `y`, which adds the expand as it reads; a gathered one adds
-        // its delta through `gather_mm`s and an add here.
+        // densely hands the shrink (one matmul) to the kernel that reads `y`,
+        // which adds the expand as it reads; a gathered one adds its delta
+        // through `gather_mm`s and an add here.
+        // `z`: the shrink of `x` already computed by the add-norm kernel
+        // that made `x` (`WEFT_LORA_SHRINK=fused`), else one matmul here.
         let adapt = |y: Array,
                      i: usize,
                      g: Group,
                      x: &Array,
-                     outs: &[i32]|
+                     outs: &[i32],
+                     z: Option<Array>|
          -> Result<(Array, Option<LoraIn>)> {
             let Some(l) = lora else {
                 return Ok((y, None));
@@ -940,8 +943,11 @@ impl LlamaModel {
                         a.as_dtype(y.dtype())?
                     })
                 };
+                let z = match z {
+                    Some(z) if z.dtype() == y.dtype() => z,
+                    _ => ops::matmul(&cast(x)?, &cast(d.a)?)?,
+                };
                 let b = d.b.iter().map(cast).collect::<Result<Vec<_>>>()?;
-                let z = ops::matmul(&cast(x)?, &cast(d.a)?)?;
                 let cols: Vec<(i32, i32)> = d
                     .parts
                     .iter()
@@ -982,15 +988,40 @@ impl LlamaModel {
             .first()
             .ok_or_else(|| ModelError::Invalid("model has no layers".into()))?;
         let mut x = fast::rms_norm(&h, Some(&first.input_norm), c.rms_norm_eps)?;
-        let add_norm = |h: &Array, (a, l): (Array, Option<LoraIn>), w: &Array| {
-            let (a, l) = if a.dtype() == h.dtype() {
-                (a, l)
-            } else {
-                let l = l.map(|l| l.cast(h.dtype())).transpose()?;
-                (a.as_dtype(h.dtype())?, l)
+        let mut xz: Option<Array> = None;
+        // The shrink of layer `i`'s group `g`, for the add-norm kernel that
+        // makes its input, in the dtype `dt` of the residual stream.
+        let fused_shrink = lora.is_some() && crate::lora::fused_shrink();
+        let shrink_for = |i: usize, g: Group, dt: mlx_rs::Dtype| -> Result<Option<ShrinkIn>> {
+            let Some(d) = lora.filter(|_| fused_shrink).and_then(|l| l.dense(i, g)) else {
+                return Ok(None);
             };
-            k.add_rms_norm(h, &a, w, &self.eps, l.as_ref())
+            let (Some(l), Some(b0)) = (lora, d.b.first()) else {
+                return Ok(None);
+            };
+            let a = if d.a.dtype() == dt {
+                d.a.clone()
+            } else {
+                d.a.as_dtype(dt)?
+            };
+            Ok(Some(ShrinkIn {
+                a,
+                slots: l.slots().clone(),
+                parts: d.parts.len() as i32,
+                slots_n: b0.dim(0),
+                rank: b0.dim(1),
+            }))
         };
+        let add_norm =
+            |h: &Array, (a, l): (Array, Option<LoraIn>), w: &Array, next: Option<ShrinkIn>| {
+                let (a, l) = if a.dtype() == h.dtype() {
+                    (a, l)
+                } else {
+                    let l = l.map(|l| l.cast(h.dtype())).transpose()?;
+                    (a.as_dtype(h.dtype())?, l)
+                };
+                k.add_rms_norm(h, &a, w, &self.eps, l.as_ref(), next.as_ref())
+            };
         for (i, layer) in self.layers.iter().enumerate() {
             let attn = layer.mixer.attn(i)?;
             let (mlp, post_norm) = layer.mlp.as_ref().ok_or_else(|| {
@@ -1003,7 +1034,14 @@ impl LlamaModel {
                     "layer {i}: fused decode needs fused projections"
                 )));
             };
-            let (y, l) = adapt(k.linear(qkv, &x)?, i, Group::Qkv, &x, &[qd, kvd, kvd])?;
+            let (y, l) = adapt(
+                k.linear(qkv, &x)?,
+                i,
+                Group::Qkv,
+                &x,
+                &[qd, kvd, kvd],
+                xz.take(),
+            )?;
             let (q, kr, vr) = k.rope_qkv(
                 &y,
                 l.as_ref(),
@@ -1013,8 +1051,15 @@ impl LlamaModel {
                 heads,
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
-            let a = adapt(k.linear(&attn.o, &a)?, i, Group::O, &a, &[c.hidden_size])?;
-            let (s, n) = add_norm(&h, a, post_norm)?;
+            let a = adapt(
+                k.linear(&attn.o, &a)?,
+                i,
+                Group::O,
+                &a,
+                &[c.hidden_size],
+                None,
+            )?;
+            let (s, n, nz) = add_norm(&h, a, post_norm, shrink_for(i, Group::GateUp, h.dtype())?)?;
             let inter = c.intermediate_size;
             let (gu, l) = adapt(
                 k.linear(gate_up, &n)?,
@@ -1022,17 +1067,25 @@ impl LlamaModel {
                 Group::GateUp,
                 &n,
                 &[inter, inter],
+                nz,
             )?;
-            let act = k.silu_mul(&gu, l.as_ref())?;
+            let down_shrink = shrink_for(i, Group::Down, gu.dtype())?;
+            let (act, dz) = k.silu_mul(&gu, l.as_ref(), down_shrink.as_ref())?;
             let m = adapt(
                 k.linear(&mlp.down, &act)?,
                 i,
                 Group::Down,
                 &act,
                 &[c.hidden_size],
+                dz,
             )?;
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
-            (h, x) = add_norm(&s, m, next)?;
+            let next_shrink = if i + 1 < self.layers.len() {
+                shrink_for(i + 1, Group::Qkv, s.dtype())?
+            } else {
+                None
+            };
+            (h, x, xz) = add_norm(&s, m, next, next_shrink)?;
             after_layer(i)?;
         }
         drop(h);

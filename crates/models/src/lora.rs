@@ -8,13 +8,12 @@
 //!
 //! - **dense** `[in, parts * slots * rank]` (part, slot, rank order): the
 //!   shrink is one plain matmul of every row by every slot's `A`,
-//!   `z = x @ A`; row `i` then keeps its own slot's block of `z`, which is
-//!   masked to the row's slot and multiplied by `B` viewed as `[slots *
-//!   rank, out]`. The GPU's fused decode layer (`crate::decode_kernels`)
-//!   adds the expand, `y + z[slot] @ B[slot]`, inside the kernel that reads
-//!   the projection's output, so there an adapted projection costs one
-//!   primitive, its shrink matmul. The plain shrink's work grows with the slots, so this is
-//!   the layout of small pools on a GPU.
+//!   `z = x @ A`; row `i` then keeps its own slot's block of `z`. On the GPU
+//!   one kernel does that and the expand, `y + z[slot] @ B[slot]`, per
+//!   fused projection (`crate::decode_kernels`), so an adapted projection
+//!   costs two primitives; elsewhere `z` is masked to the row's slot and
+//!   multiplied by `B` viewed as `[slots * rank, out]`. The shrink's work
+//!   grows with the slots, so this is the layout of small pools on a GPU.
 //! - **gathered** `[slots, in, parts * rank]`: each delta is two gathered
 //!   matmuls (`gather_mm`: row `i` multiplies by slot `slots[i]`'s matrices
 //!   without copying them per row), `((x @ A[slot]) split per part) @
@@ -543,6 +542,18 @@ impl AdapterPool {
                 .collect(),
         )
     }
+}
+
+/// `WEFT_LORA_SHRINK=fused`: on the GPU's fused decode layer, the kernels
+/// that make the QKV, gate/up and down projections' inputs (add-norm,
+/// SwiGLU) also compute their LoRA shrinks
+/// (`crate::decode_kernels::ShrinkIn`): 65 fewer matmuls per step of a
+/// 22-layer model (the first layer's QKV and every output projection keep
+/// theirs); otherwise (the default until its parity is checked on a GPU)
+/// each shrink is a matmul.
+pub(crate) fn fused_shrink() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WEFT_LORA_SHRINK").is_ok_and(|v| v == "fused"))
 }
 
 /// Which groups and parts a pool's stacks have, per layer: how a compiled

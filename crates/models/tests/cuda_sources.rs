@@ -85,12 +85,12 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
 /// (`decode_kernels::Consumer`: residual add + RMS norm, RoPE of the fused
 /// QKV, SwiGLU of the fused gate/up), plain and with the LoRA expand of one
 /// to all of the projection's parts read in (`decode_kernels::lora_prelude`),
-/// each dtype, ranks 16, 12 and 64.
+/// each dtype, ranks 16, 12 and 64; the add-norm and SwiGLU kernels also
+/// with the next projection's LoRA shrink.
 #[test]
 fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
     use weft_models::decode_kernels::*;
     let mut spec = Vec::new();
-    let ranks = [("__nv_bfloat16", 16), ("__half", 12), ("float", 64)];
     for c in Consumer::ALL {
         // Column (offset, width) of each part, as the 1.2B model's
         // projections have them.
@@ -99,15 +99,24 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
             Consumer::RopeQkv => &[(0, 2048), (2048, 256), (2304, 256)],
             Consumer::SiluMul => &[(0, 5632), (5632, 5632)],
         };
-        for parts in 0..=c.max_parts() {
-            for (dt, rank) in ranks {
-                let k = c.source(parts);
+        // The add-norm kernel also with the next projection's LoRA shrink
+        // (1-3 parts), the SwiGLU one with the down projection's (1).
+        let shrinks = match c {
+            Consumer::AddNorm => 0..=3,
+            Consumer::SiluMul => 0..=1,
+            Consumer::RopeQkv => 0..=0,
+        };
+        for (parts, shrink) in
+            (0..=c.max_parts()).flat_map(|p| shrinks.clone().map(move |q| (p, q)))
+        {
+            for (dt, rank) in [("__nv_bfloat16", 16), ("__half", 12), ("float", 64)] {
+                let k = c.source_with_shrink(parts, shrink);
                 let inputs: Vec<_> = k
                     .inputs
                     .iter()
                     .map(|n| {
                         let t = match n.as_str() {
-                            "lslots" => "uint32_t",
+                            "lslots" | "sslots" => "uint32_t",
                             "start" => "int32_t",
                             "eps" | "inv_freq" | "scale" => "float",
                             _ => dt,
@@ -125,6 +134,9 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                         consts.push(json!([format!("LOFF{i}"), off]));
                         consts.push(json!([format!("LW{i}"), w]));
                     }
+                }
+                if shrink > 0 {
+                    consts.extend([json!(["SQ", shrink]), json!(["SS", 9]), json!(["SR", rank])]);
                 }
                 let outputs: Vec<_> = k.outputs.iter().map(|o| json!([o, dt])).collect();
                 spec.push(json!({
