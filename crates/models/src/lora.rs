@@ -549,8 +549,10 @@ impl AdapterPool {
 /// SwiGLU) also compute their LoRA shrinks
 /// (`crate::decode_kernels::ShrinkIn`): 65 fewer matmuls per step of a
 /// 22-layer model (the first layer's QKV and every output projection keep
-/// theirs); otherwise (the default until its parity is checked on a GPU)
-/// each shrink is a matmul.
+/// theirs); otherwise each shrink is a matmul. Opt-in: on an H100 its
+/// kernels cost the device more than the host saves (0.46x of no adapters
+/// against the matmuls' 0.80x, 64 rows; benches/RESULTS.md); its parity
+/// with mlx-lm passes on the GPU.
 pub(crate) fn fused_shrink() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("WEFT_LORA_SHRINK").is_ok_and(|v| v == "fused"))
