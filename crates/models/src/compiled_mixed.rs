@@ -197,32 +197,42 @@ impl CompiledMixed {
         decode_rows: impl Iterator<Item = usize>,
         context: usize,
     ) -> Vec<MixedBucket> {
-        let mut rows: Vec<usize> = decode_rows.map(|r| r.max(MIN_DECODE_ROWS)).collect();
-        rows.sort_unstable();
-        rows.dedup();
         let bs = self.block_size.max(1);
         let top = CompiledPrefill::table_width(context.div_ceil(bs));
-        let mut out = Vec::new();
-        for &r in &rows {
-            for (b, t, w) in CompiledPrefill::warm_buckets(context, bs) {
-                // One chunk over a table, and a fresh one's own blocks.
-                let w = if w == 0 {
-                    CompiledPrefill::table_width(t.div_ceil(bs))
-                } else {
-                    w
-                };
-                // (A table narrower than the chunk holds no such step.)
-                if b == 1 && w <= top && w * bs >= t {
-                    out.push(MixedBucket {
-                        decode_rows: r,
-                        decode_width: self.min_width.max(w),
-                        chunk_rows: 1,
-                        chunk_tokens: t,
-                        chunk_width: w,
-                    });
-                }
-            }
-        }
+        let chunks: Vec<(usize, usize)> = CompiledPrefill::warm_buckets(context, bs)
+            .into_iter()
+            // One chunk over a table, and a fresh one's own blocks.
+            .map(|(b, t, w)| (b, t, if w == 0 { self.fresh_width(t) } else { w }))
+            // (A table narrower than the chunk holds no such step.)
+            .filter(|&(b, t, w)| b == 1 && w <= top && w * bs >= t)
+            .map(|(_, t, w)| (t, w))
+            .collect();
+        self.one_chunk_buckets(decode_rows, &chunks)
+    }
+
+    /// The table width of a fresh chunk of `t` tokens: its own blocks'.
+    fn fresh_width(&self, t: usize) -> usize {
+        CompiledPrefill::table_width(t.div_ceil(self.block_size.max(1)))
+    }
+
+    /// Decoding rows padded to each of `decode_rows` beside one chunk of
+    /// each `(tokens, table width)` of `chunks`, sorted and deduplicated.
+    fn one_chunk_buckets(
+        &self,
+        decode_rows: impl Iterator<Item = usize>,
+        chunks: &[(usize, usize)],
+    ) -> Vec<MixedBucket> {
+        let mut out: Vec<MixedBucket> = decode_rows
+            .flat_map(|r| {
+                chunks.iter().map(move |&(t, w)| MixedBucket {
+                    decode_rows: r.max(MIN_DECODE_ROWS),
+                    decode_width: self.min_width.max(w),
+                    chunk_rows: 1,
+                    chunk_tokens: t,
+                    chunk_width: w,
+                })
+            })
+            .collect();
         out.sort_unstable();
         out.dedup();
         out
@@ -241,27 +251,12 @@ impl CompiledMixed {
         decode_rows: impl Iterator<Item = usize>,
         tokens: usize,
     ) -> Vec<MixedBucket> {
-        let bs = self.block_size.max(1);
-        let mut out: Vec<MixedBucket> = decode_rows
-            .flat_map(|r| {
-                CompiledPrefill::warm_buckets(0, bs)
-                    .into_iter()
-                    .filter(move |&(b, t, w)| b == 1 && w == 0 && t <= tokens)
-                    .map(move |(_, t, _)| {
-                        let w = CompiledPrefill::table_width(t.div_ceil(bs));
-                        MixedBucket {
-                            decode_rows: r.max(MIN_DECODE_ROWS),
-                            decode_width: self.min_width.max(w),
-                            chunk_rows: 1,
-                            chunk_tokens: t,
-                            chunk_width: w,
-                        }
-                    })
-            })
+        let chunks: Vec<(usize, usize)> = CompiledPrefill::warm_buckets(0, self.block_size.max(1))
+            .into_iter()
+            .filter(|&(b, t, w)| b == 1 && w == 0 && t <= tokens)
+            .map(|(_, t, _)| (t, self.fresh_width(t)))
             .collect();
-        out.sort_unstable();
-        out.dedup();
-        out
+        self.one_chunk_buckets(decode_rows, &chunks)
     }
 
     /// Traces (and runs, evaluated) `bucket` with rows that read and write

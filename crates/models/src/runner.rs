@@ -519,10 +519,10 @@ impl BatchRunner {
         }
         let top = max_rows.min(mixed_warm_rows()).max(1);
         let rows: Vec<usize> = (1..=top).map(|r| self.padded_rows(r)).collect();
-        let wide: Vec<usize> = if self.kv.uses_kernel() {
+        let wide: std::collections::BTreeSet<usize> = if self.kv.uses_kernel() {
             (top + 1..=max_rows).map(|r| self.padded_rows(r)).collect()
         } else {
-            Vec::new()
+            Default::default()
         };
         let Some(c) = self.compiled_mixed.as_mut() else {
             return Ok(0);
