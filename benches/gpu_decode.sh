@@ -47,11 +47,12 @@
 #           adapters each;
 #           lorastep: decode_timing (pipelined, compiled, census) at LORA_STREAMS rows with 8 random
 #           rank-16 adapters vs none, twice each: the step's host time and primitives (LORASTEP_RUNS,
-#           default "0 8 8f 0 8 8f"; 8f: WEFT_LORA_SHRINK=fused);
+#           default "0 8 8f 0 8 8f"; 8: WEFT_LORA_SHRINK=matmul, 8f: the fused shrinks);
 #           lorasweep: Weft alone at LORA_STREAMS, no adapters then 8 under each of LORA_VARIANTS
-#           (env settings; default: as is, MLX_MAX_MB_PER_BUFFER=1000000, WEFT_LORA_LAYOUT=gathered),
+#           (env settings, a comma between two of one variant; default: as is, MLX_MAX_MB_PER_BUFFER=1000000, WEFT_LORA_LAYOUT=gathered),
 #           ~30 s each;
 #           LORA_GATHERED=1 adds Weft's 8-adapter run with WEFT_LORA_LAYOUT=gathered;
+#           hostprof: perf's flat profile of bench-engine at 64 rows, no adapters and 8 (HP_ENV), when perf exists;
 #           adapterpar: crates/models/tests/lora_parity.rs on the GPU (staged when its test binary is built),
 #           the tests matching LP_FILTER (default compiled_decode: the fused decode layer's LoRA expand;
 #           LP_FILTER= runs all, ~2 min each), the oracle on the CPU;
@@ -204,7 +205,7 @@ if has cache; then
 fi
 if has lorastep; then
   # The decode step's host time and primitives with 8 mixed adapters vs none (issue 18 item 5).
-  # 8f: 8 adapters with WEFT_LORA_SHRINK=fused (the add-norm kernels compute the QKV and gate/up shrinks).
+  # 8: shrinks by matmuls (WEFT_LORA_SHRINK=matmul); 8f: the add-norm and SwiGLU kernels compute them.
   for a in ${LORASTEP_RUNS:-0 8 8f 0 8 8f}; do
     echo "== runner decode step, ${LORA_STREAMS:-64} rows, pipelined, compiled, ADAPTERS=$a (rank 16, all projections)" | tee -a $R
     sh=matmul; [[ $a == *f ]] && sh=fused
@@ -313,12 +314,35 @@ if has lorasweep; then
   lw() { env "$@" /root/weft bench-engine --model $M --streams ${LORA_STREAMS:-64} --prompt-tokens 128 --gen-tokens 128 \
     --rounds 2 ${LW_ARGS:-} | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); print('$*' or 'default', \
     '${LW_ARGS:-none}', round(d['steady_decode_tok_per_s'], 1), round(d['step_ms'], 2), round(d['build_ms'], 2), round(d['eval_ms'], 2))" | tee -a $R; }
-  lw WEFT_X=0
-  LW_ARGS="--adapters 8 --adapter-rank 16 --adapter-dir /root/lora8"
-  for v in ${LORA_VARIANTS:-WEFT_X=0 MLX_MAX_MB_PER_BUFFER=1000000 WEFT_LORA_LAYOUT=gathered}; do
-    lw $v
+  # LORA_ROUNDS (default 1) repeats the whole sequence, so runs of a call's early and late
+  # minutes (they drift) pair up.
+  for round in $(seq ${LORA_ROUNDS:-1}); do
+    LW_ARGS=""
+    lw WEFT_X=0
+    LW_ARGS="--adapters 8 --adapter-rank 16 --adapter-dir /root/lora8"
+    for v in ${LORA_VARIANTS:-WEFT_X=0 MLX_MAX_MB_PER_BUFFER=1000000 WEFT_LORA_LAYOUT=gathered}; do
+      lw ${v//,/ }
+    done
   done
   LW_ARGS=""
+fi
+if has hostprof; then
+  # Where the host's time goes in a 64-row step: perf's flat profile of bench-engine with no
+  # adapters and with 8 (HP_ENV: env settings of the adapter run, commas between them).
+  echo "== host profile (perf, flat) of weft bench-engine at 64 rows: none, 8 adapters (${HP_ENV:-as is})" | tee -a $R
+  if command -v perf > /dev/null; then
+    for v in none lora; do
+      a=""; e="WEFT_X=0"
+      [ $v = none ] || { a="--adapters 8 --adapter-rank 16 --adapter-dir /root/lora8"; e="${HP_ENV:-WEFT_X=0}"; }
+      env ${e//,/ } perf record -F 999 -o /root/perf.$v.data -- /root/weft bench-engine --model $M --streams 64 \
+        --prompt-tokens 128 --gen-tokens 128 --rounds 2 $a 2>/dev/null | tail -1 | tee -a $R || true
+      perf report -i /root/perf.$v.data --stdio --no-children --sort dso,sym --percent-limit 0.3 2>/dev/null \
+        | grep -v '^#' | grep -v '^$' | head -120 > $O/perf_$v.txt || true
+      head -40 $O/perf_$v.txt | tee -a $R
+    done
+  else
+    echo "no perf here: $(ls /usr/bin /usr/local/bin 2>/dev/null | grep -i -E '^(perf|nsys|gdb|py-spy)' | tr '\n' ' ')" | tee -a $R
+  fi
 fi
 if has adapterpar; then
   # The test finds its oracle script under the path it was built at.

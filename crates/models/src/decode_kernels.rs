@@ -81,78 +81,105 @@ const ADD_NORM_SOURCE: &str = r#"
 
 /// The epilogue of the add-norm and (row-wise) SwiGLU kernels that also
 /// computes the next projection's LoRA shrink of the row they wrote
-/// (`WEFT_LORA_SHRINK=fused`): `src` `[N, len]` is that row's output, `sz`
+/// (`crate::lora::fused_shrink`): `src` `[N, len]` is that row's output, `sz`
 /// `[N, SQ * SS * SR]` in the dense stack `sa` `[len, SQ * SS * SR]`'s
 /// (part, slot, rank) column order, only the row's own slot's block written
 /// (the consumer's [`lora_prelude`] reads no other; slot 0 rows write
-/// nothing). Thread `t` sums the rank column `t % SR` of every part over
-/// every `G`-th input element (`G = blockDim / SR`), so `SR` neighbouring
-/// threads read contiguous values of a stack row; four input elements a
-/// turn, their loads issued together (a thread block is one row, so few
-/// warps share an SM and each waits on its loads: a 64-row step waited 7.5
-/// ms for the device with one load a turn, 3.6 ms with four, on an H100;
-/// still past the host's step, hence opt-in). The `G` partial sums meet in
-/// shared memory. The kernel's block is one row (`row`, `base = row *
-/// len`).
+/// nothing). The kernel's block (`ST` threads) is one row (`row`, `base =
+/// row * len`), so few warps share an SM and each waits on its loads: the
+/// loads are what this is built around. `LN = SR / SV` neighbouring threads
+/// cover a part's rank columns, each `SV` of them with one 16-byte load
+/// (`SV` elements of the dtype), and every `G`-th input element (`G = ST /
+/// LN`), four a turn with their loads issued together. (Measured on an H100,
+/// 64 rows: with one scalar load a turn the step waited 7.5 ms for the
+/// device, with four 3.6 ms.) Partial sums meet by warp shuffles, then
+/// across warps in shared memory.
 fn shrink_epilogue(src: &str, len: &str) -> String {
     format!(
         r#"
     __syncthreads();
     const int s_slot = (int)sslots[row / (N / sslots_shape[0])];
     if (s_slot != 0) {{
-        __shared__ float sred[SQ][256];
-        const int G = blockDim.x / SR;
-        const int t = threadIdx.x;
-        const int r = t % SR;
-        const int g = t / SR;
+        constexpr int LN = SR / SV;
         constexpr int W = SQ * SS * SR;
-        float acc[SQ];
+        struct alignas(sizeof(DT) * SV) SVec {{
+            DT v[SV];
+        }};
+        __shared__ float sred[ST / 32][SQ * SR];
+        const int t = threadIdx.x;
+        const int lane = t % LN;
+        const int G = blockDim.x / LN;
+        const int g = t / LN;
+        float acc[SQ][SV];
         #pragma unroll
         for (int p = 0; p < SQ; ++p) {{
-            acc[p] = 0.f;
-        }}
-        const size_t col0 = (size_t)s_slot * SR + r;
-        if (g < G) {{
-            int k = g;
-            for (; k + 3 * G < {len}; k += 4 * G) {{
-                float xv[4];
-                float av[4][SQ];
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {{
-                    const int ku = k + u * G;
-                    xv[u] = static_cast<float>({src}[base + ku]);
-                    #pragma unroll
-                    for (int p = 0; p < SQ; ++p) {{
-                        av[u][p] = static_cast<float>(sa[(size_t)ku * W + (size_t)p * SS * SR + col0]);
-                    }}
-                }}
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {{
-                    #pragma unroll
-                    for (int p = 0; p < SQ; ++p) {{
-                        acc[p] += xv[u] * av[u][p];
-                    }}
-                }}
+            #pragma unroll
+            for (int v = 0; v < SV; ++v) {{
+                acc[p][v] = 0.f;
             }}
-            for (; k < {len}; k += G) {{
-                const float xk = static_cast<float>({src}[base + k]);
+        }}
+        const size_t col0 = (size_t)s_slot * SR + (size_t)lane * SV;
+        int k = g;
+        for (; k + 3 * G < {len}; k += 4 * G) {{
+            float xv[4];
+            SVec av[4][SQ];
+            #pragma unroll
+            for (int u = 0; u < 4; ++u) {{
+                const int ku = k + u * G;
+                xv[u] = static_cast<float>({src}[base + ku]);
                 #pragma unroll
                 for (int p = 0; p < SQ; ++p) {{
-                    acc[p] += xk * static_cast<float>(sa[(size_t)k * W + (size_t)p * SS * SR + col0]);
+                    av[u][p] = *reinterpret_cast<const SVec*>(&sa[(size_t)ku * W + (size_t)p * SS * SR + col0]);
+                }}
+            }}
+            #pragma unroll
+            for (int u = 0; u < 4; ++u) {{
+                #pragma unroll
+                for (int p = 0; p < SQ; ++p) {{
+                    #pragma unroll
+                    for (int v = 0; v < SV; ++v) {{
+                        acc[p][v] += xv[u] * static_cast<float>(av[u][p].v[v]);
+                    }}
+                }}
+            }}
+        }}
+        for (; k < {len}; k += G) {{
+            const float xk = static_cast<float>({src}[base + k]);
+            #pragma unroll
+            for (int p = 0; p < SQ; ++p) {{
+                const SVec a1 = *reinterpret_cast<const SVec*>(&sa[(size_t)k * W + (size_t)p * SS * SR + col0]);
+                #pragma unroll
+                for (int v = 0; v < SV; ++v) {{
+                    acc[p][v] += xk * static_cast<float>(a1.v[v]);
                 }}
             }}
         }}
         #pragma unroll
         for (int p = 0; p < SQ; ++p) {{
-            sred[p][t] = acc[p];
+            #pragma unroll
+            for (int v = 0; v < SV; ++v) {{
+                #pragma unroll
+                for (int o = 16; o >= LN; o >>= 1) {{
+                    acc[p][v] += __shfl_xor_sync(0xffffffffu, acc[p][v], o);
+                }}
+            }}
+        }}
+        if ((t & 31) < LN) {{
+            #pragma unroll
+            for (int p = 0; p < SQ; ++p) {{
+                #pragma unroll
+                for (int v = 0; v < SV; ++v) {{
+                    sred[t >> 5][p * SR + lane * SV + v] = acc[p][v];
+                }}
+            }}
         }}
         __syncthreads();
-        if (t < SQ * SR) {{
-            const int p = t / SR;
-            const int rr = t % SR;
+        for (int c = t; c < SQ * SR; c += blockDim.x) {{
+            const int p = c / SR;
+            const int rr = c % SR;
             float v = 0.f;
-            for (int q = 0; q < G; ++q) {{
-                v += sred[p][q * SR + rr];
+            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {{
+                v += sred[w][c];
             }}
             sz[(size_t)row * W + (size_t)(p * SS + s_slot) * SR + rr] = static_cast<DT>(v);
         }}
@@ -459,6 +486,24 @@ impl LoraIn {
 
 const THREADS: i32 = 256;
 
+/// Threads of a block (one row) of the kernels that also compute a LoRA
+/// shrink ([`shrink_epilogue`]): 1024, or `WEFT_LORA_SHRINK_THREADS` (256 or
+/// 512). More warps a row hide more of the loads' latency: on an H100 at 64
+/// rows the step waited 0.92 / 0.30 / 0.19 ms for the device at 256 / 512 /
+/// 1024 (benches/RESULTS.md).
+fn shrink_threads() -> i32 {
+    static T: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *T.get_or_init(|| {
+        match std::env::var("WEFT_LORA_SHRINK_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            Some(t @ (256 | 512)) => t,
+            _ => 1024,
+        }
+    })
+}
+
 /// The fused decode kernels; live on the engine thread with the model.
 pub struct DecodeKernels {
     /// Each by the adapted parts of the projection it reads (0: none).
@@ -579,7 +624,7 @@ impl DecodeKernels {
                 lora,
                 (s[0], s[1]),
                 &[(s, dt), (s, dt)],
-                (s[0] * THREADS, 1),
+                (s[0] * THREADS, THREADS),
                 &[],
                 &[],
             )?;
@@ -591,7 +636,8 @@ impl DecodeKernels {
                 )),
             };
         };
-        let width = sh.check("add_rms_norm", s[0], s[1], dt)?;
+        let (width, sv) = sh.check("add_rms_norm", s[0], s[1], dt)?;
+        let st = shrink_threads();
         let kernels = &self.add_norm_shrink[sh.parts as usize - 1];
         let mut out = launch(
             kernels,
@@ -599,8 +645,14 @@ impl DecodeKernels {
             lora,
             (s[0], s[1]),
             &[(s, dt), (s, dt), (&[s[0], width], dt)],
-            (s[0] * THREADS, 1),
-            &[("SQ", sh.parts), ("SS", sh.slots_n), ("SR", sh.rank)],
+            (s[0] * st, st),
+            &[
+                ("SQ", sh.parts),
+                ("SS", sh.slots_n),
+                ("SR", sh.rank),
+                ("SV", sv),
+                ("ST", st),
+            ],
             &[&sh.a, &sh.slots],
         )?;
         let z = out.pop();
@@ -651,7 +703,7 @@ impl DecodeKernels {
             lora,
             (b, width),
             &[(&q, dt), (&kv, dt), (&kv, dt)],
-            (grid, 1),
+            (grid, THREADS),
             &[("HQ", heads.q), ("KVH", heads.kv), ("HD", heads.dim)],
             &[],
         )?;
@@ -685,7 +737,7 @@ impl DecodeKernels {
                 lora,
                 (n, 2 * f),
                 &[(&[n, f], dt)],
-                (grid, 1),
+                (grid, THREADS),
                 &[],
                 &[],
             )?;
@@ -694,15 +746,22 @@ impl DecodeKernels {
                 .ok_or_else(|| ModelError::Invalid("silu_mul: no output".into()))?;
             return Ok((act, None));
         };
-        let width = sh.check("silu_mul", n, f, dt)?;
+        let (width, sv) = sh.check("silu_mul", n, f, dt)?;
+        let st = shrink_threads();
         let mut out = launch(
             &self.silu_mul_shrink,
             vec![gu],
             lora,
             (n, 2 * f),
             &[(&[n, f], dt), (&[n, width], dt)],
-            (n * THREADS, 1),
-            &[("SQ", sh.parts), ("SS", sh.slots_n), ("SR", sh.rank)],
+            (n * st, st),
+            &[
+                ("SQ", sh.parts),
+                ("SS", sh.slots_n),
+                ("SR", sh.rank),
+                ("SV", sv),
+                ("ST", st),
+            ],
             &[&sh.a, &sh.slots],
         )?;
         let z = out.pop();
@@ -748,15 +807,34 @@ pub struct ShrinkIn {
 }
 
 impl ShrinkIn {
+    /// Elements of the dtype `dt` one load of a stack row reads in the
+    /// shrink epilogue (up to 16 bytes), or None where a `rank`'s columns do
+    /// not split into a power of two of at most 32 threads' loads (the
+    /// caller shrinks by a matmul then).
+    pub(crate) fn vector(rank: i32, dt: Dtype) -> Option<i32> {
+        let bytes = match dt {
+            Dtype::Bfloat16 | Dtype::Float16 => 2,
+            Dtype::Float32 => 4,
+            _ => return None,
+        };
+        let mut sv = 16 / bytes;
+        while sv > 1 && rank % sv != 0 {
+            sv /= 2;
+        }
+        let lanes = rank / sv;
+        (rank >= 1 && lanes <= 32 && (lanes as u32).is_power_of_two()).then_some(sv)
+    }
+
     /// Checks it against the `[n, len]` rows it shrinks (dtype `dt`);
-    /// returns the shrink's width (`parts * slots_n * rank`).
-    fn check(&self, what: &str, n: i32, len: i32, dt: Dtype) -> Result<i32> {
+    /// returns the shrink's width (`parts * slots_n * rank`) and the
+    /// elements a load reads ([`Self::vector`]).
+    fn check(&self, what: &str, n: i32, len: i32, dt: Dtype) -> Result<(i32, i32)> {
         let width = self.parts * self.slots_n * self.rank;
         let rows = self.slots.dim(0);
+        let sv = Self::vector(self.rank, dt);
         if self.parts < 1
             || self.parts as usize > LORA_MAX_PARTS
-            || self.rank < 1
-            || self.rank > THREADS
+            || sv.is_none()
             || self.a.shape() != [len, width]
             || self.a.dtype() != dt
             || self.slots.dtype() != Dtype::Uint32
@@ -773,13 +851,14 @@ impl ShrinkIn {
                 self.slots.shape()
             )));
         }
-        Ok(width)
+        Ok((width, sv.unwrap_or(1)))
     }
 }
 
 /// Launches the variant of `kernels` for `lora`'s parts (none without it)
 /// over `inputs`, `lora`'s inputs and then `extra`; `y` (rows, columns) is
-/// the shape of the projection output the kernel reads.
+/// the shape of the projection output the kernel reads; `grid` is (threads
+/// in all, threads a block).
 #[allow(clippy::too_many_arguments)]
 fn launch<'a>(
     kernels: &[Kernel],
@@ -805,7 +884,7 @@ fn launch<'a>(
         ModelError::Invalid(format!("no fused decode kernel for {parts} adapted parts"))
     })?;
     let ints: Vec<(&str, i32)> = ints.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-    kernel.apply(&inputs, outputs, grid, THREADS, &ints, ("DT", dt))
+    kernel.apply(&inputs, outputs, (grid.0, 1), grid.1, &ints, ("DT", dt))
 }
 
 /// MLX's RoPE frequencies, `exp2(-(i / (dims / 2)) * log2(base))` for `i <

@@ -924,7 +924,7 @@ impl LlamaModel {
         // which adds the expand as it reads; a gathered one adds its delta
         // through `gather_mm`s and an add here.
         // `z`: the shrink of `x` already computed by the add-norm kernel
-        // that made `x` (`WEFT_LORA_SHRINK=fused`), else one matmul here.
+        // that made `x` (`crate::lora::fused_shrink`), else one matmul here.
         let adapt = |y: Array,
                      i: usize,
                      g: Group,
@@ -999,6 +999,10 @@ impl LlamaModel {
             let (Some(l), Some(b0)) = (lora, d.b.first()) else {
                 return Ok(None);
             };
+            // A rank the kernel's loads do not split: the matmul shrinks.
+            if ShrinkIn::vector(b0.dim(1), dt).is_none() {
+                return Ok(None);
+            }
             let a = if d.a.dtype() == dt {
                 d.a.clone()
             } else {

@@ -544,18 +544,17 @@ impl AdapterPool {
     }
 }
 
-/// `WEFT_LORA_SHRINK=fused`: on the GPU's fused decode layer, the kernels
-/// that make the QKV, gate/up and down projections' inputs (add-norm,
-/// SwiGLU) also compute their LoRA shrinks
-/// (`crate::decode_kernels::ShrinkIn`): 65 fewer matmuls per step of a
-/// 22-layer model (the first layer's QKV and every output projection keep
-/// theirs); otherwise each shrink is a matmul. Opt-in: on an H100 its
-/// kernels cost the device more than the host saves (0.46x of no adapters
-/// against the matmuls' 0.80x, 64 rows; benches/RESULTS.md); its parity
-/// with mlx-lm passes on the GPU.
+/// On the GPU's fused decode layer the kernels that make the QKV, gate/up
+/// and down projections' inputs (add-norm, SwiGLU) also compute their LoRA
+/// shrinks (`crate::decode_kernels::ShrinkIn`): 65 fewer matmuls per step
+/// of a 22-layer model (the first layer's QKV and every output projection
+/// keep theirs). The default; `WEFT_LORA_SHRINK=matmul` makes each shrink a
+/// matmul instead. On an H100 at 64 rows over 8 adapters the fused shrinks
+/// ran 2-20% faster than the matmuls in every pairing (benches/RESULTS.md);
+/// their parity with mlx-lm passes on the GPU.
 pub(crate) fn fused_shrink() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("WEFT_LORA_SHRINK").is_ok_and(|v| v == "fused"))
+    *ON.get_or_init(|| std::env::var("WEFT_LORA_SHRINK").map_or(true, |v| v != "matmul"))
 }
 
 /// Which groups and parts a pool's stacks have, per layer: how a compiled
