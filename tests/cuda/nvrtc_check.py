@@ -2,8 +2,10 @@
 `mx.fast.cuda_kernel` wraps them (inputs as `const T*` with `<name>_shape`
 when the body uses it, outputs as `T*`, template arguments as constexpr
 lines), without a GPU: crates/models/tests/cuda_sources.rs hands it every
-variant Weft launches. Fails on any NVRTC error or warning and on register
-spills (a spill is a slow kernel that still compiles).
+variant Weft launches. Fails on any NVRTC error or warning, on register
+spills (a spill is a slow kernel that still compiles) and, for a variant
+whose block size is given (const `ST`), on more registers than an SM holds
+for a block that size (such a launch fails on the GPU).
 
     python3 tests/cuda/nvrtc_check.py SPEC.json
 
@@ -81,6 +83,9 @@ def main():
             problems.append("warnings")
         if any(spills):
             problems.append(f"spills {spills}")
+        threads = dict(v["consts"]).get("ST")
+        if threads and regs and max(int(r) for r in regs) * threads > 65536:
+            problems.append(f"{max(int(r) for r in regs)} registers: no room for {threads} threads")
         if problems:
             bad += 1
             print(f"FAIL {what}: {', '.join(problems)}\n{log[:4000]}", flush=True)

@@ -811,7 +811,7 @@ impl ShrinkIn {
     /// shrink epilogue (up to 16 bytes), or None where a `rank`'s columns do
     /// not split into a power of two of at most 32 threads' loads (the
     /// caller shrinks by a matmul then).
-    pub(crate) fn vector(rank: i32, dt: Dtype) -> Option<i32> {
+    pub fn vector(rank: i32, dt: Dtype) -> Option<i32> {
         let bytes = match dt {
             Dtype::Bfloat16 | Dtype::Float16 => 2,
             Dtype::Float32 => 4,

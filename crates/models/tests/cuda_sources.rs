@@ -85,8 +85,8 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
 /// (`decode_kernels::Consumer`: residual add + RMS norm, RoPE of the fused
 /// QKV, SwiGLU of the fused gate/up), plain and with the LoRA expand of one
 /// to all of the projection's parts read in (`decode_kernels::lora_prelude`),
-/// each dtype, ranks 16, 12 and 64; the add-norm and SwiGLU kernels also
-/// with the next projection's LoRA shrink.
+/// each dtype, ranks 16, 12, 8 and 64; the add-norm and SwiGLU kernels also
+/// with the next projection's LoRA shrink (1024 threads a row, the default).
 #[test]
 fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
     use weft_models::decode_kernels::*;
@@ -109,7 +109,12 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
         for (parts, shrink) in
             (0..=c.max_parts()).flat_map(|p| shrinks.clone().map(move |q| (p, q)))
         {
-            for (dt, rank) in [("__nv_bfloat16", 16), ("__half", 12), ("float", 64)] {
+            for (dt, rank) in [
+                ("__nv_bfloat16", 16),
+                ("__half", 12),
+                ("__half", 8),
+                ("float", 64),
+            ] {
                 let k = c.source_with_shrink(parts, shrink);
                 let inputs: Vec<_> = k
                     .inputs
@@ -136,7 +141,23 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                     }
                 }
                 if shrink > 0 {
-                    consts.extend([json!(["SQ", shrink]), json!(["SS", 9]), json!(["SR", rank])]);
+                    // The shrink's loads: where a rank does not split into
+                    // them the model shrinks by a matmul, never this variant.
+                    let dtype = match dt {
+                        "__nv_bfloat16" => mlx_rs::Dtype::Bfloat16,
+                        "__half" => mlx_rs::Dtype::Float16,
+                        _ => mlx_rs::Dtype::Float32,
+                    };
+                    let Some(sv) = ShrinkIn::vector(rank, dtype) else {
+                        continue;
+                    };
+                    consts.extend([
+                        json!(["SQ", shrink]),
+                        json!(["SS", 9]),
+                        json!(["SR", rank]),
+                        json!(["SV", sv]),
+                        json!(["ST", 1024]),
+                    ]);
                 }
                 let outputs: Vec<_> = k.outputs.iter().map(|o| json!([o, dt])).collect();
                 spec.push(json!({
