@@ -494,13 +494,11 @@ const THREADS: i32 = 256;
 fn shrink_threads() -> i32 {
     static T: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *T.get_or_init(|| {
-        match std::env::var("WEFT_LORA_SHRINK_THREADS")
+        std::env::var("WEFT_LORA_SHRINK_THREADS")
             .ok()
             .and_then(|v| v.parse().ok())
-        {
-            Some(t @ (256 | 512)) => t,
-            _ => 1024,
-        }
+            .filter(|t| [256, 512].contains(t))
+            .unwrap_or(1024)
     })
 }
 
