@@ -140,6 +140,7 @@ pub fn step_shape(
         gathered_rows: (max_rows as u64).min(tokens),
         gather_bytes_per_token: runner.kv().gather_bytes_per_token(),
         rows: max_rows as u64,
+        adapter_per_token: runner.adapters().map_or(0, |p| p.step_elements_per_token()),
     }
 }
 

@@ -294,6 +294,31 @@ impl AdapterPool {
             .sum()
     }
 
+    /// Elements per token of one layer that a forward's adapter deltas may
+    /// hold at once, the bound a step's memory plan adds to its
+    /// activations: per adapted group three of its shrink's width (every
+    /// slot's shrink, dense, or the row's own, gathered; its masked copy and
+    /// its split parts) and three of the group's output width (each part's
+    /// delta, their concatenation, the sum).
+    pub fn step_elements_per_token(&self) -> u64 {
+        let Some(layer) = self
+            .stacks
+            .iter()
+            .max_by_key(|l| l.iter().flatten().count())
+        else {
+            return 0;
+        };
+        layer
+            .iter()
+            .flatten()
+            .map(|g| {
+                let z = if g.dense() { g.a.dim(1) } else { g.a.dim(2) };
+                let out: i32 = g.b.iter().map(|b| b.dim(2)).sum();
+                3 * z.max(0) as u64 + 3 * out.max(0) as u64
+            })
+            .sum()
+    }
+
     /// The slot `id` is resident in.
     pub fn slot_of(&self, id: AdapterId) -> Option<u32> {
         self.resident

@@ -95,6 +95,10 @@ pub struct StepShape {
     pub gather_bytes_per_token: u64,
     /// Rows the step may hold (each with its recurrent state, in a hybrid).
     pub rows: u64,
+    /// Elements per token of one layer the adapter deltas may hold (0
+    /// without an adapter pool;
+    /// [`crate::lora::AdapterPool::step_elements_per_token`]).
+    pub adapter_per_token: u64,
 }
 
 /// Upper bound of a step's allocations for `config` at `shape`.
@@ -111,7 +115,9 @@ pub fn step_memory(config: &ModelConfig, shape: StepShape) -> StepMemory {
     // next norm ([T, h] each); fused q/k/v, roped q and k, attention output;
     // fused gate/up, its activation.
     let per_token = 6 * h + (hq + 2 * hkv) * d + (hq + hkv) * d + hq * d + 3 * f;
-    let activations = t.saturating_mul(per_token).saturating_mul(shape.act_bytes);
+    let activations = t
+        .saturating_mul(per_token.saturating_add(shape.adapter_per_token))
+        .saturating_mul(shape.act_bytes);
     // Worst case: every prefill token of the step is one row's, over the
     // longest context. Composed attention (the GPU) materializes one chunk of
     // at most MAX_SCORES at a time; MLX's CPU SDPA all of a forward's.
@@ -174,6 +180,7 @@ mod tests {
             gathered_rows: 0,
             gather_bytes_per_token: 0,
             rows,
+            adapter_per_token: 0,
         }
     }
 

@@ -818,3 +818,54 @@ fn adapters_beyond_the_slots_load_on_use_and_evict_the_least_recent() {
     assert!(e.contains("not registered"), "{e}");
     kv.rollback();
 }
+
+/// The memory plan's step bound counts what adapter deltas hold
+/// (`AdapterPool::step_elements_per_token`, added to each token's
+/// activations): a prefill of rows through an adapter on every projection
+/// peaks no further above the same prefill without adapters than that, in
+/// both stack layouts.
+#[test]
+fn the_step_bound_covers_the_adapter_deltas() {
+    let f = Fixture::new(false);
+    for layout in [StackLayout::Gathered, StackLayout::Dense] {
+        let mut r = f.runner_laid_out(DENSE_F32, layout);
+        let per_token = r.adapters().unwrap().step_elements_per_token();
+        assert!(per_token > 0, "{layout:?}: no adapter term");
+        let (rows, len) = (4u64, 32u32);
+        let mut peak = |adapter: Option<u64>| -> u64 {
+            let mut kv = Kv::for_runner(&r);
+            let mut steps: Vec<RowStep> = (0..rows)
+                .map(|i| RowStep {
+                    row: i,
+                    tokens: (1..=len).map(|t| t + i as u32).collect(),
+                    want_logits: true,
+                    adapter: adapter.map(AdapterId),
+                    ..Default::default()
+                })
+                .collect();
+            let ops = kv.plan(&mut steps);
+            let before = weft_models::memory::mlx_memory().unwrap().active;
+            weft_models::memory::reset_peak().unwrap();
+            let out = r.forward(&ops, &steps).unwrap();
+            let peak = weft_models::memory::mlx_memory().unwrap().peak;
+            drop(out);
+            r.rollback();
+            kv.rollback();
+            peak.saturating_sub(before)
+        };
+        // Adapter 2 (index 1) adapts every projection at rank 16.
+        peak(None);
+        let plain = peak(None);
+        let adapted = peak(Some(2));
+        let bound = rows * u64::from(len) * per_token * 4;
+        eprintln!(
+            "{layout:?}: step peak {plain} B without adapters, {adapted} B with, bound of the deltas {bound} B"
+        );
+        assert!(adapted > plain, "{layout:?}: the deltas took no memory?");
+        assert!(
+            adapted <= plain + bound,
+            "{layout:?}: the adapters' step peaked {} B above the plain one, past their bound {bound} B",
+            adapted - plain
+        );
+    }
+}
