@@ -36,8 +36,9 @@ use crate::gemv::{Gemv, Post, Pre};
 use crate::linear::Linear;
 
 /// `sum = h + a` (in the dtype), `normed = rms_norm(sum) * w`: one thread
-/// block per row.
-const ADD_NORM_SOURCE: &str = r#"
+/// block per row: [`ADD_NORM_HEAD`] (the row and its offset `base`; a
+/// LoRA prologue, [`lora_prologue`], may follow it) then this.
+const ADD_NORM_HEAD: &str = r#"
     const int N = h_shape[0];
     const int H = h_shape[1];
     const int row = blockIdx.x;
@@ -45,6 +46,10 @@ const ADD_NORM_SOURCE: &str = r#"
         return;
     }
     const size_t base = (size_t)row * H;
+"#;
+
+/// The rest of the add-norm kernel, after [`ADD_NORM_HEAD`].
+const ADD_NORM_SOURCE: &str = r#"
     float ss = 0.f;
     for (int i = threadIdx.x; i < H; i += blockDim.x) {
         const DT s = static_cast<DT>(static_cast<float>(h[base + i]) + ld(a[base + i], row, i));
@@ -95,96 +100,197 @@ const ADD_NORM_SOURCE: &str = r#"
 /// device, with four 3.6 ms.) Partial sums meet by warp shuffles, then
 /// across warps in shared memory.
 fn shrink_epilogue(src: &str, len: &str) -> String {
+    let store = "sz[(size_t)row * W + (size_t)(p * SS + @SLOT@) * SR + rr] = static_cast<DT>(v);";
     format!(
         r#"
     __syncthreads();
     const int s_slot = (int)sslots[row / (N / sslots_shape[0])];
-    if (s_slot != 0) {{
-        constexpr int LN = SR / SV;
-        constexpr int W = SQ * SS * SR;
-        struct alignas(sizeof(DT) * SV) SVec {{
-            DT v[SV];
-        }};
-        __shared__ float sred[ST / 32][SQ * SR];
+    if (s_slot != 0) {{{}
+    }}
+"#,
+        shrink_loop(&ShrinkLoop {
+            src,
+            base: "base",
+            len,
+            stack: "sa",
+            parts: "SQ",
+            slots: "SS",
+            rank: "SR",
+            vector: "SV",
+            slot: "s_slot",
+            red: "sred",
+            store,
+        })
+    )
+}
+
+/// The names one shrink loop ([`shrink_loop`]) reads and writes.
+struct ShrinkLoop<'a> {
+    /// The row's input (`src[base + k]`, `k < len`).
+    src: &'a str,
+    base: &'a str,
+    len: &'a str,
+    /// The dense stack `[len, parts * slots * rank]` and its template sizes.
+    stack: &'a str,
+    parts: &'a str,
+    slots: &'a str,
+    rank: &'a str,
+    /// Elements of one load ([`ShrinkIn::vector`]).
+    vector: &'a str,
+    /// The row's slot (not 0).
+    slot: &'a str,
+    /// The shared partial sums' name.
+    red: &'a str,
+    /// Stores the sum `v` of part `p`, rank column `rr` (`@SLOT@` is the
+    /// slot, `W` the stack's width).
+    store: &'a str,
+}
+
+/// The body of a block-per-row LoRA shrink of the row's own slot (see
+/// [`shrink_epilogue`]), over the names `n` says: every thread of the
+/// block takes part, and the block's threads meet at a barrier inside.
+fn shrink_loop(n: &ShrinkLoop<'_>) -> String {
+    let code = r#"
+        constexpr int LN = @R@ / @V@;
+        constexpr int W = @Q@ * @S@ * @R@;
+        struct alignas(sizeof(DT) * @V@) SVec {
+            DT v[@V@];
+        };
+        __shared__ float @RED@[ST / 32][@Q@ * @R@];
         const int t = threadIdx.x;
         const int lane = t % LN;
         const int G = blockDim.x / LN;
         const int g = t / LN;
-        float acc[SQ][SV];
+        float acc[@Q@][@V@];
         #pragma unroll
-        for (int p = 0; p < SQ; ++p) {{
+        for (int p = 0; p < @Q@; ++p) {
             #pragma unroll
-            for (int v = 0; v < SV; ++v) {{
+            for (int v = 0; v < @V@; ++v) {
                 acc[p][v] = 0.f;
-            }}
-        }}
-        const size_t col0 = (size_t)s_slot * SR + (size_t)lane * SV;
+            }
+        }
+        const size_t col0 = (size_t)@SLOT@ * @R@ + (size_t)lane * @V@;
         int k = g;
-        for (; k + 3 * G < {len}; k += 4 * G) {{
+        for (; k + 3 * G < @LEN@; k += 4 * G) {
             float xv[4];
-            SVec av[4][SQ];
+            SVec av[4][@Q@];
             #pragma unroll
-            for (int u = 0; u < 4; ++u) {{
+            for (int u = 0; u < 4; ++u) {
                 const int ku = k + u * G;
-                xv[u] = static_cast<float>({src}[base + ku]);
+                xv[u] = static_cast<float>(@SRC@[@BASE@ + ku]);
                 #pragma unroll
-                for (int p = 0; p < SQ; ++p) {{
-                    av[u][p] = *reinterpret_cast<const SVec*>(&sa[(size_t)ku * W + (size_t)p * SS * SR + col0]);
-                }}
-            }}
+                for (int p = 0; p < @Q@; ++p) {
+                    av[u][p] = *reinterpret_cast<const SVec*>(&@A@[(size_t)ku * W + (size_t)p * @S@ * @R@ + col0]);
+                }
+            }
             #pragma unroll
-            for (int u = 0; u < 4; ++u) {{
+            for (int u = 0; u < 4; ++u) {
                 #pragma unroll
-                for (int p = 0; p < SQ; ++p) {{
+                for (int p = 0; p < @Q@; ++p) {
                     #pragma unroll
-                    for (int v = 0; v < SV; ++v) {{
+                    for (int v = 0; v < @V@; ++v) {
                         acc[p][v] += xv[u] * static_cast<float>(av[u][p].v[v]);
-                    }}
-                }}
-            }}
-        }}
-        for (; k < {len}; k += G) {{
-            const float xk = static_cast<float>({src}[base + k]);
+                    }
+                }
+            }
+        }
+        for (; k < @LEN@; k += G) {
+            const float xk = static_cast<float>(@SRC@[@BASE@ + k]);
             #pragma unroll
-            for (int p = 0; p < SQ; ++p) {{
-                const SVec a1 = *reinterpret_cast<const SVec*>(&sa[(size_t)k * W + (size_t)p * SS * SR + col0]);
+            for (int p = 0; p < @Q@; ++p) {
+                const SVec a1 = *reinterpret_cast<const SVec*>(&@A@[(size_t)k * W + (size_t)p * @S@ * @R@ + col0]);
                 #pragma unroll
-                for (int v = 0; v < SV; ++v) {{
+                for (int v = 0; v < @V@; ++v) {
                     acc[p][v] += xk * static_cast<float>(a1.v[v]);
-                }}
-            }}
-        }}
+                }
+            }
+        }
         #pragma unroll
-        for (int p = 0; p < SQ; ++p) {{
+        for (int p = 0; p < @Q@; ++p) {
             #pragma unroll
-            for (int v = 0; v < SV; ++v) {{
+            for (int v = 0; v < @V@; ++v) {
                 #pragma unroll
-                for (int o = 16; o >= LN; o >>= 1) {{
+                for (int o = 16; o >= LN; o >>= 1) {
                     acc[p][v] += __shfl_xor_sync(0xffffffffu, acc[p][v], o);
-                }}
-            }}
-        }}
-        if ((t & 31) < LN) {{
+                }
+            }
+        }
+        if ((t & 31) < LN) {
             #pragma unroll
-            for (int p = 0; p < SQ; ++p) {{
+            for (int p = 0; p < @Q@; ++p) {
                 #pragma unroll
-                for (int v = 0; v < SV; ++v) {{
-                    sred[t >> 5][p * SR + lane * SV + v] = acc[p][v];
-                }}
-            }}
-        }}
+                for (int v = 0; v < @V@; ++v) {
+                    @RED@[t >> 5][p * @R@ + lane * @V@ + v] = acc[p][v];
+                }
+            }
+        }
         __syncthreads();
-        for (int c = t; c < SQ * SR; c += blockDim.x) {{
-            const int p = c / SR;
-            const int rr = c % SR;
+        for (int c = t; c < @Q@ * @R@; c += blockDim.x) {
+            const int p = c / @R@;
+            const int rr = c % @R@;
             float v = 0.f;
-            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {{
-                v += sred[w][c];
-            }}
-            sz[(size_t)row * W + (size_t)(p * SS + s_slot) * SR + rr] = static_cast<DT>(v);
-        }}
+            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
+                v += @RED@[w][c];
+            }
+            @STORE@
+        }"#;
+    code.replace("@STORE@", n.store)
+        .replace("@SRC@", n.src)
+        .replace("@BASE@", n.base)
+        .replace("@LEN@", n.len)
+        .replace("@A@", n.stack)
+        .replace("@Q@", n.parts)
+        .replace("@S@", n.slots)
+        .replace("@R@", n.rank)
+        .replace("@V@", n.vector)
+        .replace("@SLOT@", n.slot)
+        .replace("@RED@", n.red)
+}
+
+/// The add-norm kernel's LoRA prologue for the output projection's
+/// adapter (opt-in, `WEFT_LORA_O_SHRINK=prologue`): after
+/// [`ADD_NORM_HEAD`], the block computes its row's shrink of the output
+/// projection's input `px` `[N, px_shape[1]]` by the dense stack `pa`
+/// `[K, LS * LR]` ([`shrink_loop`], loads of `PV` elements) into shared
+/// memory, rounded to the dtype as a matmul's output would be, then reads
+/// `a` (the base projection's output) plus the expand `z @ lb0[slot]` on
+/// columns `LOFF0 .. LOFF0 + LW0`, as [`lora_prelude`] does from a shrink
+/// matmul's output: so the output projection's shrink costs no primitive.
+fn lora_prologue() -> String {
+    let store = "pz[p * LR + rr] = static_cast<float>(static_cast<DT>(v));";
+    format!(
+        r#"
+    const int p_slot = (int)lslots[row / (N / lslots_shape[0])];
+    __shared__ float pz[LR];
+    if (p_slot != 0) {{{}
     }}
-"#
+    __syncthreads();
+    auto ld = [&](DT v, int, int j) -> float {{
+        if (p_slot == 0 || j < LOFF0 || j >= LOFF0 + LW0) {{
+            return static_cast<float>(v);
+        }}
+        float acc = 0.f;
+        const size_t bb = (size_t)p_slot * LR * LW0 + (j - LOFF0);
+        #pragma unroll 8
+        for (int r = 0; r < LR; ++r) {{
+            acc += pz[r] * static_cast<float>(lb0[bb + (size_t)r * LW0]);
+        }}
+        return static_cast<float>(static_cast<DT>(static_cast<float>(v) + static_cast<float>(static_cast<DT>(acc))));
+    }};
+"#,
+        shrink_loop(&ShrinkLoop {
+            src: "px",
+            base: "(size_t)row * px_shape[1]",
+            len: "px_shape[1]",
+            stack: "pa",
+            parts: "1",
+            slots: "LS",
+            rank: "LR",
+            vector: "PV",
+            slot: "p_slot",
+            red: "pred",
+            store,
+        })
     )
 }
 
@@ -361,15 +467,20 @@ impl Consumer {
                 "weft_add_rms_norm",
                 &["h", "a", "w", "eps"],
                 vec!["sum", "normed"],
-                ADD_NORM_SOURCE,
+                format!("{ADD_NORM_HEAD}{ADD_NORM_SOURCE}"),
             ),
             Self::RopeQkv => (
                 "weft_rope_qkv",
                 &["qkv", "start", "inv_freq", "scale"],
                 vec!["q_out", "k_out", "v_out"],
-                ROPE_QKV_SOURCE,
+                ROPE_QKV_SOURCE.to_string(),
             ),
-            Self::SiluMul => ("weft_silu_mul", &["gu"], vec!["out"], SILU_MUL_SOURCE),
+            Self::SiluMul => (
+                "weft_silu_mul",
+                &["gu"],
+                vec!["out"],
+                SILU_MUL_SOURCE.to_string(),
+            ),
         };
         let mut inputs: Vec<String> = inputs.iter().map(|s| s.to_string()).collect();
         let name = if parts == 0 {
@@ -386,7 +497,7 @@ impl Consumer {
             inputs.extend(["sa".into(), "sslots".into()]);
             outputs.push("sz");
             if self == Self::AddNorm {
-                source.push_str(body);
+                source.push_str(&body);
                 source.push_str(&shrink_epilogue("normed", "H"));
             } else {
                 source.push_str(SILU_MUL_ROW_SOURCE);
@@ -394,7 +505,7 @@ impl Consumer {
             }
             format!("{name}_shrink{shrink}")
         } else {
-            source.push_str(body);
+            source.push_str(&body);
             name
         };
         KernelSource {
@@ -412,6 +523,33 @@ impl Consumer {
             Self::RopeQkv => 3,
             Self::SiluMul => 2,
         }
+    }
+}
+
+/// The add-norm kernel after the output projection with that projection's
+/// LoRA shrink and expand in its prologue ([`lora_prologue`]; inputs `lslots`
+/// `[B]`, `lb0` `[LS, LR, H]`, `px` the projection's input `[N, K]`, `pa` its
+/// dense stack `[K, LS * LR]`), also with the next projection's shrink over
+/// `shrink` parts (0: none; [`shrink_epilogue`]).
+pub fn add_norm_prologue_source(shrink: usize) -> KernelSource {
+    let mut inputs: Vec<String> = ["h", "a", "w", "eps", "lslots", "lb0", "px", "pa"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let mut outputs = vec!["sum", "normed"];
+    let mut source = format!("{ADD_NORM_HEAD}{}{ADD_NORM_SOURCE}", lora_prologue());
+    let mut name = "weft_add_rms_norm_olora".to_string();
+    if shrink > 0 {
+        inputs.extend(["sa".into(), "sslots".into()]);
+        outputs.push("sz");
+        source.push_str(&shrink_epilogue("normed", "H"));
+        name = format!("{name}_shrink{shrink}");
+    }
+    KernelSource {
+        name,
+        inputs,
+        outputs,
+        source,
     }
 }
 
@@ -512,6 +650,9 @@ pub struct DecodeKernels {
     /// `silu_mul` a block per row with the down projection's (one part)
     /// LoRA shrink, as `silu_mul`.
     silu_mul_shrink: Vec<Kernel>,
+    /// [`add_norm_prologue_source`] by the next projection's shrink parts
+    /// (0 ..= [`LORA_MAX_PARTS`]).
+    add_norm_pro: Vec<Kernel>,
     rope_qkv: Vec<Kernel>,
     silu_mul: Vec<Kernel>,
     gemv: Gemv,
@@ -534,6 +675,13 @@ impl DecodeKernels {
                 .map(|q| shrink_variants(Consumer::AddNorm, q))
                 .collect::<Result<_>>()?,
             silu_mul_shrink: shrink_variants(Consumer::SiluMul, 1)?,
+            add_norm_pro: (0..=LORA_MAX_PARTS)
+                .map(|q| {
+                    let k = add_norm_prologue_source(q);
+                    let ins: Vec<&str> = k.inputs.iter().map(String::as_str).collect();
+                    Kernel::new(&k.name, &ins, &k.outputs, &k.source)
+                })
+                .collect::<Result<_>>()?,
             rope_qkv: variants(Consumer::RopeQkv)?,
             silu_mul: variants(Consumer::SiluMul)?,
             gemv: Gemv::new()?,
@@ -659,6 +807,98 @@ impl DecodeKernels {
             (Some(sum), Some(normed), Some(z)) => Ok((sum, normed, Some(z))),
             _ => Err(ModelError::Invalid(
                 "add_rms_norm: expected 3 outputs".into(),
+            )),
+        }
+    }
+
+    /// [`Self::add_rms_norm`] after the output projection, `a` its base
+    /// output, with its adapters' shrink and expand computed in the kernel
+    /// ([`add_norm_prologue_source`]) from `pro`, and optionally the next
+    /// projection's shrink.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn add_rms_norm_pro(
+        &self,
+        h: &Array,
+        a: &Array,
+        w: &Array,
+        eps: &Array,
+        pro: &ProShrink,
+        shrink: Option<&ShrinkIn>,
+    ) -> Result<(Array, Array, Option<Array>)> {
+        let s = h.shape();
+        let dt = h.dtype();
+        let (n, hd) = (
+            s.first().copied().unwrap_or(0),
+            s.get(1).copied().unwrap_or(0),
+        );
+        let (sl, r) = (pro.b.dim(0), pro.b.dim(1));
+        let k = pro.x.dim(-1);
+        let pv = ShrinkIn::vector(r, dt);
+        let rows = pro.slots.dim(0);
+        if s.len() != 2
+            || a.shape() != s
+            || a.dtype() != dt
+            || w.shape() != [hd]
+            || pro.b.shape() != [sl, r, hd]
+            || pro.x.shape() != [n, k]
+            || pro.a.shape() != [k, sl * r]
+            || [pro.b.dtype(), pro.x.dtype(), pro.a.dtype()] != [dt, dt, dt]
+            || pro.slots.dtype() != Dtype::Uint32
+            || rows == 0
+            || n % rows != 0
+            || pv.is_none()
+        {
+            return Err(ModelError::Invalid(format!(
+                "add_rms_norm_pro: h {s:?} {dt:?}, a {:?}, w {:?}, b {:?} {:?}, x {:?} {:?}, a-stack {:?} {:?}, slots {:?}",
+                a.shape(),
+                w.shape(),
+                pro.b.shape(),
+                pro.b.dtype(),
+                pro.x.shape(),
+                pro.x.dtype(),
+                pro.a.shape(),
+                pro.a.dtype(),
+                pro.slots.shape()
+            )));
+        }
+        let st = shrink_threads();
+        let mut ints = vec![
+            ("LS", sl),
+            ("LR", r),
+            ("LOFF0", 0),
+            ("LW0", hd),
+            ("PV", pv.unwrap_or(1)),
+            ("ST", st),
+        ];
+        let mut inputs = vec![h, a, w, eps, &pro.slots, &pro.b, &pro.x, &pro.a];
+        let mut outputs: Vec<(&[i32], Dtype)> = vec![(s, dt), (s, dt)];
+        let width;
+        let parts = match shrink {
+            Some(sh) => {
+                let (wd, sv) = sh.check("add_rms_norm_pro", n, hd, dt)?;
+                width = [n, wd];
+                ints.extend([
+                    ("SQ", sh.parts),
+                    ("SS", sh.slots_n),
+                    ("SR", sh.rank),
+                    ("SV", sv),
+                ]);
+                inputs.extend([&sh.a, &sh.slots]);
+                outputs.push((&width, dt));
+                sh.parts as usize
+            }
+            None => 0,
+        };
+        let kernel = self.add_norm_pro.get(parts).ok_or_else(|| {
+            ModelError::Invalid(format!("no add-norm prologue kernel for {parts} parts"))
+        })?;
+        let mut out = kernel.apply(&inputs, &outputs, (n * st, 1), st, &ints, ("DT", dt))?;
+        let z = if parts > 0 { out.pop() } else { None };
+        let normed = out.pop();
+        match (out.pop(), normed) {
+            (Some(sum), Some(normed)) => Ok((sum, normed, z)),
+            _ => Err(ModelError::Invalid(
+                "add_rms_norm_pro: expected its outputs".into(),
             )),
         }
     }
@@ -802,6 +1042,17 @@ pub struct ShrinkIn {
     pub parts: i32,
     pub slots_n: i32,
     pub rank: i32,
+}
+
+/// The output projection's adapters for [`DecodeKernels::add_rms_norm_pro`]:
+/// `x` `[N, K]` the projection's input, `a` its dense stack of `A`s `[K,
+/// slots * rank]`, `b` `[slots, rank, H]` its expand, `slots` `[B]` uint32
+/// each row's slot (all in the rows' dtype but `slots`).
+pub struct ProShrink {
+    pub x: Array,
+    pub a: Array,
+    pub b: Array,
+    pub slots: Array,
 }
 
 impl ShrinkIn {

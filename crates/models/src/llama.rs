@@ -12,7 +12,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::config::{Activation, Arch, ModelConfig};
 use crate::cpu_kernels::{self, Kernels};
-use crate::decode_kernels::{self, DecodeKernels, LoraIn, QkvHeads, ShrinkIn};
+use crate::decode_kernels::{self, DecodeKernels, LoraIn, ProShrink, QkvHeads, ShrinkIn};
 use crate::error::{ModelError, Result};
 use crate::gated_delta::GatedDeltaNet;
 use crate::gemv::{Post, Pre};
@@ -1016,6 +1016,33 @@ impl LlamaModel {
                 rank: b0.dim(1),
             }))
         };
+        // The output projection's adapters for the add-norm kernel that
+        // reads it (`crate::lora::o_prologue`), where the pool stacks them
+        // densely and every array is in the residual stream's dtype `dt`.
+        let o_prologue = fused_shrink && crate::lora::o_prologue();
+        let pro_for = |i: usize, x: &Array, dt: mlx_rs::Dtype| -> Result<Option<ProShrink>> {
+            let Some(d) = lora
+                .filter(|_| o_prologue)
+                .and_then(|l| l.dense(i, Group::O))
+            else {
+                return Ok(None);
+            };
+            let (Some(l), Some(b0)) = (lora, d.b.first()) else {
+                return Ok(None);
+            };
+            if d.parts != [0]
+                || ShrinkIn::vector(b0.dim(1), dt).is_none()
+                || [x.dtype(), d.a.dtype(), b0.dtype()] != [dt, dt, dt]
+            {
+                return Ok(None);
+            }
+            Ok(Some(ProShrink {
+                x: x.clone(),
+                a: d.a.clone(),
+                b: b0.clone(),
+                slots: l.slots().clone(),
+            }))
+        };
         let add_norm =
             |h: &Array, (a, l): (Array, Option<LoraIn>), w: &Array, next: Option<ShrinkIn>| {
                 let (a, l) = if a.dtype() == h.dtype() {
@@ -1055,15 +1082,26 @@ impl LlamaModel {
                 heads,
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
-            let a = adapt(
-                k.linear(&attn.o, &a)?,
-                i,
-                Group::O,
-                &a,
-                &[c.hidden_size],
-                None,
-            )?;
-            let (s, n, nz) = add_norm(&h, a, post_norm, shrink_for(i, Group::GateUp, h.dtype())?)?;
+            let gu_shrink = shrink_for(i, Group::GateUp, h.dtype())?;
+            let (s, n, nz) = match pro_for(i, &a, h.dtype())? {
+                // The output projection's shrink and expand inside the
+                // add-norm kernel that reads it.
+                Some(pro) => {
+                    let y = k.linear(&attn.o, &a)?;
+                    k.add_rms_norm_pro(&h, &y, post_norm, &self.eps, &pro, gu_shrink.as_ref())?
+                }
+                None => {
+                    let a = adapt(
+                        k.linear(&attn.o, &a)?,
+                        i,
+                        Group::O,
+                        &a,
+                        &[c.hidden_size],
+                        None,
+                    )?;
+                    add_norm(&h, a, post_norm, gu_shrink)?
+                }
+            };
             let inter = c.intermediate_size;
             let (gu, l) = adapt(
                 k.linear(gate_up, &n)?,

@@ -582,6 +582,16 @@ pub(crate) fn fused_shrink() -> bool {
     *ON.get_or_init(|| std::env::var("WEFT_LORA_SHRINK").map_or(true, |v| v != "matmul"))
 }
 
+/// `WEFT_LORA_O_SHRINK=prologue` (with [`fused_shrink`]): the add-norm
+/// kernel after each output projection computes that projection's shrink
+/// itself (`crate::decode_kernels::add_norm_prologue_source`), so the 22
+/// output-projection shrink matmuls of a 22-layer step go too. Opt-in: not
+/// yet run on a GPU (its sources compile for sm_90: `tests/cuda_sources.rs`).
+pub(crate) fn o_prologue() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WEFT_LORA_O_SHRINK").is_ok_and(|v| v == "prologue"))
+}
+
 /// Which groups and parts a pool's stacks have, per layer: how a compiled
 /// step's flat inputs map back to a [`LoraStep`].
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -86,7 +86,8 @@ fn every_gemv_and_mma_variant_compiles_for_sm90_without_spills() {
 /// QKV, SwiGLU of the fused gate/up), plain and with the LoRA expand of one
 /// to all of the projection's parts read in (`decode_kernels::lora_prelude`),
 /// each dtype, ranks 16, 12, 8 and 64; the add-norm and SwiGLU kernels also
-/// with the next projection's LoRA shrink (1024 threads a row, the default).
+/// with the next projection's LoRA shrink (1024 threads a row, the default),
+/// and the add-norm kernel with the output projection's shrink in its prologue.
 #[test]
 fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
     use weft_models::decode_kernels::*;
@@ -169,6 +170,56 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                     "source": k.source,
                 }));
             }
+        }
+    }
+    // The add-norm kernel with the output projection's shrink and expand
+    // in its prologue, with the next projection's shrink or without.
+    for shrink in 0..=3 {
+        for (dt, rank) in [("__nv_bfloat16", 16), ("__half", 8), ("float", 64)] {
+            let dtype = match dt {
+                "__nv_bfloat16" => mlx_rs::Dtype::Bfloat16,
+                "__half" => mlx_rs::Dtype::Float16,
+                _ => mlx_rs::Dtype::Float32,
+            };
+            let sv = ShrinkIn::vector(rank, dtype).expect("a rank the loads split");
+            let k = add_norm_prologue_source(shrink);
+            let inputs: Vec<_> = k
+                .inputs
+                .iter()
+                .map(|n| {
+                    let t = match n.as_str() {
+                        "lslots" | "sslots" => "uint32_t",
+                        "eps" => "float",
+                        _ => dt,
+                    };
+                    json!([n, t])
+                })
+                .collect();
+            let mut consts = vec![
+                json!(["LS", 9]),
+                json!(["LR", rank]),
+                json!(["LOFF0", 0]),
+                json!(["LW0", 2048]),
+                json!(["PV", sv]),
+                json!(["ST", 1024]),
+            ];
+            if shrink > 0 {
+                consts.extend([
+                    json!(["SQ", shrink]),
+                    json!(["SS", 9]),
+                    json!(["SR", rank]),
+                    json!(["SV", sv]),
+                ]);
+            }
+            let outputs: Vec<_> = k.outputs.iter().map(|o| json!([o, dt])).collect();
+            spec.push(json!({
+                "name": k.name,
+                "inputs": inputs,
+                "outputs": outputs,
+                "consts": consts,
+                "types": [["DT", dt]],
+                "source": k.source,
+            }));
         }
     }
     check(&spec);
