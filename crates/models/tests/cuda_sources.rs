@@ -144,12 +144,7 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                 if shrink > 0 {
                     // The shrink's loads: where a rank does not split into
                     // them the model shrinks by a matmul, never this variant.
-                    let dtype = match dt {
-                        "__nv_bfloat16" => mlx_rs::Dtype::Bfloat16,
-                        "__half" => mlx_rs::Dtype::Float16,
-                        _ => mlx_rs::Dtype::Float32,
-                    };
-                    let Some(sv) = ShrinkIn::vector(rank, dtype) else {
+                    let Some(sv) = ShrinkIn::vector(rank, dtype_of(dt)) else {
                         continue;
                     };
                     consts.extend([
@@ -160,15 +155,7 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                         json!(["ST", 1024]),
                     ]);
                 }
-                let outputs: Vec<_> = k.outputs.iter().map(|o| json!([o, dt])).collect();
-                spec.push(json!({
-                    "name": k.name,
-                    "inputs": inputs,
-                    "outputs": outputs,
-                    "consts": consts,
-                    "types": [["DT", dt]],
-                    "source": k.source,
-                }));
+                spec.push(variant(k, inputs, consts, dt));
             }
         }
     }
@@ -176,12 +163,7 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
     // in its prologue, with the next projection's shrink or without.
     for shrink in 0..=3 {
         for (dt, rank) in [("__nv_bfloat16", 16), ("__half", 8), ("float", 64)] {
-            let dtype = match dt {
-                "__nv_bfloat16" => mlx_rs::Dtype::Bfloat16,
-                "__half" => mlx_rs::Dtype::Float16,
-                _ => mlx_rs::Dtype::Float32,
-            };
-            let sv = ShrinkIn::vector(rank, dtype).expect("a rank the loads split");
+            let sv = ShrinkIn::vector(rank, dtype_of(dt)).expect("a rank the loads split");
             let k = add_norm_prologue_source(shrink);
             let inputs: Vec<_> = k
                 .inputs
@@ -211,15 +193,7 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                     json!(["SV", sv]),
                 ]);
             }
-            let outputs: Vec<_> = k.outputs.iter().map(|o| json!([o, dt])).collect();
-            spec.push(json!({
-                "name": k.name,
-                "inputs": inputs,
-                "outputs": outputs,
-                "consts": consts,
-                "types": [["DT", dt]],
-                "source": k.source,
-            }));
+            spec.push(variant(k, inputs, consts, dt));
         }
     }
     check(&spec);
@@ -277,6 +251,33 @@ fn the_paged_decode_kernels_compile_for_sm90_without_spills() {
         }
     }
     check(&spec);
+}
+
+/// The checker's entry for kernel `k` in dtype `dt` (a CUDA type name).
+fn variant(
+    k: weft_models::decode_kernels::KernelSource,
+    inputs: Vec<serde_json::Value>,
+    consts: Vec<serde_json::Value>,
+    dt: &str,
+) -> serde_json::Value {
+    let outputs: Vec<_> = k.outputs.iter().map(|o| json!([o, dt])).collect();
+    json!({
+        "name": k.name,
+        "inputs": inputs,
+        "outputs": outputs,
+        "consts": consts,
+        "types": [["DT", dt]],
+        "source": k.source,
+    })
+}
+
+/// MLX's dtype of a CUDA type name.
+fn dtype_of(dt: &str) -> mlx_rs::Dtype {
+    match dt {
+        "__nv_bfloat16" => mlx_rs::Dtype::Bfloat16,
+        "__half" => mlx_rs::Dtype::Float16,
+        _ => mlx_rs::Dtype::Float32,
+    }
 }
 
 /// Runs `tests/cuda/nvrtc_check.py` over `spec`; fails on any failed variant.
