@@ -117,19 +117,6 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                 ("float", 64),
             ] {
                 let k = c.source_with_shrink(parts, shrink);
-                let inputs: Vec<_> = k
-                    .inputs
-                    .iter()
-                    .map(|n| {
-                        let t = match n.as_str() {
-                            "lslots" | "sslots" => "uint32_t",
-                            "start" => "int32_t",
-                            "eps" | "inv_freq" | "scale" => "float",
-                            _ => dt,
-                        };
-                        json!([n, t])
-                    })
-                    .collect();
                 let mut consts = Vec::new();
                 if c == Consumer::RopeQkv {
                     consts.extend([json!(["HQ", 32]), json!(["KVH", 4]), json!(["HD", 64])]);
@@ -155,7 +142,7 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                         json!(["ST", 1024]),
                     ]);
                 }
-                spec.push(variant(k, inputs, consts, dt));
+                spec.push(variant(k, consts, dt));
             }
         }
     }
@@ -165,18 +152,6 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
         for (dt, rank) in [("__nv_bfloat16", 16), ("__half", 8), ("float", 64)] {
             let sv = ShrinkIn::vector(rank, dtype_of(dt)).expect("a rank the loads split");
             let k = add_norm_prologue_source(shrink);
-            let inputs: Vec<_> = k
-                .inputs
-                .iter()
-                .map(|n| {
-                    let t = match n.as_str() {
-                        "lslots" | "sslots" => "uint32_t",
-                        "eps" => "float",
-                        _ => dt,
-                    };
-                    json!([n, t])
-                })
-                .collect();
             let mut consts = vec![
                 json!(["LS", 9]),
                 json!(["LR", rank]),
@@ -193,7 +168,7 @@ fn the_fused_decode_kernels_compile_for_sm90_without_spills() {
                     json!(["SV", sv]),
                 ]);
             }
-            spec.push(variant(k, inputs, consts, dt));
+            spec.push(variant(k, consts, dt));
         }
     }
     check(&spec);
@@ -253,13 +228,26 @@ fn the_paged_decode_kernels_compile_for_sm90_without_spills() {
     check(&spec);
 }
 
-/// The checker's entry for kernel `k` in dtype `dt` (a CUDA type name).
+/// The checker's entry for kernel `k` in dtype `dt` (a CUDA type name):
+/// its inputs in `dt` but the slots, positions and f32 scalars.
 fn variant(
     k: weft_models::decode_kernels::KernelSource,
-    inputs: Vec<serde_json::Value>,
     consts: Vec<serde_json::Value>,
     dt: &str,
 ) -> serde_json::Value {
+    let inputs: Vec<_> = k
+        .inputs
+        .iter()
+        .map(|n| {
+            let t = match n.as_str() {
+                "lslots" | "sslots" => "uint32_t",
+                "start" => "int32_t",
+                "eps" | "inv_freq" | "scale" => "float",
+                _ => dt,
+            };
+            json!([n, t])
+        })
+        .collect();
     let outputs: Vec<_> = k.outputs.iter().map(|o| json!([o, dt])).collect();
     json!({
         "name": k.name,
