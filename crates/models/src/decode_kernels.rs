@@ -792,13 +792,7 @@ impl DecodeKernels {
             (s[0], s[1]),
             &[(s, dt), (s, dt), (&[s[0], width], dt)],
             (s[0] * st, st),
-            &[
-                ("SQ", sh.parts),
-                ("SS", sh.slots_n),
-                ("SR", sh.rank),
-                ("SV", sv),
-                ("ST", st),
-            ],
+            &sh.ints(sv, st),
             &[&sh.a, &sh.slots],
         )?;
         let z = out.pop();
@@ -868,7 +862,6 @@ impl DecodeKernels {
             ("LOFF0", 0),
             ("LW0", hd),
             ("PV", pv.unwrap_or(1)),
-            ("ST", st),
         ];
         let mut inputs = vec![h, a, w, eps, &pro.slots, &pro.b, &pro.x, &pro.a];
         let mut outputs: Vec<(&[i32], Dtype)> = vec![(s, dt), (s, dt)];
@@ -877,17 +870,15 @@ impl DecodeKernels {
             Some(sh) => {
                 let (wd, sv) = sh.check("add_rms_norm_pro", n, hd, dt)?;
                 width = [n, wd];
-                ints.extend([
-                    ("SQ", sh.parts),
-                    ("SS", sh.slots_n),
-                    ("SR", sh.rank),
-                    ("SV", sv),
-                ]);
+                ints.extend(sh.ints(sv, st));
                 inputs.extend([&sh.a, &sh.slots]);
                 outputs.push((&width, dt));
                 sh.parts as usize
             }
-            None => 0,
+            None => {
+                ints.push(("ST", st));
+                0
+            }
         };
         let kernel = self.add_norm_pro.get(parts).ok_or_else(|| {
             ModelError::Invalid(format!("no add-norm prologue kernel for {parts} parts"))
@@ -993,13 +984,7 @@ impl DecodeKernels {
             (n, 2 * f),
             &[(&[n, f], dt), (&[n, width], dt)],
             (n * st, st),
-            &[
-                ("SQ", sh.parts),
-                ("SS", sh.slots_n),
-                ("SR", sh.rank),
-                ("SV", sv),
-                ("ST", st),
-            ],
+            &sh.ints(sv, st),
             &[&sh.a, &sh.slots],
         )?;
         let z = out.pop();
@@ -1072,6 +1057,19 @@ impl ShrinkIn {
         }
         let lanes = rank / sv;
         (rank >= 1 && lanes <= 32 && (lanes as u32).is_power_of_two()).then_some(sv)
+    }
+
+    /// The template arguments of a kernel with this shrink
+    /// ([`shrink_epilogue`]): its sizes, `sv` elements a load and `st`
+    /// threads a block.
+    fn ints(&self, sv: i32, st: i32) -> [(&'static str, i32); 5] {
+        [
+            ("SQ", self.parts),
+            ("SS", self.slots_n),
+            ("SR", self.rank),
+            ("SV", sv),
+            ("ST", st),
+        ]
     }
 
     /// Checks it against the `[n, len]` rows it shrinks (dtype `dt`);

@@ -989,20 +989,23 @@ impl LlamaModel {
             .ok_or_else(|| ModelError::Invalid("model has no layers".into()))?;
         let mut x = fast::rms_norm(&h, Some(&first.input_norm), c.rms_norm_eps)?;
         let mut xz: Option<Array> = None;
+        // Layer `i`'s group `g` where a shrink kernel can take it: the pool
+        // stacks it densely and the kernel's loads split its rank in the
+        // dtype `dt` (else the matmul shrinks). The step, the group and its
+        // first part's expand stack.
+        let kernel_group = |i: usize, g: Group, dt: mlx_rs::Dtype| {
+            let l = lora?;
+            let d = l.dense(i, g)?;
+            let b0 = d.b.first()?;
+            ShrinkIn::vector(b0.dim(1), dt).map(|_| (l, d, b0))
+        };
         // The shrink of layer `i`'s group `g`, for the add-norm kernel that
         // makes its input, in the dtype `dt` of the residual stream.
         let fused_shrink = lora.is_some() && crate::lora::fused_shrink();
         let shrink_for = |i: usize, g: Group, dt: mlx_rs::Dtype| -> Result<Option<ShrinkIn>> {
-            let Some(d) = lora.filter(|_| fused_shrink).and_then(|l| l.dense(i, g)) else {
+            let Some((l, d, b0)) = kernel_group(i, g, dt).filter(|_| fused_shrink) else {
                 return Ok(None);
             };
-            let (Some(l), Some(b0)) = (lora, d.b.first()) else {
-                return Ok(None);
-            };
-            // A rank the kernel's loads do not split: the matmul shrinks.
-            if ShrinkIn::vector(b0.dim(1), dt).is_none() {
-                return Ok(None);
-            }
             let a = if d.a.dtype() == dt {
                 d.a.clone()
             } else {
@@ -1017,31 +1020,19 @@ impl LlamaModel {
             }))
         };
         // The output projection's adapters for the add-norm kernel that
-        // reads it (`crate::lora::o_prologue`), where the pool stacks them
-        // densely and every array is in the residual stream's dtype `dt`.
+        // reads it (`crate::lora::o_prologue`), where every array is in the
+        // residual stream's dtype `dt`.
         let o_prologue = fused_shrink && crate::lora::o_prologue();
-        let pro_for = |i: usize, x: &Array, dt: mlx_rs::Dtype| -> Result<Option<ProShrink>> {
-            let Some(d) = lora
-                .filter(|_| o_prologue)
-                .and_then(|l| l.dense(i, Group::O))
-            else {
-                return Ok(None);
-            };
-            let (Some(l), Some(b0)) = (lora, d.b.first()) else {
-                return Ok(None);
-            };
-            if d.parts != [0]
-                || ShrinkIn::vector(b0.dim(1), dt).is_none()
-                || [x.dtype(), d.a.dtype(), b0.dtype()] != [dt, dt, dt]
-            {
-                return Ok(None);
-            }
-            Ok(Some(ProShrink {
-                x: x.clone(),
-                a: d.a.clone(),
-                b: b0.clone(),
-                slots: l.slots().clone(),
-            }))
+        let pro_for = |i: usize, x: &Array, dt: mlx_rs::Dtype| -> Option<ProShrink> {
+            let (l, d, b0) = kernel_group(i, Group::O, dt).filter(|_| o_prologue)?;
+            (d.parts == [0] && [x.dtype(), d.a.dtype(), b0.dtype()] == [dt, dt, dt]).then(|| {
+                ProShrink {
+                    x: x.clone(),
+                    a: d.a.clone(),
+                    b: b0.clone(),
+                    slots: l.slots().clone(),
+                }
+            })
         };
         let add_norm =
             |h: &Array, (a, l): (Array, Option<LoraIn>), w: &Array, next: Option<ShrinkIn>| {
@@ -1083,7 +1074,7 @@ impl LlamaModel {
             )?;
             let a = kv.attend_rows(i, &q, &kr, &vr, scale)?;
             let gu_shrink = shrink_for(i, Group::GateUp, h.dtype())?;
-            let (s, n, nz) = match pro_for(i, &a, h.dtype())? {
+            let (s, n, nz) = match pro_for(i, &a, h.dtype()) {
                 // The output projection's shrink and expand inside the
                 // add-norm kernel that reads it.
                 Some(pro) => {
