@@ -22,6 +22,10 @@
 //! step beside the decoding rows (the mixed step of a long prompt joining
 //! them; not with `PIPELINE=1`): the step's time, and of it the wait for the
 //! chunk's forward that the step evaluates before building the decoding rows'.
+//! `PROFILE=n` (with `PIPELINE=1`) samples the process at 1999 Hz over the
+//! steady steps and prints the n functions most often on the stack
+//! (inclusive) and at its top (self): where the host's step goes on a
+//! machine without perf.
 use std::time::Instant;
 
 use weft_kv_pool::{KvPool, OwnerId, Salt, SeqId, SeqSpec};
@@ -335,6 +339,15 @@ fn pipelined(
     submit(runner, pool, false)?;
     let mut times = vec![];
     let (mut build, mut encode, mut eval) = (vec![], vec![], vec![]);
+    let profile = env_num("PROFILE", 0);
+    let guard = match profile {
+        0 => None,
+        _ => Some(
+            pprof::ProfilerGuardBuilder::default()
+                .frequency(1999)
+                .build()?,
+        ),
+    };
     let mut last = Instant::now();
     for step in 0..steps {
         if census && step == 1 {
@@ -354,6 +367,9 @@ fn pipelined(
         build.push(runner.last_timing().build.as_secs_f64() * 1e3);
         encode.push(runner.last_timing().encode.as_secs_f64() * 1e3);
         eval.push(runner.last_timing().eval.as_secs_f64() * 1e3);
+    }
+    if let Some(g) = guard {
+        print_profile(&g.report().build()?, profile);
     }
     runner.collect()?;
     runner.commit()?;
@@ -376,6 +392,56 @@ fn pipelined(
         eval[n / 2]
     );
     Ok(())
+}
+
+/// Prints the samples of each thread, then the `n` functions most often on
+/// the main thread's sampled stacks (each counted once a sample) and most
+/// often at their top.
+fn print_profile(report: &pprof::Report, n: usize) {
+    use std::collections::{HashMap, HashSet};
+    let (mut inclusive, mut own) = (HashMap::<String, isize>::new(), HashMap::new());
+    let mut threads = HashMap::<String, isize>::new();
+    // SAFETY: pthread_self has no preconditions; the profiler keys its
+    // samples by the same value.
+    let main = unsafe { libc::pthread_self() } as u64;
+    let mut total = 0;
+    for (frames, &count) in &report.data {
+        *threads.entry(frames.thread_name_or_id()).or_insert(0) += count;
+        if frames.thread_id != main {
+            continue;
+        }
+        total += count;
+        let names: Vec<String> = frames
+            .frames
+            .iter()
+            .flat_map(|f| f.iter().map(|s| s.name()))
+            .collect();
+        if let Some(top) = names.first() {
+            *own.entry(top.clone()).or_insert(0) += count;
+        }
+        for name in names.into_iter().collect::<HashSet<_>>() {
+            *inclusive.entry(name).or_insert(0) += count;
+        }
+    }
+    let mut t: Vec<_> = threads.into_iter().collect();
+    t.sort_by(|a, b| b.1.cmp(&a.1));
+    let t: Vec<String> = t.iter().map(|(n, c)| format!("{n} {c}")).collect();
+    println!("  profile samples by thread: {}", t.join(", "));
+    for (title, map) in [
+        ("main thread, inclusive", inclusive),
+        ("main thread, self", own),
+    ] {
+        let mut v: Vec<_> = map.into_iter().collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        println!("  profile ({title}, {total} samples):");
+        for (name, c) in v.into_iter().take(n) {
+            let short: String = name.chars().take(150).collect();
+            println!(
+                "    {:5.1}% {short}",
+                100.0 * c as f64 / total.max(1) as f64
+            );
+        }
+    }
 }
 
 /// Prints the census a step recorded, if one did: primitives by count.
