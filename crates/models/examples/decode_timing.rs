@@ -25,7 +25,8 @@
 //! `PROFILE=n` (with `PIPELINE=1`) samples the process at 1999 Hz over the
 //! steady steps and prints the n functions most often on the stack
 //! (inclusive) and at its top (self): where the host's step goes on a
-//! machine without perf.
+//! machine without perf; `PROFILE_OUT=file` writes every sampled stack there
+//! too (folded: `thread;outer;...;inner count` a line, flamegraph's input).
 use std::time::Instant;
 
 use weft_kv_pool::{KvPool, OwnerId, Salt, SeqId, SeqSpec};
@@ -405,8 +406,17 @@ fn print_profile(report: &pprof::Report, n: usize) {
     // samples by the same value.
     let main = unsafe { libc::pthread_self() } as u64;
     let mut total = 0;
+    let mut folded = String::new();
     for (frames, &count) in &report.data {
         *threads.entry(frames.thread_name_or_id()).or_insert(0) += count;
+        let names: Vec<String> = frames
+            .frames
+            .iter()
+            .rev()
+            .flat_map(|f| f.iter().rev().map(|s| s.name().replace(';', ",")))
+            .collect();
+        let main_mark = if frames.thread_id == main { "main" } else { "other" };
+        folded.push_str(&format!("{main_mark};{} {count}\n", names.join(";")));
         if frames.thread_id != main {
             continue;
         }
@@ -421,6 +431,11 @@ fn print_profile(report: &pprof::Report, n: usize) {
         }
         for name in names.into_iter().collect::<HashSet<_>>() {
             *inclusive.entry(name).or_insert(0) += count;
+        }
+    }
+    if let Ok(path) = std::env::var("PROFILE_OUT") {
+        if let Err(e) = std::fs::write(&path, folded) {
+            eprintln!("PROFILE_OUT {path}: {e}");
         }
     }
     let mut t: Vec<_> = threads.into_iter().collect();
