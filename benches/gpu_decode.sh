@@ -47,8 +47,8 @@
 #           adapters each;
 #           lorastep: decode_timing (pipelined, compiled, census) at LORA_STREAMS rows with 8 random
 #           rank-16 adapters vs none, twice each: the step's host time and primitives (LORASTEP_RUNS,
-#           default "0 8 8f 0 8 8f"; 8: WEFT_LORA_SHRINK=matmul, 8f: the fused shrinks, 8p: fused and
-#           WEFT_LORA_O_SHRINK=prologue); PROFILE=n adds decode_timing's sampled host profile (top n; all stacks
+#           default "0 8 8f 0 8 8f"; 8: WEFT_LORA_SHRINK=matmul, 8f: the fused shrinks but the output
+#           projections' (WEFT_LORA_O_SHRINK=matmul), 8p: all fused, the default); PROFILE=n adds decode_timing's sampled host profile (top n; all stacks
 #           folded in profile-RUN-ADAPTERS.folded under $OUT), LORASTEP_STEPS its steps (60);
 #           lorasweep: Weft alone at LORA_STREAMS, no adapters then 8 under each of LORA_VARIANTS
 #           (env settings, a comma between two of one variant; default: as is, MLX_MAX_MB_PER_BUFFER=1000000, WEFT_LORA_LAYOUT=gathered),
@@ -207,12 +207,13 @@ if has cache; then
 fi
 if has lorastep; then
   # The decode step's host time and primitives with 8 mixed adapters vs none (issue 18 item 5).
-  # 8: shrinks by matmuls (WEFT_LORA_SHRINK=matmul); 8f: the add-norm and SwiGLU kernels compute them.
+  # 8: shrinks by matmuls (WEFT_LORA_SHRINK=matmul); 8f: the add-norm and SwiGLU kernels compute
+  # them, the output projections' by matmuls (WEFT_LORA_O_SHRINK=matmul); 8p: theirs too (the default).
   i=0
   for a in ${LORASTEP_RUNS:-0 8 8f 0 8 8f}; do
     i=$((i + 1)); export PROFILE_OUT=${PROFILE:+${OUT:-/tmp}/profile-$i-$a.folded}
     echo "== runner decode step, ${LORA_STREAMS:-64} rows, pipelined, compiled, ADAPTERS=$a (rank 16, all projections)" | tee -a $R
-    sh=matmul; o=; [[ $a == *[fp] ]] && sh=fused; [[ $a == *p ]] && o=prologue
+    sh=matmul; o=matmul; [[ $a == *[fp] ]] && sh=fused; [[ $a == *p ]] && o=prologue
     WEFT_LORA_O_SHRINK=$o WEFT_LORA_SHRINK=$sh ADAPTERS=${a%[fp]} CENSUS=1 PIPELINE=1 /root/decode_timing $M ${LORA_STREAMS:-64} 128 ${LORASTEP_STEPS:-60} 2>&1 \
       | grep -v '^KV\|^prefill' | tee -a $R
   done

@@ -248,7 +248,7 @@ fn shrink_loop(n: &ShrinkLoop<'_>) -> String {
 }
 
 /// The add-norm kernel's LoRA prologue for the output projection's
-/// adapter (opt-in, `WEFT_LORA_O_SHRINK=prologue`): after
+/// adapter (the default; `WEFT_LORA_O_SHRINK=matmul` opts out): after
 /// [`ADD_NORM_HEAD`], the block computes its row's shrink of the output
 /// projection's input `px` `[N, px_shape[1]]` by the dense stack `pa`
 /// `[K, LS * LR]` ([`shrink_loop`], loads of `PV` elements) into shared

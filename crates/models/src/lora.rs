@@ -582,16 +582,18 @@ pub(crate) fn fused_shrink() -> bool {
     *ON.get_or_init(|| std::env::var("WEFT_LORA_SHRINK").map_or(true, |v| v != "matmul"))
 }
 
-/// `WEFT_LORA_O_SHRINK=prologue` (with [`fused_shrink`]): the add-norm
-/// kernel after each output projection computes that projection's shrink
-/// itself (`crate::decode_kernels::add_norm_prologue_source`), so the 22
-/// output-projection shrink matmuls of a 22-layer step go too. Opt-in: its
-/// parity with mlx-lm passed on an H200 and it ran 0.824x of no adapters
-/// against the epilogues' 0.795x over three paired rounds (64 rows, 8
-/// adapters), inside the runs' spread (benches/RESULTS.md).
+/// With [`fused_shrink`], the add-norm kernel after each output projection
+/// computes that projection's shrink itself
+/// (`crate::decode_kernels::add_norm_prologue_source`), so the 22
+/// output-projection shrink matmuls of a 22-layer step go too and one
+/// shrink matmul (the first layer's QKV) is left. The default;
+/// `WEFT_LORA_O_SHRINK=matmul` keeps a matmul per output projection. Its
+/// parity with mlx-lm passed on an H200; over three paired rounds each (64
+/// rows, 8 adapters against none) it ran 0.824x on an H200 and 0.820x on an
+/// H100, the matmuls 0.795x on that H200 (benches/RESULTS.md).
 pub(crate) fn o_prologue() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("WEFT_LORA_O_SHRINK").is_ok_and(|v| v == "prologue"))
+    *ON.get_or_init(|| std::env::var("WEFT_LORA_O_SHRINK").map_or(true, |v| v != "matmul"))
 }
 
 /// Which groups and parts a pool's stacks have, per layer: how a compiled
