@@ -415,7 +415,11 @@ fn print_profile(report: &pprof::Report, n: usize) {
             .rev()
             .flat_map(|f| f.iter().rev().map(|s| s.name().replace(';', ",")))
             .collect();
-        let main_mark = if frames.thread_id == main { "main" } else { "other" };
+        let main_mark = if frames.thread_id == main {
+            "main"
+        } else {
+            "other"
+        };
         folded.push_str(&format!("{main_mark};{} {count}\n", names.join(";")));
         if frames.thread_id != main {
             continue;
@@ -439,7 +443,7 @@ fn print_profile(report: &pprof::Report, n: usize) {
         }
     }
     let mut t: Vec<_> = threads.into_iter().collect();
-    t.sort_by(|a, b| b.1.cmp(&a.1));
+    t.sort_by_key(|e| std::cmp::Reverse(e.1));
     let t: Vec<String> = t.iter().map(|(n, c)| format!("{n} {c}")).collect();
     println!("  profile samples by thread: {}", t.join(", "));
     for (title, map) in [
