@@ -22,8 +22,9 @@
 //! step beside the decoding rows (the mixed step of a long prompt joining
 //! them; not with `PIPELINE=1`): the step's time, and of it the wait for the
 //! chunk's forward that the step evaluates before building the decoding rows'.
-//! `PROFILE=n` (with `PIPELINE=1`) samples the process at 1999 Hz over the
-//! steady steps and prints the n functions most often on the stack
+//! `PROFILE=n` (with `PIPELINE=1`) samples the process's CPU time over the
+//! steady steps (asked at 1999 Hz; the kernel's timer gives ~250 on the
+//! device machines) and prints the n functions most often on the stack
 //! (inclusive) and at its top (self): where the host's step goes on a
 //! machine without perf; `PROFILE_OUT=file` writes every sampled stack there
 //! too (folded: `thread;outer;...;inner count` a line, flamegraph's input).
@@ -409,27 +410,20 @@ fn print_profile(report: &pprof::Report, n: usize) {
     let mut folded = String::new();
     for (frames, &count) in &report.data {
         *threads.entry(frames.thread_name_or_id()).or_insert(0) += count;
-        let names: Vec<String> = frames
-            .frames
-            .iter()
-            .rev()
-            .flat_map(|f| f.iter().rev().map(|s| s.name().replace(';', ",")))
-            .collect();
-        let main_mark = if frames.thread_id == main {
-            "main"
-        } else {
-            "other"
-        };
-        folded.push_str(&format!("{main_mark};{} {count}\n", names.join(";")));
-        if frames.thread_id != main {
-            continue;
-        }
-        total += count;
+        // Innermost first.
         let names: Vec<String> = frames
             .frames
             .iter()
             .flat_map(|f| f.iter().map(|s| s.name()))
             .collect();
+        let is_main = frames.thread_id == main;
+        let outer_first: Vec<String> = names.iter().rev().map(|n| n.replace(';', ",")).collect();
+        let mark = if is_main { "main" } else { "other" };
+        folded.push_str(&format!("{mark};{} {count}\n", outer_first.join(";")));
+        if !is_main {
+            continue;
+        }
+        total += count;
         if let Some(top) = names.first() {
             *own.entry(top.clone()).or_insert(0) += count;
         }

@@ -590,7 +590,7 @@ pub(crate) fn fused_shrink() -> bool {
 /// `WEFT_LORA_O_SHRINK=matmul` keeps a matmul per output projection. Its
 /// parity with mlx-lm passed on an H200; over three paired rounds each (64
 /// rows, 8 adapters against none) it ran 0.824x on an H200 and 0.820x on an
-/// H100, the matmuls 0.795x on that H200 (benches/RESULTS.md).
+/// H100, with the output projections' matmuls 0.795x on that H200 (benches/RESULTS.md).
 pub(crate) fn o_prologue() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("WEFT_LORA_O_SHRINK").map_or(true, |v| v != "matmul"))
