@@ -84,6 +84,16 @@ pub const GPU_PREFILL_GRANULE: usize = 16;
 /// step runs up to 4 targets (on a CPU ~0.6 s, its fixed cost ~5% of it).
 pub const BURST_STEP_FACTOR: f64 = 4.0;
 
+/// The most of the engine's time that [`SchedulerConfig::anticipation`]'s waits may
+/// take: each wait draws on a credit that grows at this many seconds a second (up
+/// to [`ANTICIPATION_CREDIT_WAITS`] waits), so many tenants chaining requests at once
+/// cannot hold the others' steps back by more than this share.
+pub const ANTICIPATION_SHARE: f64 = 0.05;
+/// The most anticipation credit that builds up while nobody is anticipated, in
+/// whole waits ([`SchedulerConfig::anticipation`]s): a burst of chaining tenants
+/// is waited for this many times before the share binds.
+pub const ANTICIPATION_CREDIT_WAITS: u32 = 10;
+
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// Rows in one forward call.
@@ -118,6 +128,17 @@ pub struct SchedulerConfig {
     /// bounded step, not for a whole batch of prompts. `f64::INFINITY`: such steps
     /// prefill as much as the token budget allows.
     pub burst_step_factor: f64,
+    /// Anticipatory scheduling: when a tenant's last live request finishes while
+    /// other work runs, the engine waits up to this long before its next step for
+    /// that tenant's next request. A client that chains requests (a chat turn, an
+    /// agent's tool loop, a pipeline) sends it within a few ms of the last one's
+    /// end, just after the next step began, and would wait for all of that step
+    /// before its own prefill could start; arriving during the wait, it gets it in
+    /// the next step ([`crate::Scheduler`]'s starting-tenant step). Only for a
+    /// tenant whose last return came within this long, the wait ends as soon as it
+    /// arrives, and waits take at most [`ANTICIPATION_SHARE`] of the engine's time.
+    /// Zero turns it off.
+    pub anticipation: Duration,
     /// A prompt chunk cut to fit `itl_target` is cut to a multiple of this many
     /// tokens when it is at least that long (the whole rest of a prompt is not cut).
     /// On a GPU every new chunk length is a new shape, whose first call runs slow
@@ -203,6 +224,7 @@ impl Default for SchedulerConfig {
             itl_target: ItlTarget::Off,
             isolation_window: Duration::from_secs(5),
             burst_step_factor: BURST_STEP_FACTOR,
+            anticipation: Duration::ZERO,
             prefill_granule: 1,
             amortized_bound: crate::step_cost::AMORTIZED_BOUND,
             strict_bound: false,

@@ -424,6 +424,13 @@ fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: &std_mpsc::Receiver<Command>
                 Got::Stop => break 'outer,
             }
         }
+        // A tenant whose last request just ended may send its next one at once:
+        // wait a moment for it (every other command is handled meanwhile).
+        while let Some(left) = sched.anticipation(Instant::now()) {
+            if take(rx, sched, Some(left)) == Got::Stop {
+                break 'outer;
+            }
+        }
         if let (true, Some((gap, cap))) = (sched.only_waiting(), sched.coalesce()) {
             // Clients of a burst arrive a few ms apart; stepping at the first
             // would prefill it alone and leave the rest waiting a whole step.

@@ -81,6 +81,7 @@
 //!   blocks.
 
 mod admission;
+mod anticipation;
 mod chan;
 pub mod config;
 pub mod constraint;
@@ -97,8 +98,10 @@ pub mod scheduler;
 pub mod step_cost;
 mod util;
 
+pub use anticipation::AnticipationCounts;
 pub use config::{
-    ItlTarget, SchedulerConfig, TenantLimits, VtcWeights, BURST_STEP_FACTOR, GPU_PREFILL_GRANULE,
+    ItlTarget, SchedulerConfig, TenantLimits, VtcWeights, ANTICIPATION_CREDIT_WAITS,
+    ANTICIPATION_SHARE, BURST_STEP_FACTOR, GPU_PREFILL_GRANULE,
 };
 pub use constraint::{Constraint, ConstraintSpec, Grammars};
 pub use engine::{AdapterCallError, Engine, EngineError, EngineHandle, FailureHook};

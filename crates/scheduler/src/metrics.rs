@@ -42,6 +42,10 @@ pub const SPEC_DRAFT_TOKENS: &str = "weft_spec_draft_tokens_total";
 pub const SPEC_ACCEPTED_TOKENS: &str = "weft_spec_accepted_tokens_total";
 pub const CONSTRAINT_MASK: &str = "weft_constraint_mask_seconds";
 pub const CONSTRAINT_MASKS: &str = "weft_constraint_masks_total";
+/// Anticipatory waits before a step, by `outcome`: "arrived" (every tenant waited
+/// for sent its next request in time) or "missed".
+pub const ANTICIPATIONS: &str = "weft_anticipations_total";
+pub const ANTICIPATION_WAIT: &str = "weft_anticipation_wait_seconds";
 
 /// Suggested histogram buckets for the exporter; they include common SLO thresholds
 /// (a 2 s TTFT bucket among them).
@@ -126,6 +130,15 @@ pub fn describe() {
         "Host time computing one step's output-constraint token masks (steps with constrained rows)"
     );
     describe_counter!(
+        ANTICIPATIONS,
+        "Waits before a step for a tenant's next request after its last one ended, by outcome (arrived, missed)"
+    );
+    describe_histogram!(
+        ANTICIPATION_WAIT,
+        Unit::Seconds,
+        "Length of one anticipatory wait before a step"
+    );
+    describe_counter!(
         CONSTRAINT_MASKS,
         "Output-constraint token masks computed (one per constrained row per step)"
     );
@@ -152,6 +165,9 @@ pub(crate) struct EngineMetrics {
     pub spec_accepted: Counter,
     pub constraint_mask: Histogram,
     pub constraint_masks: Counter,
+    pub anticipation_arrived: Counter,
+    pub anticipation_missed: Counter,
+    pub anticipation_wait: Histogram,
 }
 
 impl EngineMetrics {
@@ -178,6 +194,18 @@ impl EngineMetrics {
             spec_accepted: counter!(SPEC_ACCEPTED_TOKENS),
             constraint_mask: histogram!(CONSTRAINT_MASK),
             constraint_masks: counter!(CONSTRAINT_MASKS),
+            anticipation_arrived: counter!(ANTICIPATIONS, "outcome" => "arrived"),
+            anticipation_missed: counter!(ANTICIPATIONS, "outcome" => "missed"),
+            anticipation_wait: histogram!(ANTICIPATION_WAIT),
+        }
+    }
+
+    /// The counter of anticipatory waits that ended so.
+    pub fn anticipation(&self, arrived: bool) -> &Counter {
+        if arrived {
+            &self.anticipation_arrived
+        } else {
+            &self.anticipation_missed
         }
     }
 }

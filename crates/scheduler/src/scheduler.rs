@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, error, trace, warn};
 
 use crate::admission::Admission;
+use crate::anticipation::Anticipation;
 use crate::chan;
 use crate::config::{ItlTarget, SchedulerConfig};
 use crate::constraint::{Constraint, MaskTime};
@@ -114,6 +115,8 @@ pub struct Stats {
     /// step reuses its masks) and the host seconds they took.
     pub constraint_masks: u64,
     pub constraint_mask_seconds: f64,
+    /// Anticipatory waits before steps ([`SchedulerConfig::anticipation`]).
+    pub anticipation: crate::AnticipationCounts,
 }
 
 /// Why one attempt of a step failed.
@@ -165,6 +168,13 @@ struct Tenant {
     salt: Salt,
     /// The last step planned while the tenant had requests running or queued.
     last_active: Option<Instant>,
+}
+
+impl Tenant {
+    /// Nothing of it running or queued.
+    fn idle(&self) -> bool {
+        self.running == 0 && self.queue.is_empty()
+    }
 }
 
 struct Req {
@@ -688,6 +698,9 @@ pub struct Scheduler<M: Model> {
     /// The in-flight step's build traced a compiled form first
     /// ([`Model::last_build_traced`]): its time is not its shape's cost.
     traced_carry: bool,
+    /// Waits before a step for the next request of a tenant whose last one just
+    /// ended ([`SchedulerConfig::anticipation`]).
+    antic: Anticipation,
     tenants: Vec<Tenant>,
     tenant_ix: HashMap<String, usize>,
     labels: Vec<(String, TenantMetrics)>,
@@ -813,6 +826,7 @@ impl<M: Model> Scheduler<M> {
             cost_since: None,
             blocked_carry: 0.0,
             traced_carry: false,
+            antic: Anticipation::new(cfg.anticipation),
             cfg,
             info,
             model,
@@ -890,6 +904,18 @@ impl<M: Model> Scheduler<M> {
         self.running.is_empty() && !self.reqs.is_empty()
     }
 
+    /// Anticipation ([`SchedulerConfig::anticipation`]): how long the engine may
+    /// still wait before its next step for the next request of a tenant whose last
+    /// one just ended, while other work waits for that step. None: step now.
+    pub fn anticipation(&mut self, now: Instant) -> Option<Duration> {
+        if !self.has_work() {
+            return None;
+        }
+        let tenants = &self.tenants;
+        self.antic
+            .wait(now, |t| tenants.get(t).is_some_and(Tenant::idle))
+    }
+
     /// The burst-coalescing window, if on: (gap, cap).
     pub fn coalesce(&self) -> Option<(Duration, Duration)> {
         (!self.cfg.coalesce_gap.is_zero()).then_some((self.cfg.coalesce_gap, self.cfg.coalesce_max))
@@ -913,6 +939,9 @@ impl<M: Model> Scheduler<M> {
         arrival: Instant,
     ) {
         let tenant = self.tenant_index(&r.tenant, r.tenant_weight);
+        if self.tenants[tenant].idle() {
+            self.antic.arrived(tenant, arrival);
+        }
         let seed = r.seed.unwrap_or_else(|| mix64(self.cfg.seed ^ key.0));
         if let Some(id) = &r.request_id {
             self.by_client_id.insert((tenant, id.clone()), key);
@@ -1136,6 +1165,7 @@ impl<M: Model> Scheduler<M> {
     /// admitting as needed), then run the step as one transaction.
     pub fn step(&mut self, now: Instant) -> StepReport {
         let wall = Instant::now();
+        self.settle_anticipation(wall);
         self.reap(now);
         let report = if let Some(rows) = self.inflight.take() {
             self.injected_panic();
@@ -3211,6 +3241,15 @@ impl<M: Model> Scheduler<M> {
         if let Some(id) = &r.r.request_id {
             self.by_client_id.remove(&(t, id.clone()));
         }
+        if !was_waiting
+            && matches!(
+                reason,
+                FinishReason::Length | FinishReason::Stop | FinishReason::Eos
+            )
+            && self.tenants[t].idle()
+        {
+            self.antic.finished(t, Instant::now());
+        }
         let unused = r.r.max_tokens.saturating_sub(r.generated.len());
         self.admission
             .finished(&r.r.tenant, r.r.request_id.as_deref(), was_waiting, unused);
@@ -3283,6 +3322,27 @@ impl<M: Model> Scheduler<M> {
         }
     }
 
+    /// A step begins: an anticipatory wait before it is over ([`Anticipation`]).
+    fn settle_anticipation(&mut self, now: Instant) {
+        let before = self.antic.counts();
+        let tenants = &self.tenants;
+        self.antic
+            .settle(now, |t| tenants.get(t).is_some_and(Tenant::idle));
+        let after = self.antic.counts();
+        if after != before {
+            let arrived = after.arrived > before.arrived;
+            self.metrics.anticipation(arrived).increment(1);
+            self.metrics
+                .anticipation_wait
+                .record((after.waited - before.waited).as_secs_f64());
+            trace!(
+                arrived,
+                waited_ms = (after.waited - before.waited).as_secs_f64() * 1e3,
+                "anticipation"
+            );
+        }
+    }
+
     pub fn stats(&self) -> Stats {
         let b = self.pool.group(0).map(|g| g.stats()).unwrap_or_default();
         let mut s = self.stats.clone();
@@ -3292,6 +3352,7 @@ impl<M: Model> Scheduler<M> {
         s.kv_blocks_free = b.free;
         s.kv_blocks_cached = b.cached;
         s.kv_blocks_used = b.used;
+        s.anticipation = self.antic.counts();
         s.tenants = self
             .tenants
             .iter()

@@ -311,3 +311,100 @@ async fn stopped_resolves_after_shutdown_without_a_failure() {
         .expect("stopped resolves");
     assert!(h.failure().is_none());
 }
+
+/// A fake-model engine with `anticipation`, a flood tenant decoding without pause.
+async fn flooded(anticipation: Duration) -> (Engine, EventStream) {
+    let cfg = weft_scheduler::SchedulerConfig {
+        anticipation,
+        ..sched_config()
+    };
+    let fake = weft_scheduler::fake::FakeConfig {
+        max_context: 65536,
+        kv_blocks: 5000,
+        eos_token_ids: vec![],
+        verify_kv: false,
+        ..fake_config()
+    };
+    let engine = Engine::start(
+        cfg,
+        move || Ok::<_, String>(FakeModel::new(fake.clone())),
+        Arc::new(FakeDetokenizer),
+    )
+    .expect("engine starts");
+    let flood = engine
+        .submit(Request::new("flood", vec![1, 2, 3], 60000))
+        .unwrap();
+    eventually(|| engine.stats().steps >= 5).await;
+    (engine, flood)
+}
+
+/// Anticipation: while another tenant's rows decode, a tenant whose last request
+/// just ended gets a moment to send its next one before the engine steps again, so
+/// a client that chains requests does not wait for the whole step that began right
+/// after its last one ended. The light client sends its next request 60 ms after
+/// the last one's final event, and another flood request arrives in between: with
+/// a 400 ms anticipation (its credit, 10 waits, covers this one) the engine does not step until the light request is in
+/// (the flood's submit does not end the wait); without it the flood keeps stepping.
+#[tokio::test]
+async fn the_engine_waits_briefly_for_a_finished_tenants_next_request() {
+    for (anticipation, waits) in [(Duration::from_millis(400), true), (Duration::ZERO, false)] {
+        let (engine, flood) = flooded(anticipation).await;
+        let first = engine
+            .submit(Request::new("light", vec![4, 5, 6], 2))
+            .unwrap();
+        assert_eq!(collect(first).await.0.len(), 2);
+        let s0 = engine.stats().steps;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let more = engine
+            .submit(Request::new("flood", vec![1, 2, 4], 60000))
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let s1 = engine.stats().steps;
+        let next = engine
+            .submit(Request::new("light", vec![7, 8, 9], 2))
+            .unwrap();
+        assert_eq!(collect(next).await.0.len(), 2);
+        let between = s1 - s0;
+        let a = engine.stats().anticipation;
+        if waits {
+            assert!(between <= 1, "{between} steps while the engine anticipated");
+            assert_eq!((a.arrived, a.missed), (1, 0), "{a:?}");
+            assert!(a.waited >= Duration::from_millis(40), "{a:?}");
+        } else {
+            assert!(between > 5, "only {between} steps without anticipation");
+            assert_eq!(a, weft_scheduler::AnticipationCounts::default());
+        }
+        drop((flood, more));
+        engine.shutdown();
+    }
+}
+
+/// A tenant that took longer to come back than the anticipation is not waited for
+/// the next time: the wait that missed it costs the others once, not per request.
+#[tokio::test]
+async fn a_tenant_slower_than_the_anticipation_is_not_waited_for_again() {
+    let (engine, flood) = flooded(Duration::from_millis(20)).await;
+    let first = engine
+        .submit(Request::new("light", vec![4, 5, 6], 2))
+        .unwrap();
+    assert_eq!(collect(first).await.0.len(), 2);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let a = engine.stats().anticipation;
+    assert_eq!(
+        (a.arrived, a.missed),
+        (0, 1),
+        "the first wait ran out: {a:?}"
+    );
+    assert!(a.waited >= Duration::from_millis(15), "{a:?}");
+    let second = engine
+        .submit(Request::new("light", vec![7, 8, 9], 2))
+        .unwrap();
+    assert_eq!(collect(second).await.0.len(), 2);
+    let s0 = engine.stats().steps;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let s1 = engine.stats().steps;
+    assert!(s1 - s0 > 5, "only {} steps: it waited again", s1 - s0);
+    assert_eq!(engine.stats().anticipation, a, "no second wait");
+    drop(flood);
+    engine.shutdown();
+}

@@ -59,6 +59,10 @@ pub const DEFAULT_SPECULATE: usize = 4;
 pub const DEFAULT_SPECULATE_STEP_TOKENS: usize = 8;
 /// `--isolation-window-ms` unless set: see `SchedulerConfig::isolation_window`.
 pub const DEFAULT_ISOLATION_WINDOW_MS: u64 = 5000;
+/// `--anticipation-ms` unless set: see `SchedulerConfig::anticipation`. A client
+/// chaining requests over loopback gRPC came back 0.9-2.6 ms after its last final
+/// event on the CPU server (benches/RESULTS.md, issue 17).
+pub const DEFAULT_ANTICIPATION_MS: u64 = 5;
 
 /// Serve the weft.v1 gRPC API, health, reflection and Prometheus metrics
 ///
@@ -168,6 +172,15 @@ pub struct ServeArgs {
     /// they are held to 4x the target). 0 turns it off [default: 5000].
     #[arg(long, env = "WEFT_ISOLATION_WINDOW_MS", value_name = "MS")]
     pub isolation_window_ms: Option<u64>,
+    /// Anticipatory scheduling: when a tenant's last live request finishes while
+    /// others' work runs, wait up to this many milliseconds before the next step
+    /// for that tenant's next request, so a client chaining requests (chat turns,
+    /// agents, pipelines) gets its prefill in the next step instead of waiting for
+    /// all of it. Only for a tenant whose last return came within it; the wait ends
+    /// when the request arrives, and waits take at most 5% of the engine's time.
+    /// 0 turns it off [default: 5].
+    #[arg(long, env = "WEFT_ANTICIPATION_MS", value_name = "MS")]
+    pub anticipation_ms: Option<u64>,
     /// Speculative decoding by prompt lookup: the most draft tokens a greedy
     /// request verifies per step (drafts are what followed the latest earlier
     /// occurrence of its last tokens; output is unchanged). 0 turns it off
@@ -256,6 +269,7 @@ struct FileConfig {
     decode_prefill_tokens: Option<usize>,
     itl_target_ms: Option<ItlSetting>,
     isolation_window_ms: Option<u64>,
+    anticipation_ms: Option<u64>,
     speculate: Option<usize>,
     speculate_step_tokens: Option<usize>,
     kv_blocks: Option<usize>,
@@ -458,6 +472,7 @@ pub struct Settings {
     /// `SchedulerConfig::strict_bound` (`WEFT_STRICT_BOUND`; off unless set).
     pub strict_bound: bool,
     pub isolation_window: Duration,
+    pub anticipation: Duration,
     pub speculate: usize,
     pub speculate_step_tokens: usize,
     pub kv_size: KvSize,
@@ -617,6 +632,11 @@ impl Settings {
                     .or(file.isolation_window_ms)
                     .unwrap_or(DEFAULT_ISOLATION_WINDOW_MS),
             ),
+            anticipation: Duration::from_millis(
+                args.anticipation_ms
+                    .or(file.anticipation_ms)
+                    .unwrap_or(DEFAULT_ANTICIPATION_MS),
+            ),
             speculate: args
                 .speculate
                 .or(file.speculate)
@@ -773,6 +793,7 @@ impl Settings {
             amortized_bound: self.amortized_bound,
             strict_bound: self.strict_bound,
             isolation_window: self.isolation_window,
+            anticipation: self.anticipation,
             speculate: self.speculate,
             speculate_step_tokens: self.speculate_step_tokens,
             max_waiting: self.max_waiting,
@@ -885,6 +906,23 @@ mod tests {
             (3, 4),
             "flag beats file"
         );
+    }
+
+    #[test]
+    fn anticipation_flag_and_file() {
+        let c = Settings::resolve(args("")).unwrap().scheduler_config();
+        assert_eq!(c.anticipation, Duration::from_millis(5), "5 ms by default");
+        let c = Settings::resolve(args("--anticipation-ms 0"))
+            .unwrap()
+            .scheduler_config();
+        assert!(c.anticipation.is_zero(), "0 turns it off");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("weft.toml");
+        std::fs::write(&p, "anticipation_ms = 12\n").unwrap();
+        let c = Settings::resolve(args(&format!("--config {}", p.display())))
+            .unwrap()
+            .scheduler_config();
+        assert_eq!(c.anticipation, Duration::from_millis(12));
     }
 
     #[test]
