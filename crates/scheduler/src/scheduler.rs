@@ -701,6 +701,10 @@ pub struct Scheduler<M: Model> {
     /// Waits before a step for the next request of a tenant whose last one just
     /// ended ([`SchedulerConfig::anticipation`]).
     antic: Anticipation,
+    /// When the step in progress began, by the clock (its `now` may be a
+    /// simulation's): the time its tokens come out is that `now` plus the time
+    /// since ([`Self::emitted`]).
+    step_began: Instant,
     tenants: Vec<Tenant>,
     tenant_ix: HashMap<String, usize>,
     labels: Vec<(String, TenantMetrics)>,
@@ -827,6 +831,7 @@ impl<M: Model> Scheduler<M> {
             blocked_carry: 0.0,
             traced_carry: false,
             antic: Anticipation::new(cfg.anticipation),
+            step_began: Instant::now(),
             cfg,
             info,
             model,
@@ -1165,6 +1170,7 @@ impl<M: Model> Scheduler<M> {
     /// admitting as needed), then run the step as one transaction.
     pub fn step(&mut self, now: Instant) -> StepReport {
         let wall = Instant::now();
+        self.step_began = wall;
         self.settle_anticipation(wall);
         self.reap(now);
         let report = if let Some(rows) = self.inflight.take() {
@@ -2317,8 +2323,13 @@ impl<M: Model> Scheduler<M> {
         self.model.commit().map_err(StepFault::model)?;
         self.pool_commit();
         self.observe_cost(rows, measured);
+        let at = match self.model.last_step_seconds() {
+            // A simulated model's own clock.
+            Some(s) => now + Duration::from_secs_f64(s),
+            None => self.emitted(now),
+        };
         let mut commits = std::mem::take(&mut self.bufs.commits);
-        let rep = self.apply(rows, &mut commits, now);
+        let rep = self.apply(rows, &mut commits, at);
         self.bufs.commits = commits;
         Ok(rep)
     }
@@ -2660,7 +2671,8 @@ impl<M: Model> Scheduler<M> {
             }
         }
         let mut commits = std::mem::take(&mut self.bufs.commits);
-        let mut rep = self.apply(&rows, &mut commits, now);
+        let at = self.emitted(now);
+        let mut rep = self.apply(&rows, &mut commits, at);
         self.bufs.commits = commits;
         self.bufs.rows = rows;
         rep.attempts = 1;
@@ -3078,7 +3090,16 @@ impl<M: Model> Scheduler<M> {
         }
     }
 
-    /// Applies (and drains) the staged `commits` of a committed step.
+    /// When the step that began at `now` put its tokens out: `now` plus the time
+    /// since it began. Time to first token, the inter-token gaps, a request's end
+    /// and its usage are stamped with it, not with the step's start (which left the
+    /// step itself out of every first token's time).
+    fn emitted(&self, now: Instant) -> Instant {
+        now + self.step_began.elapsed()
+    }
+
+    /// Applies (and drains) the staged `commits` of a committed step; `now` is
+    /// when its tokens came out ([`Self::emitted`]).
     fn apply(
         &mut self,
         rows: &[Planned],

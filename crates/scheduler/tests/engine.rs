@@ -408,3 +408,44 @@ async fn a_tenant_slower_than_the_anticipation_is_not_waited_for_again() {
     drop(flood);
     engine.shutdown();
 }
+
+/// A fake whose every forward takes `0.1` s of the clock (no simulated cost).
+struct Slow(FakeModel);
+
+impl Model for Slow {
+    fn info(&self) -> ModelInfo {
+        self.0.info()
+    }
+    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
+        std::thread::sleep(Duration::from_millis(100));
+        self.0.forward(ops, batch)
+    }
+    fn commit(&mut self) -> Result<(), ModelError> {
+        self.0.commit()
+    }
+    fn rollback(&mut self) {
+        self.0.rollback()
+    }
+    fn release_row(&mut self, row: RowId) {
+        self.0.release_row(row)
+    }
+}
+
+/// A request's time to first token includes the step that produced the token:
+/// its usage and the server's TTFT histogram are stamped when the step's tokens
+/// came out, not when it began (which reported ~0 for a prompt prefilled in one
+/// step on an idle engine, however long the step).
+#[tokio::test]
+async fn time_to_first_token_counts_the_step_that_made_it() {
+    let engine = Engine::start(
+        sched_config(),
+        || Ok::<_, String>(Slow(FakeModel::new(fake_config()))),
+        Arc::new(FakeDetokenizer),
+    )
+    .expect("engine starts");
+    let (ids, _, f) = collect(engine.submit(Request::new("t", vec![1, 2, 3], 2)).unwrap()).await;
+    assert_eq!(ids.len(), 2);
+    let ttft = f.usage.time_to_first_token.expect("a first token");
+    assert!(ttft >= Duration::from_millis(100), "{ttft:?}");
+    engine.shutdown();
+}
