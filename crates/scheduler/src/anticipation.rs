@@ -10,7 +10,9 @@
 //! applied to steps.
 //!
 //! Bounded three ways: only a tenant whose last return came within the wait is
-//! anticipated (one that took longer is not, until it returns quickly again), the
+//! anticipated (one that took longer is not, until it returns quickly again; one
+//! away for longer than the isolation window starts afresh, as a new tenant
+//! does, so a client chaining again after a pause is waited for at once), the
 //! wait ends as soon as every anticipated tenant has a request in, and all waits
 //! draw on a credit that grows at [`ANTICIPATION_SHARE`] seconds a second, so they
 //! never take more than that share of the engine's time.
@@ -24,8 +26,8 @@ use crate::config::{ANTICIPATION_CREDIT_WAITS, ANTICIPATION_SHARE};
 struct Returns {
     /// When its last live request finished, while it has had none since.
     idle_since: Option<Instant>,
-    /// Its last return (next request after `idle_since`) came within the wait, or
-    /// it has not returned yet: anticipate it.
+    /// Its last return (next request after `idle_since`) came within the wait or
+    /// after a pause past the reset, or it has not returned yet: anticipate it.
     quick: bool,
 }
 
@@ -52,6 +54,8 @@ pub struct AnticipationCounts {
 #[derive(Debug)]
 pub(crate) struct Anticipation {
     window: Duration,
+    /// A return after this long is a fresh start, not a slow return.
+    reset: Duration,
     returns: Vec<Returns>,
     /// Tenants anticipated before the next step, with their deadlines.
     pending: Vec<(usize, Instant)>,
@@ -64,9 +68,12 @@ pub(crate) struct Anticipation {
 }
 
 impl Anticipation {
-    pub fn new(window: Duration) -> Self {
+    /// Waits of up to `window`; a tenant back after `reset` or more (the isolation
+    /// window) is anticipated again like a new one.
+    pub fn new(window: Duration, reset: Duration) -> Self {
         Self {
             window,
+            reset: reset.max(window),
             returns: Vec::new(),
             pending: Vec::new(),
             since: None,
@@ -107,10 +114,11 @@ impl Anticipation {
         if self.window.is_zero() {
             return;
         }
-        let window = self.window;
+        let (window, reset) = (self.window, self.reset);
         let r = self.returns(t);
         if let Some(since) = r.idle_since.take() {
-            r.quick = arrival.saturating_duration_since(since) <= window;
+            let gap = arrival.saturating_duration_since(since);
+            r.quick = gap <= window || gap >= reset;
         }
     }
 
@@ -177,7 +185,7 @@ mod tests {
     #[test]
     fn a_tenant_is_anticipated_until_it_arrives_or_its_deadline() {
         let t0 = Instant::now();
-        let mut a = Anticipation::new(5 * MS);
+        let mut a = Anticipation::new(5 * MS, 1000 * MS);
         a.finished(1, t0);
         assert_eq!(a.wait(t0 + MS, |_| true), Some(4 * MS));
         assert_eq!(a.wait(t0 + 2 * MS, |_| false), None, "it came back");
@@ -200,7 +208,7 @@ mod tests {
     #[test]
     fn a_tenant_that_returned_slowly_is_not_anticipated_until_it_returns_quickly() {
         let t0 = Instant::now();
-        let mut a = Anticipation::new(5 * MS);
+        let mut a = Anticipation::new(5 * MS, 1000 * MS);
         a.finished(2, t0);
         a.arrived(2, t0 + 20 * MS);
         a.settle(t0 + 20 * MS, |_| false);
@@ -210,12 +218,24 @@ mod tests {
         a.arrived(2, t0 + 102 * MS);
         a.finished(2, t0 + 200 * MS);
         assert_eq!(a.wait(t0 + 200 * MS, |_| true), Some(5 * MS));
+        a.settle(t0 + 200 * MS, |_| true);
+        // Slow again, then back after a pause past the reset: a fresh start.
+        a.arrived(2, t0 + 300 * MS);
+        a.finished(2, t0 + 400 * MS);
+        assert_eq!(a.wait(t0 + 400 * MS, |_| true), None, "slow last time");
+        a.arrived(2, t0 + 1500 * MS);
+        a.finished(2, t0 + 1600 * MS);
+        assert_eq!(
+            a.wait(t0 + 1600 * MS, |_| true),
+            Some(5 * MS),
+            "back after a pause"
+        );
     }
 
     #[test]
     fn waits_stay_within_their_share_of_the_engines_time() {
         let t0 = Instant::now();
-        let mut a = Anticipation::new(5 * MS);
+        let mut a = Anticipation::new(5 * MS, 1000 * MS);
         let mut now = t0;
         let mut waited = Duration::ZERO;
         // A tenant finishing after every 10 ms step and never coming back in time:
@@ -247,7 +267,7 @@ mod tests {
     #[test]
     fn off_never_waits() {
         let t0 = Instant::now();
-        let mut a = Anticipation::new(Duration::ZERO);
+        let mut a = Anticipation::new(Duration::ZERO, 1000 * MS);
         a.finished(0, t0);
         assert_eq!(a.wait(t0, |_| true), None);
     }

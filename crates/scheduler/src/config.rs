@@ -135,7 +135,8 @@ pub struct SchedulerConfig {
     /// end, just after the next step began, and would wait for all of that step
     /// before its own prefill could start; arriving during the wait, it gets it in
     /// the next step ([`crate::Scheduler`]'s starting-tenant step). Only for a
-    /// tenant whose last return came within this long, the wait ends as soon as it
+    /// tenant whose last return came within this long (or after a pause longer than
+    /// `isolation_window`: a fresh start), the wait ends as soon as it
     /// arrives, and waits take at most [`ANTICIPATION_SHARE`] of the engine's time.
     /// Zero turns it off.
     pub anticipation: Duration,

@@ -424,7 +424,7 @@ enum Joiners {
     /// Only those ahead of a running row of this tenant with this
     /// [`Scheduler::prefill_key`] (a tenant's own wait for its running rows).
     AheadOf(usize, FairKey),
-    /// Only of tenants holding no row (one request each).
+    /// Only of starting tenants ([`Scheduler::starting`]: one request each).
     Starting,
 }
 
@@ -830,7 +830,7 @@ impl<M: Model> Scheduler<M> {
             cost_since: None,
             blocked_carry: 0.0,
             traced_carry: false,
-            antic: Anticipation::new(cfg.anticipation),
+            antic: Anticipation::new(cfg.anticipation, cfg.isolation_window),
             step_began: Instant::now(),
             cfg,
             info,
@@ -1590,15 +1590,20 @@ impl<M: Model> Scheduler<M> {
     }
 
     /// Latency isolation between tenants: while tenants share the engine
-    /// ([`Self::tenants_share`]) and the tenant first in fair order holds no row, its
-    /// first request's prefill (with those of other tenants holding none) runs in a
-    /// step of its own, the decoding rows left out of it. A mixed step would make it
+    /// ([`Self::tenants_share`]), the prefill of starting tenants ([`Self::starting`]:
+    /// one short request, no row) runs in a step of its own, in fair order, the
+    /// decoding rows and other tenants' prompts left out of it. A mixed step would make it
     /// wait for every decoding row of the others besides its own prompt (on the CPU
     /// a 33-row decode doubles a short request's first step; on a GPU the rows run
     /// uncompiled beside a prefill), where the decoding rows wait one short step
     /// instead, which costs about what the mixed step would have cost them. Never
     /// twice in a row (decoding rows always advance every other step), not under
     /// probation, not with the batch full. None: plan as usual.
+    ///
+    /// Also before another tenant's burst of prompts, with no row decoding: a step
+    /// with them would make the starting request wait for their prefill too (on the
+    /// CPU a light request arriving with a 32-stream flood's first prompts waited
+    /// ~505 ms for a 164-token step, against ~150 ms for its own 32 tokens).
     ///
     /// Only for a request whose prompt is one chunk (`prefill_chunk`): a longer
     /// one's first token is several steps away whatever its first step is, and a
@@ -1613,20 +1618,20 @@ impl<M: Model> Scheduler<M> {
         {
             return None;
         }
-        let t = self.pick_tenant()?;
-        if self.tenants[t].running > 0 || self.tenants[t].queue.is_empty() {
+        if !(0..self.tenants.len()).any(|t| self.starting(t)) {
             return None;
         }
-        // Only worth it beside decoding rows.
-        if !self
+        // Only worth it beside decoding rows, or before another tenant's prompts.
+        let decoding = self
             .running
             .iter()
-            .any(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem == 1))
-        {
-            return None;
-        }
-        let first = self.tenants[t].queue.values().next()?;
-        if self.reqs.get(first)?.seq_len() > self.cfg.prefill_chunk {
+            .any(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem == 1));
+        let others_waiting = self
+            .tenants
+            .iter()
+            .enumerate()
+            .any(|(t, x)| !x.queue.is_empty() && !self.starting(t));
+        if !decoding && !others_waiting {
             return None;
         }
         let mut rows = std::mem::take(&mut self.bufs.rows);
@@ -1725,8 +1730,8 @@ impl<M: Model> Scheduler<M> {
         self.cost.predict(&shape).unwrap_or(0.0)
     }
 
-    /// Whether more than one tenant had requests in the engine within the
-    /// isolation window.
+    /// Whether more than one tenant has requests in the engine now or had them
+    /// within the isolation window.
     fn tenants_share(&self, now: Instant) -> bool {
         let w = self.cfg.isolation_window;
         if w.is_zero() {
@@ -1734,9 +1739,23 @@ impl<M: Model> Scheduler<M> {
         }
         self.tenants
             .iter()
-            .filter(|t| t.last_active.is_some_and(|a| now.duration_since(a) <= w))
+            .filter(|t| !t.idle() || t.last_active.is_some_and(|a| now.duration_since(a) <= w))
             .nth(1)
             .is_some()
+    }
+
+    /// A starting tenant: it holds no row and waits with one request whose prompt is
+    /// one chunk (an interactive client's next turn, not a batch of its own).
+    fn starting(&self, t: usize) -> bool {
+        let x = &self.tenants[t];
+        x.running == 0
+            && x.running < x.max_running
+            && x.queue.len() == 1
+            && x.queue
+                .values()
+                .next()
+                .and_then(|k| self.reqs.get(k))
+                .is_some_and(|r| r.seq_len() <= self.cfg.prefill_chunk)
     }
 
     /// Where a request of tenant `t` at `priority` stands for a step's prefill:
@@ -1988,8 +2007,10 @@ impl<M: Model> Scheduler<M> {
                     }
                 }
                 Joiners::Starting => {
-                    if self.tenants[t].running > 0 {
-                        break;
+                    if !self.starting(t) {
+                        // Another tenant's batch waits for the usual plan.
+                        skipped.push(t);
+                        continue;
                     }
                 }
             }

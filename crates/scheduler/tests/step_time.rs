@@ -944,3 +944,34 @@ fn steps_that_traced_do_not_teach_the_cost_model() {
     let (steps, _, observed) = run(false);
     assert_eq!(observed, steps, "unreported first calls are learned");
 }
+
+/// A starting tenant's short request that arrives with another tenant's burst of
+/// prompts (nothing decoding yet) gets a step of its own first: a step with the
+/// burst's prompts would make its first token wait for their prefill too (on the
+/// CPU a light request arriving with a 32-stream flood's first prompts waited
+/// ~505 ms for a 164-token step, its own 32 tokens take ~150 ms).
+#[test]
+fn a_starting_tenants_prompt_goes_before_another_tenants_burst_in_a_step_of_its_own() {
+    let mut g = rng(71);
+    let mut specs = requests(&mut g, "flood", "f", 12, (100, 40), 0);
+    specs.extend(requests(&mut g, "light", "l", 1, (24, 4), 0));
+    for window in [Duration::from_secs(3600), Duration::ZERO] {
+        let cfg = SchedulerConfig {
+            isolation_window: window,
+            ..config(Some(TARGET))
+        };
+        let r = run_timed(cfg, fake(), &specs);
+        assert_clean(&r);
+        let steps = r.sched.model().step_costs().to_vec();
+        eprintln!("window {window:?}: first steps {:?}", &steps[..3]);
+        if window.is_zero() {
+            assert!(steps[0].1 > 24, "off: one step with the burst {steps:?}");
+        } else {
+            assert_eq!(
+                (steps[0].0, steps[0].1),
+                (0, 24),
+                "the light prompt alone first: {steps:?}"
+            );
+        }
+    }
+}
