@@ -151,19 +151,27 @@ impl Anticipation {
 
     /// A step begins: the wait before it (if any) is over and paid for, and nobody
     /// is anticipated any more (a tenant that came back is in this step; one that
-    /// did not has missed its turn).
-    pub fn settle(&mut self, now: Instant, idle: impl Fn(usize) -> bool) {
-        if let Some(started) = self.since.take() {
+    /// did not has missed its turn). Returns the wait that ended, if one began:
+    /// whether everyone waited for arrived, and how long it took.
+    pub fn settle(
+        &mut self,
+        now: Instant,
+        idle: impl Fn(usize) -> bool,
+    ) -> Option<(bool, Duration)> {
+        let ended = self.since.take().map(|started| {
             let waited = now.saturating_duration_since(started);
             self.credit = (self.credit - waited.as_secs_f64()).max(0.0);
             self.counts.waited += waited;
-            if self.pending.iter().any(|&(t, _)| idle(t)) {
-                self.counts.missed += 1;
-            } else {
+            let arrived = !self.pending.iter().any(|&(t, _)| idle(t));
+            if arrived {
                 self.counts.arrived += 1;
+            } else {
+                self.counts.missed += 1;
             }
-        }
+            (arrived, waited)
+        });
         self.pending.clear();
+        ended
     }
 
     fn top_up(&mut self, now: Instant) {

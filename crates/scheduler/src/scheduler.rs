@@ -1618,7 +1618,15 @@ impl<M: Model> Scheduler<M> {
         {
             return None;
         }
-        if !(0..self.tenants.len()).any(|t| self.starting(t)) {
+        let (mut any_starting, mut others_waiting) = (false, false);
+        for (t, x) in self.tenants.iter().enumerate() {
+            if self.starting(t) {
+                any_starting = true;
+            } else if !x.queue.is_empty() {
+                others_waiting = true;
+            }
+        }
+        if !any_starting {
             return None;
         }
         // Only worth it beside decoding rows, or before another tenant's prompts.
@@ -1626,11 +1634,6 @@ impl<M: Model> Scheduler<M> {
             .running
             .iter()
             .any(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem == 1));
-        let others_waiting = self
-            .tenants
-            .iter()
-            .enumerate()
-            .any(|(t, x)| !x.queue.is_empty() && !self.starting(t));
         if !decoding && !others_waiting {
             return None;
         }
@@ -1749,7 +1752,7 @@ impl<M: Model> Scheduler<M> {
     fn starting(&self, t: usize) -> bool {
         let x = &self.tenants[t];
         x.running == 0
-            && x.running < x.max_running
+            && x.max_running > 0
             && x.queue.len() == 1
             && x.queue
                 .values()
@@ -3366,20 +3369,16 @@ impl<M: Model> Scheduler<M> {
 
     /// A step begins: an anticipatory wait before it is over ([`Anticipation`]).
     fn settle_anticipation(&mut self, now: Instant) {
-        let before = self.antic.counts();
         let tenants = &self.tenants;
-        self.antic
+        let ended = self
+            .antic
             .settle(now, |t| tenants.get(t).is_some_and(Tenant::idle));
-        let after = self.antic.counts();
-        if after != before {
-            let arrived = after.arrived > before.arrived;
+        if let Some((arrived, waited)) = ended {
             self.metrics.anticipation(arrived).increment(1);
-            self.metrics
-                .anticipation_wait
-                .record((after.waited - before.waited).as_secs_f64());
+            self.metrics.anticipation_wait.record(waited.as_secs_f64());
             trace!(
                 arrived,
-                waited_ms = (after.waited - before.waited).as_secs_f64() * 1e3,
+                waited_ms = waited.as_secs_f64() * 1e3,
                 "anticipation"
             );
         }
