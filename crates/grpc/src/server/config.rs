@@ -43,6 +43,14 @@ pub(crate) fn strict_bound() -> anyhow::Result<bool> {
     }
 }
 
+/// `--worker-threads` unless set: [`DEFAULT_WORKER_THREADS`], or the host's
+/// cores if fewer.
+fn default_worker_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(DEFAULT_WORKER_THREADS)
+}
+
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:8000";
@@ -63,6 +71,12 @@ pub const DEFAULT_ISOLATION_WINDOW_MS: u64 = 5000;
 /// chaining requests over loopback gRPC came back 0.9-2.6 ms after its last final
 /// event on the CPU server (benches/RESULTS.md, issue 17).
 pub const DEFAULT_ANTICIPATION_MS: u64 = 5;
+/// `--worker-threads` unless set, at most (fewer on a host with fewer cores):
+/// the gRPC/HTTP runtime's threads. The engine thread builds every step on the
+/// host, and a runtime with a worker per core slowed it: on an H100 host (16
+/// cores) `weft serve` at 256 streams made 17350 output tok/s with 16 workers and
+/// 21978 with 4, against 22192 for the engine alone (benches/RESULTS.md, issue 14).
+pub const DEFAULT_WORKER_THREADS: usize = 4;
 
 /// Serve the weft.v1 gRPC API, health, reflection and Prometheus metrics
 ///
@@ -149,6 +163,12 @@ pub struct ServeArgs {
     /// Requests queued across all tenants before RESOURCE_EXHAUSTED [default: 1024].
     #[arg(long, env = "WEFT_MAX_WAITING")]
     pub max_waiting: Option<usize>,
+    /// Threads of the async runtime that serves gRPC, HTTP and metrics (the
+    /// engine runs on a thread of its own beside them). More workers than
+    /// needed take host time from the engine thread, which builds every step
+    /// [default: 4, or the host's cores if fewer].
+    #[arg(long, env = "WEFT_WORKER_THREADS", value_name = "N")]
+    pub worker_threads: Option<usize>,
     /// Largest prefill piece of one request in one step [default: 512].
     #[arg(long, env = "WEFT_PREFILL_CHUNK")]
     pub prefill_chunk: Option<usize>,
@@ -265,6 +285,7 @@ struct FileConfig {
     max_batch_rows: Option<usize>,
     max_step_tokens: Option<usize>,
     max_waiting: Option<usize>,
+    worker_threads: Option<usize>,
     prefill_chunk: Option<usize>,
     decode_prefill_tokens: Option<usize>,
     itl_target_ms: Option<ItlSetting>,
@@ -461,6 +482,8 @@ pub struct Settings {
     pub max_batch_rows: usize,
     pub max_step_tokens: usize,
     pub max_waiting: usize,
+    /// Threads of the async runtime (`--worker-threads`).
+    pub worker_threads: usize,
     pub prefill_chunk: usize,
     pub decode_prefill_tokens: Option<usize>,
     pub itl_target: weft_scheduler::ItlTarget,
@@ -617,6 +640,10 @@ impl Settings {
             max_batch_rows,
             max_step_tokens,
             max_waiting: args.max_waiting.or(file.max_waiting).unwrap_or(1024),
+            worker_threads: args
+                .worker_threads
+                .or(file.worker_threads)
+                .unwrap_or_else(default_worker_threads),
             prefill_chunk: args.prefill_chunk.or(file.prefill_chunk).unwrap_or(512),
             decode_prefill_tokens,
             itl_target,
@@ -686,6 +713,7 @@ impl Settings {
             ("max-batch-rows", self.max_batch_rows),
             ("max-step-tokens", self.max_step_tokens),
             ("max-waiting", self.max_waiting),
+            ("worker-threads", self.worker_threads),
             ("prefill-chunk", self.prefill_chunk),
             (
                 "decode-prefill-tokens",
@@ -923,6 +951,30 @@ mod tests {
             .unwrap()
             .scheduler_config();
         assert_eq!(c.anticipation, Duration::from_millis(12));
+    }
+
+    #[test]
+    fn worker_threads_flag_and_file() {
+        let s = Settings::resolve(args("")).unwrap();
+        let cores = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(s.worker_threads, cores.min(DEFAULT_WORKER_THREADS));
+        assert_eq!(
+            Settings::resolve(args("--worker-threads 9"))
+                .unwrap()
+                .worker_threads,
+            9
+        );
+        let e = Settings::resolve(args("--worker-threads 0")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("--worker-threads must be at least 1"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("weft.toml");
+        std::fs::write(&p, "worker_threads = 2\n").unwrap();
+        let s = Settings::resolve(args(&format!("--config {}", p.display()))).unwrap();
+        assert_eq!(s.worker_threads, 2);
     }
 
     #[test]

@@ -74,6 +74,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         None => Tenants::open(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(settings.worker_threads)
         .enable_all()
         .thread_name("weft-grpc")
         .build()
