@@ -40,14 +40,14 @@ use crate::linear::Linear;
 pub const GEMV_MAX_ROWS: i32 = 0;
 /// The same for a model with 4-bit weights: one-row steps went from 310 to
 /// 387 tok/s (MLX's 4-bit matrix-vector product streams ~600 GB/s, these
-/// ~870). The tensor-core kernels for 2-16 rows made the 8-row step faster
-/// (5.39 / 6.35 -> 4.95 / 4.63 ms on two H200s) and 16 rows measured 1.99x
-/// mlx-lm, but with them a start that warms the 2-8-row buckets did not
-/// finish in 120-150 s on the 1.2B model (each kernel variant a start meets
-/// costs seconds in MLX's custom-kernel path; benches/RESULTS.md): a server
-/// that may not start is worse than a slower step, so they stay opt-in
-/// (`WEFT_GEMV_MAX_ROWS=16`) until the start is fixed.
-pub const GEMV_MAX_ROWS_Q4: i32 = 1;
+/// ~870), and the tensor-core kernels take 2-16 rows. Built per capacity (8 or
+/// 16 rows, the row count read from the input), they start in seconds: on an
+/// H100 (2026-12-07) `bench-engine` at 8 streams of the 1.2B 4-bit model made
+/// 1677 steady tok/s with them (step 4.9 ms) against 766 without (10.6 ms, the
+/// weights dequantized in the step), and its whole run with mlx-lm's beside it
+/// took 53 s (benches/RESULTS.md). Before the per-capacity builds a start that
+/// warmed the 2-8-row buckets did not finish in 120-150 s.
+pub const GEMV_MAX_ROWS_Q4: i32 = 16;
 
 /// Shared memory that may stage a normalized input, in 16-byte words: the
 /// GEMV kernels take 16 KB up to 4 rows and 40 KB beyond (more would cut the
@@ -189,7 +189,7 @@ pub fn kernel_sources() -> Vec<KernelSource> {
         inputs,
         quantized,
         mma,
-        source: format!("{xs}{body}"),
+        source: crate::cuda_kernel::compact(&format!("{xs}{body}")),
     };
     vec![
         k(
