@@ -25,7 +25,8 @@ impl Kernel {
         let ins = strings(inputs)?;
         let outs = strings(outputs)?;
         let name = CString::new(name).map_err(|e| ModelError::Invalid(e.to_string()))?;
-        let source = CString::new(source).map_err(|e| ModelError::Invalid(e.to_string()))?;
+        let source =
+            CString::new(compact(source)).map_err(|e| ModelError::Invalid(e.to_string()))?;
         let header = CString::new("").expect("static header");
         // SAFETY: all arguments are live for the call; the vectors are freed
         // after it (MLX copied them).
@@ -124,6 +125,29 @@ impl Kernel {
     }
 }
 
+/// `source` without its comments, indentation and blank lines, for NVRTC the
+/// same program. MLX CUDA hashes a custom kernel's whole source at every launch
+/// (`CustomKernel::eval_gpu` names the module by `std::hash` of it), so the
+/// text's length is host time in every step: a 4-bit tensor-core product's
+/// source is ~14 KB as written and ~7 KB compacted, launched ~90 times a step.
+/// Line breaks stay (preprocessor lines end at them); a `//` after a quote on
+/// its line is left alone (it could be inside a string).
+pub(crate) fn compact(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    for line in source.lines() {
+        let code = match line.find("//") {
+            Some(i) if !line[..i].contains('"') => &line[..i],
+            _ => line,
+        };
+        let code = code.trim();
+        if !code.is_empty() {
+            out.push_str(code);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 fn strings(names: &[&str]) -> Result<mlx_sys::mlx_vector_string> {
     // SAFETY: the vector is created here and returned to the caller, who frees
     // it; every appended C string outlives its append (MLX copies it).
@@ -142,5 +166,20 @@ fn mlx_dtype(d: Dtype) -> mlx_sys::mlx_dtype {
         Dtype::Float32 => mlx_sys::mlx_dtype__MLX_FLOAT32,
         Dtype::Float16 => mlx_sys::mlx_dtype__MLX_FLOAT16,
         _ => mlx_sys::mlx_dtype__MLX_BFLOAT16,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compact;
+
+    #[test]
+    fn compact_drops_comments_indentation_and_blank_lines_only() {
+        let src = "// a kernel\n#define N 4 // rows\n\n    int x = 1;   \n  asm(\"mov.u32 %0, 1; // not a comment\");\n\t}\n";
+        assert_eq!(
+            compact(src),
+            "#define N 4\nint x = 1;\nasm(\"mov.u32 %0, 1; // not a comment\");\n}\n"
+        );
+        assert_eq!(compact(&compact(src)), compact(src), "idempotent");
     }
 }

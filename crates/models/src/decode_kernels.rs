@@ -512,7 +512,7 @@ impl Consumer {
             name,
             inputs,
             outputs,
-            source,
+            source: crate::cuda_kernel::compact(&source),
         }
     }
 
@@ -549,7 +549,7 @@ pub fn add_norm_prologue_source(shrink: usize) -> KernelSource {
         name,
         inputs,
         outputs,
-        source,
+        source: crate::cuda_kernel::compact(&source),
     }
 }
 

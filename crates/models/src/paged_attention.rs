@@ -191,9 +191,11 @@ const QUANT_LOAD: &str = r#"
 /// The decode kernel's source reading dense or quantized pools.
 pub fn decode_source(quantized: bool) -> String {
     let load = if quantized { QUANT_LOAD } else { DENSE_LOAD };
-    SOURCE
-        .replace("LOAD_K", &load.replace("P_", "k_"))
-        .replace("LOAD_V", &load.replace("P_", "v_"))
+    crate::cuda_kernel::compact(
+        &SOURCE
+            .replace("LOAD_K", &load.replace("P_", "k_"))
+            .replace("LOAD_V", &load.replace("P_", "v_")),
+    )
 }
 
 /// Input names of [`decode_source`]'s kernel.
