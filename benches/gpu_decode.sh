@@ -75,7 +75,8 @@
 #           binary is built; MP_FILTER, default mixed), tolerance WEFT_TEST_TOLERANCE (default 1e-3);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
 #           split64: bench-engine and weft serve at 64 streams, server variants SPLIT_VARIANTS
-#           (default, pinned: server and client on separate cores, pinned-t4: + TOKIO_WORKER_THREADS=4);
+#           (default, t4 / w16: 4 / 16 runtime workers (WEFT_WORKER_THREADS, and TOKIO_WORKER_THREADS for
+#           builds before --worker-threads), pinned: server and client on separate cores, pinned-t4: both);
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated)
 #           (call 2 within the machine's idle window after call 1)
@@ -488,10 +489,12 @@ if has split64; then
   for v in ${SPLIT_VARIANTS:-default pinned pinned-t4 default}; do
     SP=""; CP=""; TW=""
     case $v in
+      t4) TW=4 ;;
+      w16) TW=16 ;;
       pinned) SP="taskset -c 0-$((C - 5))"; CP="taskset -c $((C - 4))-$((C - 1))" ;;
       pinned-t4) SP="taskset -c 0-$((C - 5))"; CP="taskset -c $((C - 4))-$((C - 1))"; TW=4 ;;
     esac
-    env ${TW:+TOKIO_WORKER_THREADS=$TW} $SP /root/weft serve --model $M --listen 127.0.0.1:50581 --metrics-listen 127.0.0.1:50583 \
+    env ${TW:+TOKIO_WORKER_THREADS=$TW WEFT_WORKER_THREADS=$TW} $SP /root/weft serve --model $M --listen 127.0.0.1:50581 --metrics-listen 127.0.0.1:50583 \
       --http-listen off --max-batch-rows 64 > $O/weft-split-$v.log 2>&1 &
     P=$!
     up http://127.0.0.1:50583/metrics
