@@ -54,8 +54,9 @@ pub struct AnticipationCounts {
 #[derive(Debug)]
 pub(crate) struct Anticipation {
     window: Duration,
-    /// A return after this long is a fresh start, not a slow return.
-    reset: Duration,
+    /// A return after this long is a fresh start, not a slow return (None: never,
+    /// with the isolation window off).
+    reset: Option<Duration>,
     returns: Vec<Returns>,
     /// Tenants anticipated before the next step, with their deadlines.
     pending: Vec<(usize, Instant)>,
@@ -69,11 +70,14 @@ pub(crate) struct Anticipation {
 
 impl Anticipation {
     /// Waits of up to `window`; a tenant back after `reset` or more (the isolation
-    /// window) is anticipated again like a new one.
+    /// window) is anticipated again like a new one. A zero `reset` (the window off)
+    /// resets nobody: a tenant that came back slowly is waited for again only after
+    /// it comes back quickly. (It was the wait itself, which made every return count
+    /// as either quick or a fresh start.)
     pub fn new(window: Duration, reset: Duration) -> Self {
         Self {
             window,
-            reset: reset.max(window),
+            reset: (!reset.is_zero()).then(|| reset.max(window)),
             returns: Vec::new(),
             pending: Vec::new(),
             since: None,
@@ -118,7 +122,7 @@ impl Anticipation {
         let r = self.returns(t);
         if let Some(since) = r.idle_since.take() {
             let gap = arrival.saturating_duration_since(since);
-            r.quick = gap <= window || gap >= reset;
+            r.quick = gap <= window || reset.is_some_and(|x| gap >= x);
         }
     }
 
@@ -270,6 +274,31 @@ mod tests {
             "the share is used: {waited:?}"
         );
         assert_eq!(a.counts().waited, waited);
+    }
+
+    #[test]
+    fn without_an_isolation_window_a_slow_tenant_is_never_reset() {
+        let t0 = Instant::now();
+        let mut a = Anticipation::new(5 * MS, Duration::ZERO);
+        a.finished(2, t0);
+        a.arrived(2, t0 + 20 * MS);
+        a.settle(t0 + 20 * MS, |_| false);
+        a.finished(2, t0 + 100 * MS);
+        assert_eq!(a.wait(t0 + 100 * MS, |_| true), None, "slow last time");
+        a.arrived(2, t0 + 5000 * MS);
+        a.finished(2, t0 + 5100 * MS);
+        assert_eq!(
+            a.wait(t0 + 5100 * MS, |_| true),
+            None,
+            "a pause is no reset"
+        );
+        a.arrived(2, t0 + 5102 * MS);
+        a.finished(2, t0 + 5200 * MS);
+        assert_eq!(
+            a.wait(t0 + 5200 * MS, |_| true),
+            Some(5 * MS),
+            "quick again"
+        );
     }
 
     #[test]
