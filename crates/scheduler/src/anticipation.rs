@@ -72,8 +72,7 @@ impl Anticipation {
     /// Waits of up to `window`; a tenant back after `reset` or more (the isolation
     /// window) is anticipated again like a new one. A zero `reset` (the window off)
     /// resets nobody: a tenant that came back slowly is waited for again only after
-    /// it comes back quickly. (It was the wait itself, which made every return count
-    /// as either quick or a fresh start.)
+    /// it comes back quickly.
     pub fn new(window: Duration, reset: Duration) -> Self {
         Self {
             window,
