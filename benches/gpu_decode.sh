@@ -78,7 +78,9 @@
 #           (default, t4 / w16: 4 / 16 runtime workers (WEFT_WORKER_THREADS, and TOKIO_WORKER_THREADS for
 #           builds before --worker-threads), pinned: server and client on separate cores, pinned-t4: both);
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
-#           two requests per stream, prompt 128, 128 generated)
+#           two requests per stream, prompt 128, 128 generated);
+#           servereng: weft serve (its defaults) vs weft bench-engine at SE_STREAMS ("64 256"),
+#           SE_ROUNDS (1) each: issue 14's >= 90% of the engine
 #           (call 2 within the machine's idle window after call 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -419,7 +421,7 @@ variant() {
   TAG=$(echo "$1" | tr -c 'A-Za-z0-9_\n' '_')
   # A binary listed twice (runs of one binary differ): the second run's files get -2, -3...
   local base=$TAG n=2
-  while [ -e "$O/long-trace-$TAG.log.gz" ] || [ -e "$O/mix-5000-$TAG.json" ]; do TAG=$base-$n; n=$((n + 1)); done
+  while [ -e "$O/long-trace-$TAG.log.gz" ] || compgen -G "$O/mix-*-$TAG.json" > /dev/null; do TAG=$base-$n; n=$((n + 1)); done
 }
 if has long; then
   echo "== steps bounded in time: 8 streams decode while a 2048- and a 7000-token prompt join, then a 7000-token prompt is cancelled mid-prefill (weft bench-engine --scenario long-prompts), 1.2B bf16" | tee -a $R
@@ -453,7 +455,8 @@ if has mix; then
   variant "$V"
   for win in ${MIX_WINDOWS:-5000 0}; do
   echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16, --isolation-window-ms $win, /root/$B ${VENV[*]}" | tee -a $R
-  env "${VENV[@]}" /root/$B serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off \
+  # MIX_TRACE=1: the scheduler's per-step trace in the server's log (weft-mix-WIN-TAG.log.gz).
+  env ${MIX_TRACE:+RUST_LOG=info,weft_scheduler=trace} "${VENV[@]}" /root/$B serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off \
     --isolation-window-ms $win > $O/weft-mix-$win.log 2>&1 &
   P=$!
   up http://127.0.0.1:50563/metrics
@@ -461,6 +464,7 @@ if has mix; then
   /root/weft bench --scenario tenant-mix --target grpc://127.0.0.1:50561 --tenant flood:flood-key --tenant light:light-key \
     --flood-streams ${MIX_FLOOD:-48} --phase-duration ${MIX_PHASE:-30s} --warmup 8 --quiet --json $O/mix-$win-$TAG.json 2>&1 | tee -a $R
   kill -TERM $P; wait $P || true
+  if [ -n "${MIX_TRACE:-}" ]; then mv $O/weft-mix-$win.log $O/weft-mix-$win-$TAG.log && gzip -f $O/weft-mix-$win-$TAG.log; fi
   done
   done
 fi
@@ -516,6 +520,35 @@ print(f"{v}: {d['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 {d['ttft_ms']['p
       f"per step {per('weft_step_duration_seconds'):.2f} ms over {int(m.get('weft_step_duration_seconds_count', 0))} steps")
 PY
     kill -TERM $P; wait $P || true
+  done
+fi
+if has servereng; then
+  # Issue 14's server target: `weft serve` (its defaults) at >= 90% of `weft bench-engine`,
+  # both at SE_STREAMS (64 256), prompt 128, 128 generated; the engine first, then a fresh
+  # server driven by `weft bench` (two requests per stream), SE_ROUNDS times each.
+  A="--prompt-tokens 128 --max-tokens 128 --warmup 2 --quiet"
+  for n in ${SE_STREAMS:-64 256}; do
+    for round in $(seq ${SE_ROUNDS:-1}); do
+      echo "== weft serve vs weft bench-engine, $n streams, round $round" | tee -a $R
+      /root/weft bench-engine --model $M --streams $n --prompt-tokens 128 --gen-tokens 128 --rounds 2 2>/dev/null \
+        | tail -1 > $O/se-engine-$n-$round.json
+      /root/weft serve --model $M --listen 127.0.0.1:50591 --metrics-listen 127.0.0.1:50593 --http-listen off \
+        --max-batch-rows $n > $O/weft-se-$n-$round.log 2>&1 &
+      P=$!
+      up http://127.0.0.1:50593/metrics
+      for _ in $(seq 240); do grep -q "ready" $O/weft-se-$n-$round.log && break; sleep 0.5; done
+      /root/weft bench --target grpc://127.0.0.1:50591 -c $n -n $((2 * n)) $A --json $O/se-serve-$n-$round.json > /dev/null
+      kill -TERM $P; wait $P || true
+      python3 - $n $O/se-engine-$n-$round.json $O/se-serve-$n-$round.json <<'PY' | tee -a $R
+import json, sys
+n, e, s = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))['overall']
+g = e['generation_tok_per_s']
+print(f"{n} streams: engine gen {g:.1f} tok/s (steady {e['steady_decode_tok_per_s']:.1f}); server "
+      f"{s['output_tokens_per_s']:.1f} tok/s = {100 * s['output_tokens_per_s'] / g:.1f}% of the engine "
+      f"(target >= 90%), ok {s.get('ok')} errors {s.get('errors')}, TTFT p50/p99 "
+      f"{s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms, ITL p50/p99 {s['itl_ms']['p50']:.1f}/{s['itl_ms']['p99']:.1f} ms")
+PY
+    done
   done
 fi
 if has server; then

@@ -458,6 +458,21 @@ impl TimeFit {
         if fit < n && fit >= self.granule {
             fit -= fit % self.granule;
         }
+        // Why a chunk got the size it did (the "step cost" line after the step
+        // says what it cost).
+        trace!(
+            start,
+            wanted = n,
+            fit,
+            target_ms = target * 1e3,
+            overhead_ms = cost.prefill_overhead().map(|f| f * 1e3),
+            predicted_ms = {
+                let mut s = self.shape;
+                s.add_prompt(start, fit.max(1));
+                cost.predict(&s).map(|t| t * 1e3)
+            },
+            "chunk sized"
+        );
         if self.probe && !self.prefilled {
             fit.max(2.min(n))
         } else {
