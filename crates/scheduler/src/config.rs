@@ -5,6 +5,22 @@ use std::time::Duration;
 
 use crate::fault::FaultPlan;
 
+/// The step that runs a starting tenant's prefill (a tenant holding no row, one
+/// short request waiting) while tenants share the engine: it goes before the
+/// others' prompts either way, so it never waits for their prefill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StartingStep {
+    /// In a step of its own, the decoding rows left out (they wait one short step):
+    /// where decoding rows beside a prompt cost the prompt's step much (on the CPU a
+    /// 33-row decode doubles a short request's first step).
+    #[default]
+    Alone,
+    /// Beside the decoding rows, other tenants' prompts left out: where a prompt
+    /// joins decoding rows in one forward for little more than the rows alone (a
+    /// GPU's compiled mixed step), the rows then lose no step to it.
+    BesideRows,
+}
+
 /// Limits that apply to each tenant separately.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TenantLimits {
@@ -140,6 +156,10 @@ pub struct SchedulerConfig {
     /// arrives, and waits take at most [`ANTICIPATION_SHARE`] of the engine's time.
     /// Zero turns it off.
     pub anticipation: Duration,
+    /// What the step of a starting tenant's prefill carries besides it (latency
+    /// isolation between tenants, while tenants share the engine; see
+    /// [`StartingStep`]).
+    pub starting_step: StartingStep,
     /// A prompt chunk cut to fit `itl_target` is cut to a multiple of this many
     /// tokens when it is at least that long (the whole rest of a prompt is not cut).
     /// On a GPU every new chunk length is a new shape, whose first call runs slow
@@ -226,6 +246,7 @@ impl Default for SchedulerConfig {
             isolation_window: Duration::from_secs(5),
             burst_step_factor: BURST_STEP_FACTOR,
             anticipation: Duration::ZERO,
+            starting_step: StartingStep::Alone,
             prefill_granule: 1,
             amortized_bound: crate::step_cost::AMORTIZED_BOUND,
             strict_bound: false,

@@ -100,7 +100,7 @@ mod util;
 
 pub use anticipation::AnticipationCounts;
 pub use config::{
-    ItlTarget, SchedulerConfig, TenantLimits, VtcWeights, ANTICIPATION_CREDIT_WAITS,
+    ItlTarget, SchedulerConfig, StartingStep, TenantLimits, VtcWeights, ANTICIPATION_CREDIT_WAITS,
     ANTICIPATION_SHARE, BURST_STEP_FACTOR, GPU_PREFILL_GRANULE,
 };
 pub use constraint::{Constraint, ConstraintSpec, Grammars};

@@ -22,7 +22,7 @@ use tracing::{debug, error, trace, warn};
 use crate::admission::Admission;
 use crate::anticipation::Anticipation;
 use crate::chan;
-use crate::config::{ItlTarget, SchedulerConfig};
+use crate::config::{ItlTarget, SchedulerConfig, StartingStep};
 use crate::constraint::{Constraint, MaskTime};
 use crate::detok::{TextState, TextUpdate};
 use crate::draft::{self, Seq};
@@ -1358,7 +1358,7 @@ impl<M: Model> Scheduler<M> {
             }
         }
         if let Some(plan) = self.plan_starting(now) {
-            self.decode_skipped = true;
+            self.decode_skipped = self.cfg.starting_step == StartingStep::Alone;
             return plan;
         }
         self.decode_skipped = false;
@@ -1607,7 +1607,9 @@ impl<M: Model> Scheduler<M> {
     /// Latency isolation between tenants: while tenants share the engine
     /// ([`Self::tenants_share`]), the prefill of starting tenants ([`Self::starting`]:
     /// one short request, no row) runs in a step of its own, in fair order, the
-    /// decoding rows and other tenants' prompts left out of it. A mixed step would make it
+    /// decoding rows and other tenants' prompts left out of it
+    /// ([`StartingStep::Alone`]; with [`StartingStep::BesideRows`] the decoding rows
+    /// stay in it and only the others' prompts are left out). A mixed step would make it
     /// wait for every decoding row of the others besides its own prompt (on the CPU
     /// a 33-row decode doubles a short request's first step; on a GPU the rows run
     /// uncompiled beside a prefill), where the decoding rows wait one short step
@@ -1655,7 +1657,38 @@ impl<M: Model> Scheduler<M> {
         let mut rows = std::mem::take(&mut self.bufs.rows);
         rows.clear();
         let mut free = self.available();
-        let mut budget = self.prefill_budget(0);
+        let mut decodes = 0;
+        if self.cfg.starting_step == StartingStep::BesideRows {
+            // The decoding rows (and their drafts) as a plain step has them, when
+            // memory holds them all; else the usual plan, which may preempt.
+            let mut need = Blocks::default();
+            for x in &self.running {
+                let Some((res, start, 1)) = self.progress(x.slot) else {
+                    continue;
+                };
+                need = need.plus(self.grow(res.seq, start, 1));
+                rows.push(Planned {
+                    key: x.key,
+                    slot: x.slot,
+                    row: res.row,
+                    seq: res.seq,
+                    start,
+                    n: 1,
+                    want_logits: true,
+                    draft: 0,
+                    prefill: false,
+                });
+            }
+            if !need.fits(free) {
+                rows.clear();
+                self.bufs.rows = rows;
+                return None;
+            }
+            free = free.minus(need);
+            decodes = rows.len();
+            decodes += self.add_drafts(&mut rows, &mut free);
+        }
+        let mut budget = self.prefill_budget(decodes);
         let mut fit = self.time_fit(&rows, now);
         self.admit_joiners(
             now,
@@ -1665,7 +1698,8 @@ impl<M: Model> Scheduler<M> {
             &mut fit,
             Joiners::Starting,
         );
-        if rows.is_empty() {
+        if !rows.iter().any(|p| p.prefill) {
+            // (Drafts proposed for rows that now plan as usual are proposed again.)
             self.bufs.rows = rows;
             return None;
         }

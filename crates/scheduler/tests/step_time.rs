@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use weft_scheduler::fake::{FakeConfig, FakeFaults, FakeStepCost};
-use weft_scheduler::{FinishReason, ItlTarget, Request, SchedulerConfig};
+use weft_scheduler::{FinishReason, ItlTarget, Request, SchedulerConfig, StartingStep};
 
 /// A CPU-like device: 10 ms a step, 1 ms per decoding row, 0.2 ms per prefill token,
 /// and attention that makes a token at depth 6000 cost ~1.6x one at depth 0.
@@ -715,6 +715,53 @@ fn a_starting_tenants_prefill_runs_without_the_others_decoding_rows() {
         worst_alone < best_beside,
         "alone {worst_alone:.4} s vs beside {best_beside:.4} s"
     );
+}
+
+/// With [`StartingStep::BesideRows`] (a GPU's compiled mixed step, where a short
+/// prompt beside the decoding rows costs little more than the rows) a starting
+/// tenant's prefill keeps the decoding rows in its step and leaves only the other
+/// tenants' prompts out: the flood's rows never skip a step, and the light prompts
+/// (alone at step 30, two tenants together at step 60) still go before the
+/// flood's prompts that arrived with them.
+#[test]
+fn a_starting_tenants_prefill_beside_the_rows_leaves_only_others_prompts_out() {
+    let mut g = rng(53);
+    let mut specs = requests(&mut g, "flood", "f", 12, (40, 120), 0);
+    specs.extend(requests(&mut g, "flood", "g", 4, (40, 8), 30));
+    specs.extend(requests(&mut g, "flood", "h", 4, (40, 8), 60));
+    for (i, (tenant, at)) in [("light", 30u64), ("light", 60), ("other", 60)]
+        .into_iter()
+        .enumerate()
+    {
+        specs.extend(requests(&mut g, tenant, &format!("l{i}-"), 1, (24, 4), at));
+    }
+    let with = |starting_step: StartingStep| SchedulerConfig {
+        isolation_window: Duration::from_secs(3600),
+        starting_step,
+        ..config(Some(TARGET))
+    };
+    let beside = run_timed(with(StartingStep::BesideRows), fake(), &specs);
+    let alone = run_timed(with(StartingStep::Alone), fake(), &specs);
+    assert_clean(&beside);
+    assert_clean(&alone);
+    assert_same_streams(&beside, &alone);
+    let steps = beside.sched.model().step_costs().to_vec();
+    let first_decode = steps.iter().position(|c| c.0 > 0).unwrap();
+    assert!(
+        steps[first_decode..].iter().all(|c| c.0 > 0),
+        "the decoding rows skipped a step: {steps:?}"
+    );
+    // The light prompts' steps: the flood's 12 rows decoding, nothing else
+    // prefilling (the flood's 160 prompt tokens that arrived with them wait).
+    for light in [24, 48] {
+        assert!(
+            steps.iter().any(|c| c.0 >= 12 && c.1 == light),
+            "no step of {light} prompt tokens beside the rows: {steps:?}"
+        );
+    }
+    // Alone, those steps had no decoding row.
+    let a = alone.sched.model().step_costs();
+    assert!(a.iter().any(|c| c.0 == 0 && c.1 == 24), "{a:?}");
 }
 
 /// A long prompt of a tenant holding no row gets no step of its own (one it does

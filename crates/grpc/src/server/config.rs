@@ -43,6 +43,17 @@ pub(crate) fn strict_bound() -> anyhow::Result<bool> {
     }
 }
 
+/// [`SchedulerConfig::starting_step`] from `WEFT_STARTING_STEP` (`alone` or
+/// `rows`; alone unless set).
+pub(crate) fn starting_step() -> anyhow::Result<weft_scheduler::StartingStep> {
+    use weft_scheduler::StartingStep;
+    match std::env::var("WEFT_STARTING_STEP").as_deref() {
+        Err(_) | Ok("") | Ok("alone") => Ok(StartingStep::Alone),
+        Ok("rows") => Ok(StartingStep::BesideRows),
+        Ok(v) => bail!("WEFT_STARTING_STEP={v}: expected alone or rows"),
+    }
+}
+
 /// `--worker-threads` unless set: [`DEFAULT_WORKER_THREADS`], or the host's
 /// cores if fewer.
 fn default_worker_threads() -> usize {
@@ -496,6 +507,8 @@ pub struct Settings {
     pub strict_bound: bool,
     pub isolation_window: Duration,
     pub anticipation: Duration,
+    /// `SchedulerConfig::starting_step` (`WEFT_STARTING_STEP`; alone unless set).
+    pub starting_step: weft_scheduler::StartingStep,
     pub speculate: usize,
     pub speculate_step_tokens: usize,
     pub kv_size: KvSize,
@@ -664,6 +677,7 @@ impl Settings {
                     .or(file.anticipation_ms)
                     .unwrap_or(DEFAULT_ANTICIPATION_MS),
             ),
+            starting_step: starting_step()?,
             speculate: args
                 .speculate
                 .or(file.speculate)
@@ -822,6 +836,7 @@ impl Settings {
             strict_bound: self.strict_bound,
             isolation_window: self.isolation_window,
             anticipation: self.anticipation,
+            starting_step: self.starting_step,
             speculate: self.speculate,
             speculate_step_tokens: self.speculate_step_tokens,
             max_waiting: self.max_waiting,
