@@ -98,7 +98,13 @@ pub struct EngineBenchArgs {
     pub kv_quant: crate::server::config::KvQuantArgs,
     /// Bytes of freed buffers MLX keeps for reuse, as `weft serve
     /// --mlx-cache-limit` (auto: one full decode step; off: MLX's default).
-    #[arg(long, value_name = "BYTES|auto|off", default_value = "auto")]
+    /// Every scenario's engine takes it.
+    #[arg(
+        long,
+        env = "WEFT_MLX_CACHE_LIMIT",
+        value_name = "BYTES|auto|off",
+        default_value = "auto"
+    )]
     pub mlx_cache_limit: crate::memory_plan::CacheLimit,
     #[command(flatten)]
     pub compute: ComputeArgs,

@@ -221,7 +221,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<LongPromptsReport> {
             block_size: 16,
             memory: weft_models::KvMemory::Blocks(u32::try_from(blocks)?),
             max_batch_rows: rows,
-            cache_limit: crate::memory_plan::CacheLimit::Auto,
+            cache_limit: args.mlx_cache_limit,
             quant: args.kv_quant.quant()?,
         },
     )?;
