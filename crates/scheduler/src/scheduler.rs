@@ -406,6 +406,24 @@ struct Planned {
     prefill: bool,
 }
 
+impl Planned {
+    /// A decoding row of running row `x` (`res` its residence) feeding one token
+    /// after `start` committed ones.
+    fn decode(x: RunSlot, res: Resident, start: usize) -> Self {
+        Self {
+            key: x.key,
+            slot: x.slot,
+            row: res.row,
+            seq: res.seq,
+            start,
+            n: 1,
+            want_logits: true,
+            draft: 0,
+            prefill: false,
+        }
+    }
+}
+
 struct Plan {
     rows: Vec<Planned>,
     probation: bool,
@@ -1398,17 +1416,7 @@ impl<M: Model> Scheduler<M> {
                 };
                 if rem == 1 {
                     decode_need = decode_need.plus(self.grow(res.seq, start, 1));
-                    rows.push(Planned {
-                        key: x.key,
-                        slot: x.slot,
-                        row: res.row,
-                        seq: res.seq,
-                        start,
-                        n: 1,
-                        want_logits: true,
-                        draft: 0,
-                        prefill: false,
-                    });
+                    rows.push(Planned::decode(x, res, start));
                 } else if rem > 1 {
                     prefills.push(x);
                 }
@@ -1481,17 +1489,7 @@ impl<M: Model> Scheduler<M> {
                     break;
                 }
                 free = free.minus(need);
-                rows.push(Planned {
-                    key: x.key,
-                    slot: x.slot,
-                    row: res.row,
-                    seq: res.seq,
-                    start,
-                    n: 1,
-                    want_logits: true,
-                    draft: 0,
-                    prefill: false,
-                });
+                rows.push(Planned::decode(x, res, start));
                 i += 1;
             }
 
@@ -1667,17 +1665,7 @@ impl<M: Model> Scheduler<M> {
                     continue;
                 };
                 need = need.plus(self.grow(res.seq, start, 1));
-                rows.push(Planned {
-                    key: x.key,
-                    slot: x.slot,
-                    row: res.row,
-                    seq: res.seq,
-                    start,
-                    n: 1,
-                    want_logits: true,
-                    draft: 0,
-                    prefill: false,
-                });
+                rows.push(Planned::decode(*x, res, start));
             }
             if !need.fits(free) {
                 rows.clear();
