@@ -476,6 +476,9 @@ impl TimeFit {
         if fit < n && fit >= self.granule {
             fit -= fit % self.granule;
         }
+        if self.probe && !self.prefilled {
+            fit = fit.max(2.min(n));
+        }
         // Why a chunk got the size it did (the "step cost" line after the step
         // says what it cost).
         trace!(
@@ -486,16 +489,14 @@ impl TimeFit {
             overhead_ms = cost.prefill_overhead().map(|f| f * 1e3),
             predicted_ms = {
                 let mut s = self.shape;
-                s.add_prompt(start, fit.max(1));
+                if fit > 0 {
+                    s.add_prompt(start, fit);
+                }
                 cost.predict(&s).map(|t| t * 1e3)
             },
             "chunk sized"
         );
-        if self.probe && !self.prefilled {
-            fit.max(2.min(n))
-        } else {
-            fit
-        }
+        fit
     }
 
     /// Adds a chunk of `n` tokens (at most what [`Self::allowed`] gave for `wanted`).
