@@ -68,9 +68,10 @@
 #           item 2: recurrent-state rows on the GPU, decode op by op);
 #           firstcall: benches/attention_first_call.py (first call per prefill shape);
 #           attnprobe: benches/composed_attention_probe.py (a deep chunk's attention, f32 vs bf16 scores);
-#           mixedstep: decode_timing with CHUNK (8 decoding rows + a long prompt's chunk each step) at
-#           MIXED_DEPTHS ("512 5000") x MIXED_CHUNKS ("16 256"): one compiled mixed forward
-#           (WEFT_MIXED=on), two forwards (WEFT_MIXED=off), and the chunk op by op;
+#           mixedstep: decode_timing with CHUNK (MIXED_ROWS (8) decoding rows + a long prompt's chunk
+#           each step) at MIXED_DEPTHS ("512 5000") x MIXED_CHUNKS ("16 256"): one compiled mixed
+#           forward (WEFT_MIXED=on), two forwards (WEFT_MIXED=off), and the chunk op by op
+#           (MIXED_VARIANTS overrides that list);
 #           mixedpar: crates/models/tests/compiled_prefill.rs on the GPU (staged when its test
 #           binary is built; MP_FILTER, default mixed), tolerance WEFT_TEST_TOLERANCE (default 1e-3);
 #           check: fused_decode_check (compiled steps vs op-by-op, same KV) at CHECK_ROWS;
@@ -80,7 +81,8 @@
 #           SERVER_STREAMS="64 256" (weft serve vs mlx_lm.server, `weft bench` on both,
 #           two requests per stream, prompt 128, 128 generated);
 #           servereng: weft serve (its defaults) vs weft bench-engine at SE_STREAMS ("64 256"),
-#           SE_ROUNDS (1) each: issue 14's >= 90% of the engine
+#           SE_ROUNDS (1) each: issue 14's >= 90% of the engine (SE_TRACE=1 keeps the server's
+#           scheduler and runner trace as weft-se-N-ROUND.log.gz)
 #           (call 2 within the machine's idle window after call 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -261,16 +263,20 @@ done
 if has mixedstep; then
   # The mixed step's fixed cost (issue 17 item 1): 8 decoding rows with a long prompt's
   # chunk each step, at MIXED_DEPTHS and MIXED_CHUNKS, compiled prefill on and off.
+  # MIXED_ROWS decoding rows (default 8); MIXED_VARIANTS the settings each runs under (a comma
+  # between two of one variant; FRESH=1: each step's chunk a new request's whole prompt).
+  # DEPTH 0: the chunk starts fresh (a new request's prompt), then grows.
+  mr=${MIXED_ROWS:-8}
   for d in ${MIXED_DEPTHS:-512 5000}; do
     for c in ${MIXED_CHUNKS:-16 256}; do
-      for v in WEFT_MIXED=on WEFT_MIXED=off WEFT_COMPILE_PREFILL=off; do
-        echo "== runner step, 8 decoding rows + a $c-token chunk at depth $d, $v" | tee -a $R
-        env $v CHUNK=$c DEPTH=$d /root/decode_timing $M 8 128 20 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+      for v in ${MIXED_VARIANTS:-WEFT_MIXED=on WEFT_MIXED=off WEFT_COMPILE_PREFILL=off}; do
+        echo "== runner step, $mr decoding rows + a $c-token chunk at depth $d, $v" | tee -a $R
+        env ${v//,/ } CHUNK=$c DEPTH=$d /root/decode_timing $M $mr 128 20 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
       done
     done
   done
-  echo "== runner step, 8 decoding rows alone" | tee -a $R
-  /root/decode_timing $M 8 128 20 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
+  echo "== runner step, $mr decoding rows alone" | tee -a $R
+  /root/decode_timing $M $mr 128 20 2>&1 | grep -v '^KV\|^prefill' | tee -a $R
   # Does the step's cost grow with the pool (a write that cannot update the pool in
   # place copies all of it)? The same mixed step over a pool of MIXED_POOL blocks.
   echo "== runner step, 8 decoding rows + a 16-token chunk at depth 5000, pool of ${MIXED_POOL:-100000} blocks" | tee -a $R
@@ -455,8 +461,9 @@ if has mix; then
   variant "$V"
   for win in ${MIX_WINDOWS:-5000 0}; do
   echo "== tenant isolation in latency: weft bench --scenario tenant-mix, ${MIX_FLOOD:-48} flood streams, 1.2B bf16, --isolation-window-ms $win, /root/$B ${VENV[*]}" | tee -a $R
-  # MIX_TRACE=1: the scheduler's per-step trace in the server's log (weft-mix-WIN-TAG.log.gz).
-  env ${MIX_TRACE:+RUST_LOG=info,weft_scheduler=trace} "${VENV[@]}" /root/$B serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off \
+  # MIX_TRACE=1: the scheduler's and the runner's per-step trace in the server's log
+  # (weft-mix-WIN-TAG.log.gz).
+  env ${MIX_TRACE:+RUST_LOG=info,weft_scheduler=trace,weft_models::runner=trace} "${VENV[@]}" /root/$B serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50561 --metrics-listen 127.0.0.1:50563 --http-listen off \
     --isolation-window-ms $win > $O/weft-mix-$win.log 2>&1 &
   P=$!
   up http://127.0.0.1:50563/metrics
@@ -532,13 +539,16 @@ if has servereng; then
       echo "== weft serve vs weft bench-engine, $n streams, round $round" | tee -a $R
       /root/weft bench-engine --model $M --streams $n --prompt-tokens 128 --gen-tokens 128 --rounds 2 2>/dev/null \
         | tail -1 > $O/se-engine-$n-$round.json
-      /root/weft serve --model $M --listen 127.0.0.1:50591 --metrics-listen 127.0.0.1:50593 --http-listen off \
+      # SE_TRACE=1: the scheduler's and the runner's per-step trace (weft-se-N-ROUND.log.gz).
+      env ${SE_TRACE:+RUST_LOG=info,weft_scheduler=trace,weft_models::runner=trace} /root/weft serve --model $M \
+        --listen 127.0.0.1:50591 --metrics-listen 127.0.0.1:50593 --http-listen off \
         --max-batch-rows $n > $O/weft-se-$n-$round.log 2>&1 &
       P=$!
       up http://127.0.0.1:50593/metrics
       for _ in $(seq 240); do grep -q "ready" $O/weft-se-$n-$round.log && break; sleep 0.5; done
       /root/weft bench --target grpc://127.0.0.1:50591 -c $n -n $((2 * n)) $A --json $O/se-serve-$n-$round.json > /dev/null
       kill -TERM $P; wait $P || true
+      if [ -n "${SE_TRACE:-}" ]; then gzip -f $O/weft-se-$n-$round.log; fi
       python3 - $n $O/se-engine-$n-$round.json $O/se-serve-$n-$round.json <<'PY' | tee -a $R
 import json, sys
 n, e, s = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))['overall']

@@ -22,6 +22,9 @@
 //! step beside the decoding rows (the mixed step of a long prompt joining
 //! them; not with `PIPELINE=1`): the step's time, and of it the wait for the
 //! chunk's forward that the step evaluates before building the decoding rows'.
+//! `FRESH=1` (with `CHUNK=n`) makes each timed step's chunk a new request's
+//! whole prompt instead (a fresh sequence of n tokens, released after the
+//! step): the step a server runs when a short request joins a running batch.
 //! `PROFILE=n` (with `PIPELINE=1`) samples the process's CPU time over the
 //! steady steps (asked at 1999 Hz; the kernel's timer gives ~250 on the
 //! device machines) and prints the n functions most often on the stack
@@ -86,6 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // CHUNK mode: a long prompt's row of DEPTH tokens, CHUNK more each step.
     let chunk = env_num("CHUNK", 0);
     let depth = env_num("DEPTH", 4096);
+    let fresh = std::env::var("FRESH").is_ok_and(|v| v == "1");
     let per_row = (p + 8 + (steps + 1) * dt).div_ceil(16) + 1;
     // POOL_BLOCKS: a larger pool than the rows need (a step's cost must not grow with it).
     let long_blocks = match chunk {
@@ -185,10 +189,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Every bucket the chunks will meet traced now, as `weft serve` does at
         // startup (the chunk's table widens as it goes).
         let t1 = Instant::now();
-        let traced = runner.warm_prefill(depth + (steps + 1) * chunk)?
+        let traced = runner.warm_decode(b, depth + (steps + 1) * chunk)?
+            + runner.warm_prefill(depth + (steps + 1) * chunk)?
             + runner.warm_mixed(b, depth + (steps + 1) * chunk)?;
         println!(
-            "long prompt: {depth} tokens prefilled in {:.1} ms; {traced} prefill and mixed buckets traced in {:.1} ms; {chunk} more join each step",
+            "long prompt: {depth} tokens prefilled in {:.1} ms; {traced} decode, prefill and mixed buckets traced in {:.1} ms; {chunk} more join each step",
             (t1 - t).as_secs_f64() * 1e3,
             t1.elapsed().as_secs_f64() * 1e3
         );
@@ -220,7 +225,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             })
             .collect();
         let mut q: Vec<SeqId> = live.iter().map(|&r| seqs[r]).collect();
-        if let Some(lq) = long {
+        // FRESH: the chunk is a new sequence's whole prompt, released after the step.
+        let fresh_q = if long.is_some() && fresh {
+            Some(pool.allocate(SeqSpec::new(OwnerId(0)).salted(Salt(3 + step as u64)))?)
+        } else {
+            None
+        };
+        if let Some(lq) = fresh_q.or(long) {
             let start = pool.sequence(lq).map(|s| s.len).unwrap_or(0);
             batch.push(RowStep {
                 row: b as u64,
@@ -254,6 +265,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         runner.commit()?;
         pool.commit()?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
+        if let Some(fq) = fresh_q {
+            pool.release(fq)?;
+        }
         print_census(&mut runner);
         build.push(runner.last_timing().build.as_secs_f64() * 1e3);
         encode.push(runner.last_timing().encode.as_secs_f64() * 1e3);
@@ -291,9 +305,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     if let Some(lq) = long {
         println!(
-            "  with a {chunk}-token chunk each step (context now {}): of the build, the wait for the chunk's forward median {:.2} ms",
+            "  with a {chunk}-token chunk each step (context now {}): of the build, the wait for the chunk's forward median {:.2} ms; the last step ran it as {} decoding rows",
             pool.sequence(lq).map(|s| s.len).unwrap_or(0),
-            chunk_wait[n / 2]
+            chunk_wait[n / 2],
+            runner.last_short_chunk_rows()
         );
     }
     Ok(())

@@ -173,6 +173,16 @@ impl CompiledDecode {
         &self.buckets
     }
 
+    /// The table width (blocks) a step of rows at committed lengths
+    /// `starts` (padding rows included or not: they need one block) uses.
+    pub fn width_of(&self, starts: impl Iterator<Item = usize>) -> usize {
+        let bs = self.block_size.max(1);
+        starts
+            .map(|s| s / bs + 1)
+            .fold(self.min_width, usize::max)
+            .next_power_of_two()
+    }
+
     /// Builds one decode step: `tokens` `[B, 1]` int32 for rows
     /// `(block table, committed length)` (padding rows included; B is the
     /// runner's bucket). Writes every row's new K/V (the storage's pool

@@ -141,6 +141,11 @@ pub struct BatchRunner {
     /// The compiled forward of a chunk group beside decoding rows, when on
     /// (see [`set_compiled_mixed`](Self::set_compiled_mixed)).
     compiled_mixed: Option<crate::compiled_mixed::CompiledMixed>,
+    /// Most prompt tokens a step runs as decoding rows of the compiled decode
+    /// step (see [`set_short_chunks`](Self::set_short_chunks)); 0: none.
+    short_chunks: usize,
+    /// Rows the last step built ran its short chunks as (0: none).
+    last_short: usize,
     /// The forwards of one step are queued one after the other without the
     /// host waiting for each (`WEFT_FORWARD_SYNC=async`, an experiment: whether
     /// MLX then still writes the pool in place is measured on a GPU, not
@@ -219,12 +224,19 @@ impl BatchRunner {
                 )
                 .trace_on_demand(mixed == MixedSteps::OnDemand)
             });
+        let short_chunks = if compiled.is_some() {
+            short_chunks_from_env()
+        } else {
+            0
+        };
         Self {
             model,
             kv,
             compiled,
             compiled_prefill,
             compiled_mixed,
+            short_chunks,
+            last_short: 0,
             async_between: std::env::var("WEFT_FORWARD_SYNC").is_ok_and(|v| v == "async"),
             layer_hook: None,
             lanes: Lanes::single(),
@@ -498,6 +510,106 @@ impl BatchRunner {
         Ok(())
     }
 
+    /// Sets the most prompt tokens a step runs as decoding rows (0: none).
+    /// Where decode steps compile, a step whose prompt chunks are short (at
+    /// most `tokens` in all, each over little context, no adapter) and whose
+    /// decoding rows are plain runs as one compiled decode step: each chunk
+    /// token one row at its own position over its chunk's table, so the
+    /// paged attention of a token reads the chunk's earlier tokens (written
+    /// by the same layer's K/V write before it) and the context before them
+    /// — the causal prefill, as decode rows. Only the chunk's last token's
+    /// logits come back. Such a step is the decode step's kernels and
+    /// dispatch (a short prompt joining 48 decoding rows took one ~10 ms
+    /// compiled mixed forward on an H100, 7.7 ms of it MLX's dispatch),
+    /// and needs no trace of its own: it runs only where its decode bucket
+    /// is traced already. The default is `WEFT_SHORT_CHUNKS`' (tokens; 256
+    /// unless it says otherwise) where decode steps compile, else 0.
+    /// Refused while a step is open.
+    pub fn set_short_chunks(&mut self, tokens: usize) -> Result<()> {
+        if !self.open.is_empty() {
+            return Err(ModelError::Invalid(
+                "short chunks switched inside an open step".into(),
+            ));
+        }
+        self.short_chunks = tokens;
+        Ok(())
+    }
+
+    /// How many decoding rows the last step built ran its prompt chunks as
+    /// ([`set_short_chunks`](Self::set_short_chunks); 0: none, its chunks
+    /// ran as prefill forwards or it had none).
+    pub fn last_short_chunk_rows(&self) -> usize {
+        self.last_short
+    }
+
+    /// The rows a step's prompt chunks run as where they are short
+    /// ([`set_short_chunks`](Self::set_short_chunks)): each chunk token one
+    /// row, the last carrying the chunk's row id and logits wish (the others
+    /// [`RowId::MAX`], no logits). Empty where the step does not qualify:
+    /// no chunk, or one past the limits, with an adapter, a draft or a
+    /// table the compiled decode cannot read, or a decoding row it cannot
+    /// run, or a decode bucket not traced yet.
+    fn short_chunk_rows(&self, steps: &[RowStep]) -> Vec<RowStep> {
+        let Some(c) = self.compiled.as_ref() else {
+            return Vec::new();
+        };
+        if self.short_chunks == 0 {
+            return Vec::new();
+        }
+        let plain_table = |s: &RowStep| s.blocks.len() == 1 && s.blocks[0].offset == 0;
+        let (mut decoding, mut tokens, mut keys) = (0usize, 0usize, 0usize);
+        for s in steps {
+            if s.decodes() {
+                if s.draft > 0 || !plain_table(s) {
+                    return Vec::new();
+                }
+                decoding += 1;
+                continue;
+            }
+            if s.draft > 0 || s.adapter.is_some() || s.state_slot.is_some() || !plain_table(s) {
+                return Vec::new();
+            }
+            let n = s.tokens.len();
+            tokens += n;
+            // Keys the chunk's rows read: position + 1 each.
+            keys += n * (s.start_pos + 1) + n * (n - 1) / 2;
+        }
+        if tokens == 0 || tokens > self.short_chunks || keys > SHORT_CHUNK_KEYS {
+            return Vec::new();
+        }
+        let rows = self.padded_rows(decoding + tokens);
+        // Each row's last position (a chunk's last token's is its deepest).
+        let starts = steps.iter().map(|s| {
+            if s.decodes() {
+                s.start_pos
+            } else {
+                s.start_pos + s.tokens.len() - 1
+            }
+        });
+        let bucket = (rows as i32, c.width_of(starts) as i32);
+        if !c.buckets().contains(&bucket) {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(tokens);
+        for s in steps.iter().filter(|s| !s.decodes()) {
+            let n = s.tokens.len();
+            for (i, &t) in s.tokens.iter().enumerate() {
+                let last = i + 1 == n;
+                out.push(RowStep {
+                    row: if last { s.row } else { RowId::MAX },
+                    tokens: vec![t],
+                    start_pos: s.start_pos + i,
+                    want_logits: last && s.want_logits,
+                    draft: 0,
+                    blocks: s.blocks.clone(),
+                    adapter: None,
+                    state_slot: None,
+                });
+            }
+        }
+        out
+    }
+
     /// Traces the compiled mixed buckets up front (rows reading and writing
     /// only the null block): decoding batches of up to `max_rows` rows
     /// padded to each decode bucket up to [`mixed_warm_rows`] (8 unless
@@ -583,7 +695,9 @@ impl BatchRunner {
     /// Traces every compiled decode bucket a batch of up to `max_rows` rows
     /// meets while its rows hold up to `context` tokens (each row count the
     /// batch is padded to, at every table width from the narrowest up to
-    /// `context`'s), so no request pays a trace while serving. Returns how
+    /// `context`'s), so no request pays a trace while serving; the batch's
+    /// rows plus a step's short chunks' ([`set_short_chunks`](Self::set_short_chunks)) rows, which
+    /// run only in traced buckets. Returns how
     /// many buckets it traced (0 where decode steps are not compiled).
     /// Refused while a step is open.
     pub fn warm_decode(&mut self, max_rows: usize, context: usize) -> Result<usize> {
@@ -592,8 +706,10 @@ impl BatchRunner {
                 "decode buckets warmed inside an open step".into(),
             ));
         }
+        // A step's short chunks run as more decoding rows beside the batch.
+        let top = max_rows + self.short_chunks;
         let sizes: std::collections::BTreeSet<usize> =
-            (1..=max_rows).map(|n| self.padded_rows(n)).collect();
+            (1..=top).map(|n| self.padded_rows(n)).collect();
         let bs = self.kv.block_size() as usize;
         let Some(c) = self.compiled.as_mut() else {
             return Ok(0);
@@ -1059,8 +1175,20 @@ impl BatchRunner {
             }
         }
         self.kv.apply(ops)?;
-        let decode: Vec<&RowStep> = steps.iter().filter(|s| s.decodes()).collect();
-        let prefill: Vec<&RowStep> = steps.iter().filter(|s| !s.decodes()).collect();
+        // Short prompt chunks as decoding rows of the compiled decode step,
+        // where the step qualifies; else chunks run as prefill forwards.
+        let short = self.short_chunk_rows(steps);
+        self.last_short = short.len();
+        let decode: Vec<&RowStep> = steps
+            .iter()
+            .filter(|s| s.decodes())
+            .chain(short.iter())
+            .collect();
+        let prefill: Vec<&RowStep> = if short.is_empty() {
+            steps.iter().filter(|s| !s.decodes()).collect()
+        } else {
+            Vec::new()
+        };
         // Fresh prompts go in compiled prefill buckets where that is on; the
         // rest in groups of little padding, op by op.
         let (mut groups, rest): (Vec<Vec<&RowStep>>, Vec<&RowStep>) = match &self.compiled_prefill {
@@ -1249,13 +1377,14 @@ impl BatchRunner {
                 .is_some_and(|b| c.runs(&b)),
             _ => false,
         };
-        if jobs.len() > 1 || how.contains(&Run::CompiledPrefill) {
+        if jobs.len() > 1 || how.contains(&Run::CompiledPrefill) || !short.is_empty() {
             // Which path a step with prompt chunks took (the scheduler's "step
             // cost" line that follows says what it cost).
             tracing::trace!(
                 mixed,
                 forwards = if mixed { 1 } else { jobs.len() },
                 how = ?how,
+                short_chunk_rows = short.len(),
                 chunk_rows = jobs.iter().filter(|j| !j.3).map(|j| j.0.len()).sum::<usize>(),
                 decode_rows = jobs.iter().filter(|j| j.3).map(|j| j.0.len()).sum::<usize>(),
                 "step forwards"
@@ -1506,6 +1635,21 @@ pub enum MixedSteps {
     Warmed,
     /// One forward, each bucket traced by the first step that meets it.
     OnDemand,
+}
+
+/// Most keys the rows of a step's short chunks read in all (each row its
+/// position + 1; [`BatchRunner::set_short_chunks`]): a 128-token prompt
+/// reads 8,256, two of them beside context of 100 ~43,000. Past it the
+/// paged kernel's per-row walks cost more than the prefill's attention.
+const SHORT_CHUNK_KEYS: usize = 65_536;
+
+/// `WEFT_SHORT_CHUNKS`: the most prompt tokens a step runs as decoding rows
+/// (0: none; unset: 256).
+fn short_chunks_from_env() -> usize {
+    std::env::var("WEFT_SHORT_CHUNKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
 }
 
 /// `WEFT_MIXED`: `off` or `0`, `lazy` (on demand), else warmed.

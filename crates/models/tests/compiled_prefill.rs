@@ -452,3 +452,94 @@ fn warmed_mixed_buckets_run_without_tracing() {
         }
     }
 }
+
+/// Short prompt chunks run as decoding rows of the compiled decode step
+/// (each chunk token one row at its position over its chunk's table) and
+/// give the op-by-op forward's logits and K/V: prompts alone, a fresh
+/// prompt beside decoding rows, a prompt's later chunk over its context;
+/// a fault inside such a step rolls it back; a chunk past the limit, or a
+/// step whose decode bucket is not traced, runs as a prefill forward.
+#[test]
+fn short_chunks_run_as_decoding_rows_and_match_the_op_by_op_forward() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = dir.path().join("m");
+    oracle(&["fixture", "--arch", "llama", "--out", md.to_str().unwrap()]);
+    let mut plain = Rows::new(runner(load_f32(&md, false), 64));
+    let mut r = runner(load_f32(&md, false), 64);
+    r.set_compiled_decode(true).unwrap();
+    r.set_short_chunks(32).unwrap();
+    // One decoding row's buckets, plus the 32 rows of short chunks beside it.
+    let traced = r.warm_decode(1, 64).unwrap();
+    assert!(traced >= 33, "{traced} decode buckets traced");
+    let traces = r.compiled_decode().unwrap().traces();
+    let mut comp = Rows::new(r);
+    // Three prompts alone (7 + 1 + 18 tokens): 26 decoding rows.
+    let prompts: Vec<(u64, &[u32], usize)> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, *p, 0))
+        .collect();
+    agree(
+        &plain.step(&prompts),
+        &comp.step(&prompts),
+        "prompts alone as decoding rows",
+    );
+    assert_eq!(comp.runner.last_short_chunk_rows(), 26);
+    assert_eq!(plain.at, comp.at);
+    decode_both(&mut plain, &mut comp, 2, "after prompts as decoding rows");
+    // A fresh prompt beside the 3 decoding rows, with a fault at layer 1 on
+    // the compiled side's first try.
+    let late: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
+    let fresh = [(3, &late[..20], 0)];
+    let mut fired = false;
+    comp.runner.set_layer_hook(Some(Box::new(move |layer| {
+        if layer == 1 && !fired {
+            fired = true;
+            return Err(weft_models::ModelError::Invalid("injected".into()));
+        }
+        Ok(())
+    })));
+    let mut steps = comp.steps(&fresh);
+    let ops = comp.kv.plan(&mut steps);
+    assert!(comp.runner.forward(&ops, &steps).is_err());
+    comp.runner.rollback();
+    comp.kv.rollback();
+    comp.runner.set_layer_hook(None);
+    agree(
+        &plain.step(&fresh),
+        &comp.step(&fresh),
+        "a fresh prompt beside decoding rows, after a rolled-back try",
+    );
+    assert_eq!(comp.runner.last_short_chunk_rows(), 20);
+    assert_eq!(plain.at, comp.at);
+    plain.at.pop();
+    comp.at.pop();
+    // Its rest over its first 20 tokens: RoPE from 20, those in context.
+    let rest = [(3, &late[20..30], 20)];
+    agree(
+        &plain.step(&rest),
+        &comp.step(&rest),
+        "a prompt's later chunk beside decoding rows",
+    );
+    assert_eq!(comp.runner.last_short_chunk_rows(), 10);
+    assert_eq!(plain.at, comp.at);
+    decode_both(&mut plain, &mut comp, 3, "after chunks as decoding rows");
+    // 4 decoding rows + 30 prompt tokens: a bucket of 34 rows, not traced:
+    // a prefill forward beside the rows.
+    let long: Vec<u32> = (0..33).map(|i| (i * 13 + 5) % 200).collect();
+    let cold = [(4, &long[..30], 0)];
+    agree(&plain.step(&cold), &comp.step(&cold), "an untraced bucket");
+    assert_eq!(comp.runner.last_short_chunk_rows(), 0);
+    assert_eq!(plain.at, comp.at);
+    // Past the limit (32 tokens): a prefill forward too.
+    let big = [(5, &long[..], 0)];
+    agree(&plain.step(&big), &comp.step(&big), "a chunk past the limit");
+    assert_eq!(comp.runner.last_short_chunk_rows(), 0);
+    assert_eq!(plain.at, comp.at);
+    decode_both(&mut plain, &mut comp, 2, "at the end");
+    assert_eq!(
+        comp.runner.compiled_decode().unwrap().traces(),
+        traces,
+        "short chunks traced a decode bucket"
+    );
+}
