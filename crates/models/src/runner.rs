@@ -1644,8 +1644,8 @@ pub enum MixedSteps {
 const SHORT_CHUNK_KEYS: usize = 65_536;
 
 /// `WEFT_SHORT_CHUNKS`: the most prompt tokens a step runs as decoding rows
-/// (0: none; unset: 256).
-fn short_chunks_from_env() -> usize {
+/// where decode steps compile (0: none; unset: 256).
+pub fn short_chunks_from_env() -> usize {
     std::env::var("WEFT_SHORT_CHUNKS")
         .ok()
         .and_then(|v| v.parse().ok())

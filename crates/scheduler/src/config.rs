@@ -17,7 +17,8 @@ pub enum StartingStep {
     Alone,
     /// Beside the decoding rows, other tenants' prompts left out: where a prompt
     /// joins decoding rows in one forward for little more than the rows alone (a
-    /// GPU's compiled mixed step), the rows then lose no step to it.
+    /// GPU's compiled decode step running a short prompt's tokens as more rows),
+    /// the rows then lose no step to it.
     BesideRows,
 }
 
