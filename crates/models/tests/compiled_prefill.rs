@@ -533,7 +533,11 @@ fn short_chunks_run_as_decoding_rows_and_match_the_op_by_op_forward() {
     assert_eq!(plain.at, comp.at);
     // Past the limit (32 tokens): a prefill forward too.
     let big = [(5, &long[..], 0)];
-    agree(&plain.step(&big), &comp.step(&big), "a chunk past the limit");
+    agree(
+        &plain.step(&big),
+        &comp.step(&big),
+        "a chunk past the limit",
+    );
     assert_eq!(comp.runner.last_short_chunk_rows(), 0);
     assert_eq!(plain.at, comp.at);
     decode_both(&mut plain, &mut comp, 2, "at the end");
