@@ -373,6 +373,17 @@ impl Model for MlxModel {
         !self.runner.kv().has_state()
     }
 
+    /// The runner's short chunks ([`BatchRunner::set_short_chunks`]): a step's
+    /// prompt chunks within these limits run as decoding rows (where their decode
+    /// bucket is traced, which startup sees to).
+    fn short_prompts(&self) -> Option<weft_scheduler::step_cost::ShortPrompts> {
+        let tokens = self.runner.short_chunks();
+        (tokens > 0).then_some(weft_scheduler::step_cost::ShortPrompts {
+            tokens,
+            keys: weft_models::runner::SHORT_CHUNK_KEYS,
+        })
+    }
+
     fn rollback(&mut self) {
         self.runner.rollback();
     }

@@ -535,6 +535,16 @@ impl BatchRunner {
         Ok(())
     }
 
+    /// The most prompt tokens a step runs as decoding rows (0: none; see
+    /// [`set_short_chunks`](Self::set_short_chunks)).
+    pub fn short_chunks(&self) -> usize {
+        if self.compiled.is_some() {
+            self.short_chunks
+        } else {
+            0
+        }
+    }
+
     /// How many decoding rows the last step built ran its prompt chunks as
     /// ([`set_short_chunks`](Self::set_short_chunks); 0: none, its chunks
     /// ran as prefill forwards or it had none).
@@ -1641,7 +1651,7 @@ pub enum MixedSteps {
 /// position + 1; [`BatchRunner::set_short_chunks`]): a 128-token prompt
 /// reads 8,256, two of them beside context of 100 ~43,000. Past it the
 /// paged kernel's per-row walks cost more than the prefill's attention.
-const SHORT_CHUNK_KEYS: usize = 65_536;
+pub const SHORT_CHUNK_KEYS: usize = 65_536;
 
 /// `WEFT_SHORT_CHUNKS`: the most prompt tokens a step runs as decoding rows
 /// where decode steps compile (0: none; unset: 256).

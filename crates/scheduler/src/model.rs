@@ -233,6 +233,11 @@ pub trait Model {
     fn supports_drafts(&self) -> bool {
         false
     }
+    /// Where the model runs a step's short prompt chunks as more decoding rows
+    /// (None: never): the cost model then prices such a step as decoding rows.
+    fn short_prompts(&self) -> Option<crate::step_cost::ShortPrompts> {
+        None
+    }
     /// Drops the newest step not committed (submitted, collected or forwarded): a
     /// scheduler undoing two pipelined steps calls it twice.
     fn rollback(&mut self);

@@ -35,7 +35,7 @@ use crate::request::{
     EventStream, FinishReason, Finished, Msg, Request, RequestKey, StopMatch, SubmitError, Usage,
 };
 use crate::sampling::PenaltyState;
-use crate::step_cost::{StepCost, StepShape};
+use crate::step_cost::{ShortPrompts, StepCost, StepShape};
 use crate::util::{mix64, IdMap};
 use weft_kv_pool::{
     AttentionKind, GroupSpec, KvError, KvPool, OwnerId, PrefixStats, Salt, SeqId, SeqSpec,
@@ -1708,7 +1708,7 @@ impl<M: Model> Scheduler<M> {
     /// tenant was active lately ([`SchedulerConfig::isolation_window`]), and to
     /// [`SchedulerConfig::burst_step_factor`] targets otherwise.
     fn time_fit(&self, rows: &[Planned], now: Instant) -> TimeFit {
-        let shape = shape_of(rows);
+        let shape = shape_of(rows, self.model.short_prompts());
         let itl = match self.cfg.itl_target {
             ItlTarget::Off => None,
             ItlTarget::Fixed(t) => Some(t.as_secs_f64()),
@@ -2418,7 +2418,7 @@ impl<M: Model> Scheduler<M> {
             self.starved_streak = self.starved_streak.saturating_add(1);
         }
         let Some(seconds) = seconds else { return };
-        let shape = shape_of(rows);
+        let shape = shape_of(rows, self.model.short_prompts());
         trace!(
             predicted_ms = self.cost.predict(&shape).map(|t| t * 1e3),
             ms = seconds * 1e3,
@@ -3571,14 +3571,39 @@ fn pipelined_seconds(period: f64, blocked_next: f64, blocked_own: f64) -> f64 {
     (period - blocked_next).max(0.0) + blocked_own
 }
 
-/// The cost model's view of a step's planned rows.
-fn shape_of(rows: &[Planned]) -> StepShape {
+/// The cost model's view of a step's planned rows: where the model runs the
+/// step's prompt chunks as decoding rows (`short`, and no row drafts), each prompt
+/// token one decoding row at its position.
+fn shape_of(rows: &[Planned], short: Option<ShortPrompts>) -> StepShape {
+    shape_of_rows(
+        rows.iter().map(|p| (p.start, p.n, p.prefill, p.draft)),
+        short,
+    )
+}
+
+/// [`shape_of`] over rows given as `(start, n, prefill, draft)`.
+fn shape_of_rows(
+    rows: impl Iterator<Item = (usize, usize, bool, usize)> + Clone,
+    short: Option<ShortPrompts>,
+) -> StepShape {
     let mut s = StepShape::default();
-    for p in rows {
-        if p.prefill {
-            s.add_prompt(p.start, p.n);
+    let as_rows = short.is_some_and(|sp| {
+        rows.clone().all(|(_, _, _, draft)| draft == 0)
+            && sp.covers(
+                rows.clone()
+                    .filter(|r| r.2)
+                    .map(|(start, n, _, _)| (start, n)),
+            )
+    });
+    for (start, n, prefill, _) in rows {
+        if prefill && as_rows {
+            for i in 0..n {
+                s.add(start + i, 1);
+            }
+        } else if prefill {
+            s.add_prompt(start, n);
         } else {
-            s.add(p.start, p.n);
+            s.add(start, n);
         }
     }
     s
@@ -3586,7 +3611,38 @@ fn shape_of(rows: &[Planned]) -> StepShape {
 
 #[cfg(test)]
 mod tests {
-    use super::pipelined_seconds;
+    use super::{pipelined_seconds, shape_of_rows, ShortPrompts, StepShape};
+
+    fn shape(rows: &[(usize, usize, bool)], short: Option<ShortPrompts>) -> StepShape {
+        shape_of_rows(rows.iter().map(|&(s, n, p)| (s, n, p, 0)), short)
+    }
+
+    /// Where the model runs short prompt chunks as decoding rows, the cost model
+    /// sees such a step as that many more decoding rows (each at its position), and
+    /// a step past the limits as a prefill.
+    #[test]
+    fn short_prompts_are_priced_as_the_decoding_rows_they_run_as() {
+        let short = Some(ShortPrompts {
+            tokens: 64,
+            keys: 10_000,
+        });
+        let rows = [(100, 1, false), (200, 1, false), (0, 32, true)];
+        let s = shape(&rows, short);
+        assert_eq!((s.decode_rows, s.prefill_tokens), (34, 0));
+        assert_eq!(s.decode_context, 100 + 200 + (0..32).sum::<usize>());
+        let plain = shape(&rows, None);
+        assert_eq!((plain.decode_rows, plain.prefill_tokens), (2, 32));
+        // 65 prompt tokens: past the limit, priced as a prefill.
+        let long = [(100, 1, false), (0, 33, true), (0, 32, true)];
+        assert_eq!(shape(&long, short).prefill_tokens, 65);
+        // Deep enough to read past the keys (32 x 400 + 496 > 10,000).
+        let deep = [(100, 1, false), (400, 32, true)];
+        assert_eq!(shape(&deep, short).prefill_tokens, 32);
+        // Beside a drafting row (priced as a chunk of its 3 tokens) the model runs
+        // the prompt as a prefill.
+        let drafted = shape_of_rows([(100, 3, false, 2), (0, 8, true, 0)].into_iter(), short);
+        assert_eq!(drafted.prefill_tokens, 3 + 8);
+    }
 
     /// A decode step (device 5 ms) queued ahead of a step whose prompt chunk's
     /// forward the submit waits 25 ms for, then its decoding rows (8 ms more):

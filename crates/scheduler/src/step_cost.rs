@@ -26,6 +26,31 @@
 
 use std::cell::Cell;
 
+/// Where a model runs a step's prompt chunks as more decoding rows (each prompt
+/// token one row at its position) when they are short: at most `tokens` prompt
+/// tokens in the step, whose rows read at most `keys` keys in all (each its
+/// position + 1). Such a step costs what a decode step of that many more rows
+/// costs, and the cost model prices it so ([`StepShape::of_rows`]): priced as a
+/// prefill it would teach the fit that prefilling has no fixed cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShortPrompts {
+    pub tokens: usize,
+    pub keys: usize,
+}
+
+impl ShortPrompts {
+    /// Whether a step whose prompt chunks are `chunks` (each `(start, n)`) runs
+    /// them as decoding rows.
+    pub fn covers(&self, chunks: impl Iterator<Item = (usize, usize)>) -> bool {
+        let (mut tokens, mut keys) = (0usize, 0usize);
+        for (start, n) in chunks {
+            tokens += n;
+            keys += n * (start + 1) + n * n.saturating_sub(1) / 2;
+        }
+        tokens > 0 && tokens <= self.tokens && keys <= self.keys
+    }
+}
+
 /// The shape of one step, as the cost model sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepShape {
