@@ -198,6 +198,25 @@ fn matches_op_by_op(plain: BatchRunner, comp: BatchRunner) {
     assert_eq!(c.traces(), 5);
 }
 
+/// The step of the decoding rows and `prompts` on `r`, failing at layer 1 (an
+/// injected fault), rolled back: `r` is as it was.
+fn fails_at_layer_1_and_rolls_back(r: &mut Rows, prompts: &[(u64, &[u32], usize)]) {
+    let mut fired = false;
+    r.runner.set_layer_hook(Some(Box::new(move |layer| {
+        if layer == 1 && !fired {
+            fired = true;
+            return Err(weft_models::ModelError::Invalid("injected".into()));
+        }
+        Ok(())
+    })));
+    let mut steps = r.steps(prompts);
+    let ops = r.kv.plan(&mut steps);
+    assert!(r.runner.forward(&ops, &steps).is_err());
+    r.runner.rollback();
+    r.kv.rollback();
+    r.runner.set_layer_hook(None);
+}
+
 /// A fresh prompt joins the decoding rows, then the rest of it at position 24
 /// (a deep chunk: RoPE from 24, the row's table gathered, its first 24 tokens
 /// in context); then two prompts whose second chunks start at different depths
@@ -208,20 +227,7 @@ fn prompts_beside_decoding_rows(plain: &mut Rows, comp: &mut Rows, fault: bool) 
     let late: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
     let fresh = [(3, &late[..24], 0)];
     if fault {
-        let mut fired = false;
-        comp.runner.set_layer_hook(Some(Box::new(move |layer| {
-            if layer == 1 && !fired {
-                fired = true;
-                return Err(weft_models::ModelError::Invalid("injected".into()));
-            }
-            Ok(())
-        })));
-        let mut steps = comp.steps(&fresh);
-        let ops = comp.kv.plan(&mut steps);
-        assert!(comp.runner.forward(&ops, &steps).is_err());
-        comp.runner.rollback();
-        comp.kv.rollback();
-        comp.runner.set_layer_hook(None);
+        fails_at_layer_1_and_rolls_back(comp, &fresh);
     }
     agree(
         &plain.step(&fresh),
@@ -491,20 +497,7 @@ fn short_chunks_run_as_decoding_rows_and_match_the_op_by_op_forward() {
     // the compiled side's first try.
     let late: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
     let fresh = [(3, &late[..20], 0)];
-    let mut fired = false;
-    comp.runner.set_layer_hook(Some(Box::new(move |layer| {
-        if layer == 1 && !fired {
-            fired = true;
-            return Err(weft_models::ModelError::Invalid("injected".into()));
-        }
-        Ok(())
-    })));
-    let mut steps = comp.steps(&fresh);
-    let ops = comp.kv.plan(&mut steps);
-    assert!(comp.runner.forward(&ops, &steps).is_err());
-    comp.runner.rollback();
-    comp.kv.rollback();
-    comp.runner.set_layer_hook(None);
+    fails_at_layer_1_and_rolls_back(&mut comp, &fresh);
     agree(
         &plain.step(&fresh),
         &comp.step(&fresh),
