@@ -793,9 +793,11 @@ pub fn start_engine_with(
                 tracing::info!(
                     buckets = traced,
                     ms = t.elapsed().as_millis() as u64,
-                    "compiled decode steps traced for every batch size up to {} rows and tables \
-                     up to {warm_context} tokens",
-                    kv.max_batch_rows
+                    short_prompt_tokens = runner.short_chunks(),
+                    "compiled decode steps traced for every batch size up to {} rows (plus up to \
+                     {} prompt tokens run as decoding rows) and tables up to {warm_context} tokens",
+                    kv.max_batch_rows,
+                    runner.short_chunks()
                 );
             }
             let t = std::time::Instant::now();
