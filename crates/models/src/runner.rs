@@ -581,7 +581,8 @@ impl BatchRunner {
             }
             let n = s.tokens.len();
             tokens += n;
-            // Keys the chunk's rows read: position + 1 each.
+            // Keys the chunk's rows read: position + 1 each (the scheduler's cost
+            // model applies the same limits: `weft_scheduler::step_cost::ShortPrompts`).
             keys += n * (s.start_pos + 1) + n * (n - 1) / 2;
         }
         if tokens == 0 || tokens > self.short_chunks || keys > SHORT_CHUNK_KEYS {

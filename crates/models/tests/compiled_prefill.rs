@@ -459,6 +459,21 @@ fn warmed_mixed_buckets_run_without_tracing() {
     }
 }
 
+/// One step of the decoding rows and `prompts` on both runners: the same
+/// logits within the tolerance and the same picks, the compiled side having
+/// run `rows` decoding rows for the prompts' chunks (0: a prefill forward).
+fn short_step(
+    plain: &mut Rows,
+    comp: &mut Rows,
+    prompts: &[(u64, &[u32], usize)],
+    what: &str,
+    rows: usize,
+) {
+    agree(&plain.step(prompts), &comp.step(prompts), what);
+    assert_eq!(comp.runner.last_short_chunk_rows(), rows, "{what}");
+    assert_eq!(plain.at, comp.at, "{what}: greedy picks");
+}
+
 /// Short prompt chunks run as decoding rows of the compiled decode step
 /// (each chunk token one row at its position over its chunk's table) and
 /// give the op-by-op forward's logits and K/V: prompts alone, a fresh
@@ -485,54 +500,46 @@ fn short_chunks_run_as_decoding_rows_and_match_the_op_by_op_forward() {
         .enumerate()
         .map(|(i, p)| (i as u64, *p, 0))
         .collect();
-    agree(
-        &plain.step(&prompts),
-        &comp.step(&prompts),
+    short_step(
+        &mut plain,
+        &mut comp,
+        &prompts,
         "prompts alone as decoding rows",
+        26,
     );
-    assert_eq!(comp.runner.last_short_chunk_rows(), 26);
-    assert_eq!(plain.at, comp.at);
     decode_both(&mut plain, &mut comp, 2, "after prompts as decoding rows");
     // A fresh prompt beside the 3 decoding rows, with a fault at layer 1 on
     // the compiled side's first try.
     let late: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
     let fresh = [(3, &late[..20], 0)];
     fails_at_layer_1_and_rolls_back(&mut comp, &fresh);
-    agree(
-        &plain.step(&fresh),
-        &comp.step(&fresh),
+    short_step(
+        &mut plain,
+        &mut comp,
+        &fresh,
         "a fresh prompt beside decoding rows, after a rolled-back try",
+        20,
     );
-    assert_eq!(comp.runner.last_short_chunk_rows(), 20);
-    assert_eq!(plain.at, comp.at);
     plain.at.pop();
     comp.at.pop();
     // Its rest over its first 20 tokens: RoPE from 20, those in context.
     let rest = [(3, &late[20..30], 20)];
-    agree(
-        &plain.step(&rest),
-        &comp.step(&rest),
+    short_step(
+        &mut plain,
+        &mut comp,
+        &rest,
         "a prompt's later chunk beside decoding rows",
+        10,
     );
-    assert_eq!(comp.runner.last_short_chunk_rows(), 10);
-    assert_eq!(plain.at, comp.at);
     decode_both(&mut plain, &mut comp, 3, "after chunks as decoding rows");
     // 4 decoding rows + 30 prompt tokens: a bucket of 34 rows, not traced:
     // a prefill forward beside the rows.
     let long: Vec<u32> = (0..33).map(|i| (i * 13 + 5) % 200).collect();
     let cold = [(4, &long[..30], 0)];
-    agree(&plain.step(&cold), &comp.step(&cold), "an untraced bucket");
-    assert_eq!(comp.runner.last_short_chunk_rows(), 0);
-    assert_eq!(plain.at, comp.at);
+    short_step(&mut plain, &mut comp, &cold, "an untraced bucket", 0);
     // Past the limit (32 tokens): a prefill forward too.
     let big = [(5, &long[..], 0)];
-    agree(
-        &plain.step(&big),
-        &comp.step(&big),
-        "a chunk past the limit",
-    );
-    assert_eq!(comp.runner.last_short_chunk_rows(), 0);
-    assert_eq!(plain.at, comp.at);
+    short_step(&mut plain, &mut comp, &big, "a chunk past the limit", 0);
     decode_both(&mut plain, &mut comp, 2, "at the end");
     assert_eq!(
         comp.runner.compiled_decode().unwrap().traces(),

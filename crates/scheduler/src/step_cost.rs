@@ -40,7 +40,10 @@ pub struct ShortPrompts {
 
 impl ShortPrompts {
     /// Whether a step whose prompt chunks are `chunks` (each `(start, n)`) runs
-    /// them as decoding rows.
+    /// them as decoding rows, as far as its size goes: the test the runner
+    /// (`weft_models::BatchRunner::set_short_chunks`, which sits below this crate
+    /// and keeps its own copy of it) applies before its others (plain tables, no
+    /// adapter or draft, a traced decode bucket).
     pub fn covers(&self, chunks: impl Iterator<Item = (usize, usize)>) -> bool {
         let (mut tokens, mut keys) = (0usize, 0usize);
         for (start, n) in chunks {
