@@ -282,6 +282,13 @@ struct Header {
     /// is measured from here so that a step appending twice keeps every block
     /// its own forward pass still reads.
     base_len: usize,
+    /// The sequence's committed length while an open step has appended to it:
+    /// `len` when the oldest open step that appended to it began. Blocks are
+    /// released behind the window from here, not from `base_len`: with a younger
+    /// step stacked on an older one, the older may still roll back and run again
+    /// from here, reading every block of its window (the younger step's appends
+    /// must not hand those to another sequence to overwrite).
+    hold: usize,
     /// Step in which the sequence last appended (`KvPool::epoch`).
     dirty_epoch: u64,
     registered: usize,
@@ -367,6 +374,8 @@ enum SeqUndo {
 /// below it.
 #[derive(Debug, Clone)]
 struct Younger {
+    /// The older step's epoch: sequences it appended to are still uncommitted.
+    older_epoch: u64,
     journal: usize,
     slots: usize,
     groups: Vec<(usize, usize)>,
@@ -571,6 +580,7 @@ impl KvPool {
                     len: n,
                     position: n,
                     base_len: n,
+                    hold: n,
                     dirty_epoch: 0,
                     registered: n / p.block_size,
                     chain: hit.chain,
@@ -789,7 +799,8 @@ impl KvPool {
         let s = self.seq(seq)?;
         let t = s.tables.get(group).ok_or(KvError::UnknownGroup(group))?;
         let kind = self.cfg.groups[group].kind;
-        let drop = first_needed(kind, s.hdr.len, self.block_size)
+        let from = self.committed_len(&s.hdr);
+        let drop = first_needed(kind, from, self.block_size)
             .saturating_sub(t.offset)
             .min(t.blocks.len());
         let pool = &self.groups[group];
@@ -797,6 +808,25 @@ impl KvPool {
             .iter()
             .filter(|&&b| pool.refcount(b) == Ok(1))
             .count())
+    }
+
+    /// The committed length of the sequence with this header: where a step
+    /// that appends to it keeps its window from ([`Header::hold`]).
+    fn committed_len(&self, h: &Header) -> usize {
+        if !self.in_txn {
+            h.len
+        } else if h.dirty_epoch == self.epoch {
+            h.hold
+        } else if self
+            .younger
+            .as_ref()
+            .is_some_and(|y| h.dirty_epoch == y.older_epoch)
+        {
+            // Appended in the older step, which began at its committed length.
+            h.base_len
+        } else {
+            h.len
+        }
     }
 
     /// Token ids of a prefix-cached sequence (empty for unsalted ones).
@@ -844,6 +874,18 @@ impl KvPool {
     /// Prefix-cache counters.
     pub fn prefix_stats(&self) -> PrefixStats {
         self.prefix
+    }
+
+    /// Prefix-cache counters of committed work: what they were when the oldest
+    /// open step began (lookups inside an open step count once it commits, and
+    /// never if it rolls back); [`prefix_stats`](Self::prefix_stats) with no step
+    /// open.
+    pub fn committed_prefix_stats(&self) -> PrefixStats {
+        if self.in_txn {
+            self.txn_prefix
+        } else {
+            self.prefix
+        }
     }
 
     fn empty_hit(&self) -> Hit {
@@ -967,8 +1009,10 @@ impl KvPool {
             self.register(&dirty, true);
             self.dirty = dirty;
             self.dirty.clear();
+            let older_epoch = self.epoch;
             self.epoch += 1;
             self.younger = Some(Younger {
+                older_epoch,
                 journal: self.journal.len(),
                 slots: self.slots.journal_len(),
                 groups: self
@@ -1002,6 +1046,15 @@ impl KvPool {
             return Err(KvError::NoTransaction);
         }
         if let Some(y) = self.younger.take() {
+            // What the younger step appended to now starts at a committed length
+            // (undoing it restores each header as it was before its append).
+            for &seq in &self.dirty[..] {
+                if let Ok(idx) = self.resolve(seq) {
+                    if let Some(s) = self.slab[idx].seq.as_mut() {
+                        s.hdr.hold = s.hdr.base_len;
+                    }
+                }
+            }
             self.journal.drain(..y.journal);
             self.slots.drain_journal(y.slots);
             for (g, &(j, e)) in self.groups.iter_mut().zip(&y.groups) {
@@ -1371,6 +1424,7 @@ impl KvPool {
         let idx = self.resolve(seq)?;
         let bs = self.block_size;
         let epoch = self.epoch;
+        let hold = self.committed_len(&self.slab[idx].seq.as_ref().expect("resolved").hdr);
         let KvPool {
             slab,
             groups,
@@ -1388,18 +1442,13 @@ impl KvPool {
             return Ok(Appended::default());
         }
         let len = s.hdr.len;
-        let base = if s.hdr.dirty_epoch == epoch {
-            s.hdr.base_len
-        } else {
-            len
-        };
         let have = len.div_ceil(bs);
         let want = (len + n).div_ceil(bs);
         // Plan every group before touching any, so a shortfall reports exact
         // numbers and changes nothing.
         for (g, t) in s.tables.iter().enumerate() {
             let pool = &groups[g];
-            let drop = first_needed(cfg.groups[g].kind, base, bs)
+            let drop = first_needed(cfg.groups[g].kind, hold, bs)
                 .saturating_sub(t.offset)
                 .min(t.blocks.len());
             let freed = t.blocks[..drop]
@@ -1425,6 +1474,7 @@ impl KvPool {
         if s.hdr.dirty_epoch != epoch {
             s.hdr.dirty_epoch = epoch;
             s.hdr.base_len = len;
+            s.hdr.hold = hold;
             dirty.push(seq);
         }
         s.hdr.len += n;
@@ -1433,7 +1483,7 @@ impl KvPool {
         for (g, t) in s.tables.iter_mut().enumerate() {
             let pool = &mut groups[g];
             let group = g as u32;
-            let drop_to = first_needed(cfg.groups[g].kind, base, bs);
+            let drop_to = first_needed(cfg.groups[g].kind, hold, bs);
             while t.offset < drop_to && !t.blocks.is_empty() {
                 let old = t.blocks.remove(0);
                 t.offset += 1;

@@ -345,3 +345,59 @@ fn set_tokens_is_undone_with_its_step() {
     pool.rollback().unwrap();
     assert_eq!(pool.snapshot(), before);
 }
+
+/// With a sliding-window group, the younger step keeps every block of the older
+/// step's window: the older step may still roll back and run again from its
+/// base, reading them, so the younger step's appends release none of them and no
+/// sequence allocating in the younger step gets one to overwrite. Once the older
+/// step has committed, the next step releases them.
+#[test]
+fn a_younger_step_keeps_the_older_steps_window() {
+    let mut pool = KvPool::new(KvGroups::new(4).full(64).sliding(6, 64)).unwrap();
+    let a = pool.allocate(SeqSpec::new(OwnerId(0))).unwrap();
+    pool.append(a, 8).unwrap();
+    let before = pool.snapshot();
+    // The older step: 8 tokens from 8 (its forward reads the window of position 8).
+    pool.begin().unwrap();
+    pool.append(a, 8).unwrap();
+    let older = pool.table(a, 1).unwrap();
+    let (offset, window) = (older.offset, older.blocks.to_vec());
+    assert!(
+        offset < 2,
+        "the older step dropped blocks its forward reads"
+    );
+    assert_eq!(pool.releasable_on_append(a, 1).unwrap(), 0);
+    // The younger step: one more token of `a`, and a new sequence's 12.
+    pool.begin_next().unwrap();
+    let out = pool.append(a, 1).unwrap();
+    assert_eq!(out.released, 0);
+    assert_eq!(pool.table(a, 1).unwrap().offset, offset);
+    let b = pool.allocate(SeqSpec::new(OwnerId(1))).unwrap();
+    pool.append(b, 12).unwrap();
+    let taken = pool.table(b, 1).unwrap().blocks.to_vec();
+    assert!(
+        taken.iter().all(|x| !window.contains(x)),
+        "the younger step handed {taken:?} of the older step's window {window:?} to another sequence"
+    );
+    pool.check_invariants().unwrap();
+    // Both roll back: exactly the state before the older step.
+    pool.rollback_after_writes().unwrap();
+    pool.rollback_after_writes().unwrap();
+    assert_eq!(pool.snapshot(), before);
+
+    // Committed in order, the step after them drops what is behind the window.
+    pool.begin().unwrap();
+    pool.append(a, 8).unwrap();
+    pool.begin_next().unwrap();
+    pool.append(a, 1).unwrap();
+    pool.commit().unwrap();
+    pool.commit().unwrap();
+    let held = pool.table(a, 1).unwrap().offset;
+    assert_eq!(held, offset);
+    let releasable = pool.releasable_on_append(a, 1).unwrap();
+    assert!(releasable > 0);
+    let out = pool.append(a, 1).unwrap();
+    assert_eq!(out.released, releasable);
+    assert!(pool.table(a, 1).unwrap().offset > held);
+    pool.check_invariants().unwrap();
+}

@@ -27,6 +27,8 @@ pub const PREEMPTIONS: &str = "weft_preemptions_total";
 pub const STEP_ROLLBACKS: &str = "weft_step_rollbacks_total";
 pub const STEP_OUT_OF_MEMORY: &str = "weft_step_out_of_memory_total";
 pub const STEPS_PIPELINED: &str = "weft_steps_pipelined_total";
+pub const ADMISSIONS_PIPELINED: &str = "weft_admissions_pipelined_total";
+pub const ADMISSIONS_UNDONE: &str = "weft_admissions_undone_total";
 pub const STEP_DURATION: &str = "weft_step_duration_seconds";
 pub const BATCH_SIZE: &str = "weft_batch_size";
 pub const TTFT: &str = "weft_time_to_first_token_seconds";
@@ -85,6 +87,14 @@ pub fn describe() {
     describe_counter!(
         STEPS_PIPELINED,
         "Decode steps queued on the device behind the step it follows, before that step was read"
+    );
+    describe_counter!(
+        ADMISSIONS_PIPELINED,
+        "Requests admitted into a step queued behind the step in flight (an undone admission counts again when repeated)"
+    );
+    describe_counter!(
+        ADMISSIONS_UNDONE,
+        "Admissions undone because their step rolled back (the request waited again)"
     );
     describe_counter!(STEP_ROLLBACKS, "Step attempts rolled back after a failure");
     describe_counter!(
@@ -153,6 +163,8 @@ pub(crate) struct EngineMetrics {
     pub rollbacks: Counter,
     pub out_of_memory: Counter,
     pub pipelined: Counter,
+    pub admissions_pipelined: Counter,
+    pub admissions_undone: Counter,
     pub step_duration: Histogram,
     pub batch_size: Histogram,
     pub ttft: Histogram,
@@ -182,6 +194,8 @@ impl EngineMetrics {
             rollbacks: counter!(STEP_ROLLBACKS),
             out_of_memory: counter!(STEP_OUT_OF_MEMORY),
             pipelined: counter!(STEPS_PIPELINED),
+            admissions_pipelined: counter!(ADMISSIONS_PIPELINED),
+            admissions_undone: counter!(ADMISSIONS_UNDONE),
             step_duration: histogram!(STEP_DURATION),
             batch_size: histogram!(BATCH_SIZE),
             ttft: histogram!(TTFT),

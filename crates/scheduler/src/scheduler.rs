@@ -93,6 +93,12 @@ pub struct Stats {
     pub steps: u64,
     /// Steps queued behind the step they follow, before it was read (pipelined).
     pub pipelined_steps: u64,
+    /// Requests admitted into a step queued behind the one in flight (a rolled-back
+    /// admission counts again when the request is admitted again).
+    pub pipelined_admissions: u64,
+    /// Of those, admissions undone because their step rolled back (the request
+    /// waited again).
+    pub admissions_undone: u64,
     pub rollbacks: u64,
     pub preemptions: u64,
     /// Steps that failed every retry (their rows were bisected or failed).
@@ -446,6 +452,53 @@ enum Joiners {
     Starting,
 }
 
+/// Which waiting requests join the step that follows the in-flight one
+/// ([`Scheduler::follow_plan`]): what the plain plan of that step would admit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FollowJoiners {
+    /// Nobody waits (or nobody can join).
+    None,
+    /// Any, in fair order ([`Scheduler::close_plan`]'s joiners).
+    All,
+    /// Starting tenants' requests, beside the decoding rows
+    /// ([`Scheduler::plan_starting`] with [`StartingStep::BesideRows`]); if none of
+    /// them gets in, any, in fair order.
+    StartingFirst,
+}
+
+/// A request admitted while a pool step was open ([`Scheduler::admit_following`]).
+#[derive(Debug, Clone, Copy)]
+struct Admitted {
+    /// Pool steps open then: the admission belongs to the newest of them.
+    open: usize,
+    res: Resident,
+    key: RequestKey,
+    /// Its first admission (it had never been scheduled).
+    fresh: bool,
+}
+
+/// The step that follows the in-flight one ([`Scheduler::follow_plan`]).
+struct Follow {
+    rows: Vec<Planned>,
+    /// Its sampling waits for the in-flight step's picks.
+    deferred: bool,
+    /// Waiting requests that join it.
+    admit: FollowJoiners,
+    /// Blocks its rows' appends take.
+    need: Blocks,
+}
+
+impl Follow {
+    fn none() -> Self {
+        Self {
+            rows: Vec::new(),
+            deferred: false,
+            admit: FollowJoiners::None,
+            need: Blocks::default(),
+        }
+    }
+}
+
 struct TimeFit {
     /// The inter-token latency target in effect (None: none).
     itl: Option<f64>,
@@ -765,6 +818,9 @@ pub struct Scheduler<M: Model> {
     /// Sequences released while a pool step was open, with the number of steps open
     /// then: rolling that step back undoes the release, so it is done again.
     released_open: Vec<(usize, Resident)>,
+    /// Requests admitted while a pool step was open: rolling that step back undoes
+    /// their sequences, so they wait again.
+    admitted_open: Vec<Admitted>,
     /// Adapters removed while live requests still named them: the model forgets
     /// each once its last request has ended.
     retiring: BTreeSet<u32>,
@@ -893,6 +949,7 @@ impl<M: Model> Scheduler<M> {
             slot_metrics,
             inflight: None,
             released_open: Vec::new(),
+            admitted_open: Vec::new(),
             retiring: BTreeSet::new(),
             removed: BTreeSet::new(),
         };
@@ -1627,30 +1684,11 @@ impl<M: Model> Scheduler<M> {
     /// step and their next one (on an H200 the skipped step and the mixed step after
     /// it made the long-prompts run's worst gaps, 56-76 ms under a 20 ms target).
     fn plan_starting(&mut self, now: Instant) -> Option<Plan> {
-        if self.decode_skipped
-            || !self.probation.is_empty()
-            || self.running.len() >= self.cfg.max_batch_rows
-            || !self.tenants_share(now)
-        {
-            return None;
-        }
-        let (mut any_starting, mut others_waiting) = (false, false);
-        for (t, x) in self.tenants.iter().enumerate() {
-            if self.starting(t) {
-                any_starting = true;
-            } else if !x.queue.is_empty() {
-                others_waiting = true;
-            }
-        }
-        if !any_starting {
-            return None;
-        }
-        // Only worth it beside decoding rows, or before another tenant's prompts.
         let decoding = self
             .running
             .iter()
             .any(|x| self.progress(x.slot).is_some_and(|(_, _, rem)| rem == 1));
-        if !decoding && !others_waiting {
+        if !self.starting_due(now, decoding) {
             return None;
         }
         let mut rows = std::mem::take(&mut self.bufs.rows);
@@ -1697,6 +1735,28 @@ impl<M: Model> Scheduler<M> {
             rows,
             probation: false,
         })
+    }
+
+    /// Whether a step's plan is [`Self::plan_starting`]'s, with rows `decoding` (or
+    /// not) in the batch.
+    fn starting_due(&self, now: Instant, decoding: bool) -> bool {
+        if self.decode_skipped
+            || !self.probation.is_empty()
+            || self.running.len() >= self.cfg.max_batch_rows
+            || !self.tenants_share(now)
+        {
+            return false;
+        }
+        let (mut any_starting, mut others_waiting) = (false, false);
+        for (t, x) in self.tenants.iter().enumerate() {
+            if self.starting(t) {
+                any_starting = true;
+            } else if !x.queue.is_empty() {
+                others_waiting = true;
+            }
+        }
+        // Only worth it beside decoding rows, or before another tenant's prompts.
+        any_starting && (decoding || others_waiting)
     }
 
     /// The time budget of a step whose decoding rows (and their drafts) are `rows`:
@@ -2162,13 +2222,14 @@ impl<M: Model> Scheduler<M> {
         now: Instant,
     ) -> Option<(Resident, u32, usize)> {
         let req_slot = self.reqs.slot(&k)?;
-        let (t, qslot, prompt_len, first, adapter) = {
+        let (t, qslot, prompt_len, first, fresh, adapter) = {
             let r = self.reqs.at(req_slot)?;
             (
                 r.tenant,
                 r.queue_slot(),
                 r.r.prompt.len(),
                 !r.charged,
+                r.scheduled_at.is_none(),
                 r.r.adapter,
             )
         };
@@ -2204,6 +2265,17 @@ impl<M: Model> Scheduler<M> {
         let row = self.next_row;
         self.next_row += 1;
         let res = Resident { row, seq };
+        let open = self.pool.open_steps();
+        if open > 0 {
+            // Admitted inside a step (one that follows the step in flight): undone
+            // with it.
+            self.admitted_open.push(Admitted {
+                open,
+                res,
+                key: k,
+                fresh,
+            });
+        }
         self.remove_waiting(t, qslot);
         let w_in = self.cfg.vtc.input;
         let tenant = &mut self.tenants[t];
@@ -2223,9 +2295,9 @@ impl<M: Model> Scheduler<M> {
         if let Some(r) = self.reqs.at_mut(req_slot) {
             r.row = Some(res);
             r.computed = cached;
-            if first {
+            r.charged = true;
+            if fresh {
                 r.cached = cached.min(prompt_len);
-                r.charged = true;
                 r.scheduled_at = Some(now);
                 self.metrics
                     .queue
@@ -2514,23 +2586,33 @@ impl<M: Model> Scheduler<M> {
     /// the token it picks, and every row mid-prompt feeds its next chunk (its tokens
     /// are known; sized to the step's time like a plain plan's chunk) — what a plain
     /// plan would make of the next step — or empty when that plan could differ (a
-    /// request could join, a running request is not in `rows`, memory is short, a
-    /// prompt's next chunk gets nothing or the decode-only probe is due), or nobody
-    /// continues. With it, whether its sampling must wait for the in-flight step's
-    /// picks (a row with penalties or an output constraint: their counts and mask
-    /// follow from that pick); such a step is empty unless the model defers sampling.
-    /// Chaining a step with a prompt chunk lets the host build it while the device
-    /// runs the one before: on a GPU such a step runs op by op, its graph build
-    /// most of its cost.
-    fn follow_plan(&self, rows: &[Planned], now: Instant) -> (Vec<Planned>, bool) {
+    /// running request is not in `rows`, memory is short, a prompt's next chunk gets
+    /// nothing or the decode-only probe is due), or nobody continues. With it, whether
+    /// its sampling must wait for the in-flight step's picks (a row with penalties or
+    /// an output constraint: their counts and mask follow from that pick); such a step
+    /// is empty unless the model defers sampling. Chaining a step with a prompt chunk
+    /// lets the host build it while the device runs the one before: on a GPU such a
+    /// step runs op by op, its graph build most of its cost.
+    ///
+    /// Waiting requests join it as they would join the plain plan
+    /// ([`FollowJoiners`], admitted in [`Self::open_step`], inside its pool step: undone
+    /// with it), where that plan would be the same: every row decoding (a prompt
+    /// mid-way would interleave with joiners in fair order), no starting step of its
+    /// own ([`StartingStep::Alone`]) due, no recurrent state (a joiner's state slot is
+    /// reset outside the step). Otherwise the plain plan runs after the in-flight
+    /// step is read, and the device waits for its build.
+    fn follow_plan(&self, rows: &[Planned], now: Instant) -> Follow {
         let mut deferred = false;
         if !self.pipelining()
             || !self.probation.is_empty()
             || self.would_draft(rows)
-            || (self.running.len() < self.cfg.max_batch_rows && self.pick_tenant().is_some())
             || self.room_victim().is_some()
         {
-            return (Vec::new(), false);
+            return Follow::none();
+        }
+        let waiting = self.running.len() < self.cfg.max_batch_rows && self.pick_tenant().is_some();
+        if waiting && self.pool.slots().stats().total > 0 {
+            return Follow::none();
         }
         let mut need = Blocks::default();
         let mut live = 0;
@@ -2541,7 +2623,7 @@ impl<M: Model> Scheduler<M> {
         for p in rows {
             let mid_prompt = p.prefill && !p.want_logits;
             if p.draft > 0 || !(p.want_logits || mid_prompt) {
-                return (Vec::new(), false);
+                return Follow::none();
             }
             let Some(r) = self.reqs.at(p.slot).filter(|r| r.key == p.key) else {
                 continue;
@@ -2554,13 +2636,16 @@ impl<M: Model> Scheduler<M> {
             // appended them), which is also the base of the next step's append.
             let start = p.start + p.n;
             if mid_prompt {
+                if waiting {
+                    return Follow::none();
+                }
                 chunks.push((p, start, r.seq_len() - start));
                 continue;
             }
             // Penalty counts and a constraint's mask both need this step's pick.
             if r.penalties.is_some() || r.r.constraint.is_some() {
                 if !self.model.defers_sampling() {
-                    return (Vec::new(), false);
+                    return Follow::none();
                 }
                 deferred = true;
             }
@@ -2587,7 +2672,7 @@ impl<M: Model> Scheduler<M> {
                 };
                 if n == 0 {
                     // The plain plan decides what this prompt gets (or the probe).
-                    return (Vec::new(), false);
+                    return Follow::none();
                 }
                 fit.take(start, n, wanted);
                 budget -= n;
@@ -2603,9 +2688,24 @@ impl<M: Model> Scheduler<M> {
         // A running request this step left out (a prompt waiting for budget or
         // memory) would be planned by the next plain step: so plan that one.
         if !need.fits(self.available()) || live != self.running.len() {
-            return (Vec::new(), false);
+            return Follow::none();
         }
-        (next, deferred)
+        let admit = if !waiting || next.is_empty() {
+            FollowJoiners::None
+        } else if self.starting_due(now, true) {
+            if self.cfg.starting_step == StartingStep::Alone {
+                return Follow::none();
+            }
+            FollowJoiners::StartingFirst
+        } else {
+            FollowJoiners::All
+        };
+        Follow {
+            rows: next,
+            deferred,
+            admit,
+            need,
+        }
     }
 
     /// Collects the in-flight step `rows` — after queueing the step that follows it, so
@@ -2614,12 +2714,17 @@ impl<M: Model> Scheduler<M> {
     /// (retries, bisection). A following step whose sampling is deferred gets it once
     /// `rows` is applied ([`sample_deferred`](Self::sample_deferred)).
     fn resolve(&mut self, rows: Vec<Planned>, now: Instant) -> StepReport {
-        let (next, deferred) = self.follow_plan(&rows, now);
+        let Follow {
+            rows: mut next,
+            deferred,
+            admit,
+            need,
+        } = self.follow_plan(&rows, now);
         let mut chained = false;
         let mut blocked_next = 0.0;
         let mut traced_next = false;
         if !next.is_empty() {
-            match self.open_step(&next, true) {
+            match self.open_follow(&mut next, admit, need, now) {
                 Ok(()) => match if deferred {
                     self.model
                         .submit_unsampled(self.pool.step_ops(), &self.bufs.inputs[..next.len()])
@@ -2812,11 +2917,65 @@ impl<M: Model> Scheduler<M> {
             self.pool.begin()
         }
         .map_err(|e| e.to_string())?;
+        self.fill_or_undo(rows, follows)
+    }
+
+    /// Opens the step that follows the in-flight one ([`Self::follow_plan`]): the
+    /// younger pool step, the waiting requests `admit` lets join admitted into it
+    /// (their blocks on top of `need`, the rows' own), and every row's inputs. On
+    /// error the step is not open and its admissions are undone.
+    fn open_follow(
+        &mut self,
+        rows: &mut Vec<Planned>,
+        admit: FollowJoiners,
+        need: Blocks,
+        now: Instant,
+    ) -> Result<(), String> {
+        self.pool.begin_next().map_err(|e| e.to_string())?;
+        self.admit_following(rows, admit, need, now);
+        self.fill_or_undo(rows, true)
+    }
+
+    /// Fills the open step's inputs; on error undoes that step.
+    fn fill_or_undo(&mut self, rows: &[Planned], follows: bool) -> Result<(), String> {
         let r = self.fill_inputs(rows, follows);
         if r.is_err() {
             self.pool_rollback();
         }
         r
+    }
+
+    /// Admits waiting requests into the step that follows the in-flight one, whose
+    /// rows (all decoding) are `rows` and take `need` blocks: as the plain plan of that
+    /// step would ([`Self::close_plan`], or [`Self::plan_starting`] beside the rows).
+    /// The pool step is open: each admission is journaled in it, and its rollback
+    /// sends the request back to wait ([`Self::pool_rollback`]).
+    fn admit_following(
+        &mut self,
+        rows: &mut Vec<Planned>,
+        admit: FollowJoiners,
+        need: Blocks,
+        now: Instant,
+    ) {
+        if admit == FollowJoiners::None {
+            return;
+        }
+        let before = rows.len();
+        let mut budget = self.prefill_budget(before);
+        let mut fit = self.time_fit(rows, now);
+        let mut free = self.available().minus(need);
+        if admit == FollowJoiners::StartingFirst {
+            let starting = Joiners::Starting;
+            self.admit_joiners(now, rows, &mut budget, &mut free, &mut fit, starting);
+        }
+        if rows.len() == before {
+            self.admit_joiners(now, rows, &mut budget, &mut free, &mut fit, Joiners::All);
+        }
+        self.decode_skipped = false;
+        self.stats.itl_target = fit.itl.or(self.stats.itl_target);
+        let admitted = (rows.len() - before) as u64;
+        self.stats.pipelined_admissions += admitted;
+        self.metrics.admissions_pipelined.increment(admitted);
     }
 
     fn fill_inputs(&mut self, rows: &[Planned], follows: bool) -> Result<(), String> {
@@ -3128,6 +3287,10 @@ impl<M: Model> Scheduler<M> {
             *open -= 1;
             *open > 0
         });
+        self.admitted_open.retain_mut(|a| {
+            a.open -= 1;
+            a.open > 0
+        });
     }
 
     /// Undoes the newest open pool step after its forward may have written storage,
@@ -3140,9 +3303,17 @@ impl<M: Model> Scheduler<M> {
         if let Err(e) = self.pool.rollback_after_writes() {
             error!(error = %e, "KV pool rollback failed");
         }
+        let mut undone = Vec::new();
+        self.admitted_open.retain(|&a| {
+            if a.open == open {
+                undone.push(a);
+            }
+            a.open != open
+        });
         let mut redo = Vec::new();
         self.released_open.retain(|&(o, res)| {
-            if o == open {
+            // A sequence this step allocated is gone with it: nothing to release.
+            if o == open && !undone.iter().any(|a| a.res == res) {
                 redo.push(res);
             }
             o != open
@@ -3150,6 +3321,36 @@ impl<M: Model> Scheduler<M> {
         for res in redo {
             self.release_resident(res);
         }
+        for a in undone {
+            self.unadmit(a);
+        }
+    }
+
+    /// A request admitted in a pool step that rolled back (its sequence gone with
+    /// it) waits again, as before its admission; nothing if it no longer holds that
+    /// row (it ended or was preempted since). Its prompt stays charged to its tenant
+    /// (charged once, when admitted again).
+    fn unadmit(&mut self, a: Admitted) {
+        let Some(r) = self.reqs.get_mut(&a.key) else {
+            return;
+        };
+        if r.row != Some(a.res) {
+            return;
+        }
+        r.row = None;
+        r.computed = 0;
+        if a.fresh {
+            r.cached = 0;
+            r.scheduled_at = None;
+        }
+        let t = r.tenant;
+        self.stats.admissions_undone += 1;
+        self.metrics.admissions_undone.increment(1);
+        self.model.release_row(a.res.row);
+        self.running.retain(|x| x.key != a.key);
+        self.tenants[t].running -= 1;
+        self.admission.preempted(&self.tenants[t].name);
+        self.push_waiting(a.key);
     }
 
     /// When the step that began at `now` put its tokens out: `now` plus the time
@@ -3382,7 +3583,8 @@ impl<M: Model> Scheduler<M> {
         } else {
             b.used as f64 / b.total as f64
         });
-        let p = self.pool.prefix_stats();
+        // Lookups of an admission inside an open step count once it commits.
+        let p = self.pool.committed_prefix_stats();
         let seen = std::mem::replace(&mut self.prefix_seen, p);
         let queries = p.query_tokens.saturating_sub(seen.query_tokens);
         let hits = p.hit_tokens.saturating_sub(seen.hit_tokens);

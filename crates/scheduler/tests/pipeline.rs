@@ -261,3 +261,99 @@ fn a_failed_deferred_sampling_rolls_back_its_step_and_loses_nothing() {
     assert_eq!(st.failed_steps, 0);
     assert!(st.rollbacks >= 7, "{} rollbacks", st.rollbacks);
 }
+
+/// Requests arriving one after another over the run, so most arrive while a step
+/// computes (the steps a server sees): no penalties; with `disturbed` some are
+/// cancelled, dropped or expire mid-stream.
+fn trickle(seed: u64, n: usize, disturbed: bool) -> Vec<Spec> {
+    let mut g = rng(seed);
+    // Disturbances drawn apart, so both workloads carry the same requests.
+    let mut d = rng(seed + 1000);
+    (0..n)
+        .map(|i| {
+            let t = ["t0", "t1", "t2"][i % 3];
+            let mut req = varied_request(&mut g, t, 1.0, i);
+            let s = &mut req.sampling;
+            s.repetition_penalty = 1.0;
+            s.presence_penalty = 0.0;
+            s.frequency_penalty = 0.0;
+            req.max_tokens = 4 + below(&mut g, 60) as usize;
+            let mut spec = Spec::at(i as u64 * 3 + below(&mut g, 3), req);
+            if disturbed {
+                match below(&mut d, 8) {
+                    0 => spec.cancel_after = Some(1 + below(&mut d, 20)),
+                    1 => spec.drop_after = Some(1 + below(&mut d, 20)),
+                    2 => spec.deadline_after = Some(1 + below(&mut d, 20)),
+                    _ => {}
+                }
+            }
+            spec
+        })
+        .collect()
+}
+
+/// A request that arrives while a step computes joins the step queued behind it:
+/// its admission is part of that step's transaction. The streams are the plain
+/// loop's; with faults in either step (collect, forward, commit, the scheduler's own
+/// points) an undone admission sends the request back to wait and it joins again,
+/// nothing lost, duplicated or leaked — also when requests are cancelled, dropped or
+/// expire while their admission's step is still open.
+#[test]
+fn requests_join_the_queued_step_and_a_rollback_undoes_their_admission() {
+    let specs = trickle(11, 240, false);
+    let plain = run_plain(one_at_a_time(), &specs);
+    let piped = run_plain(sched_config(), &specs);
+    assert_clean(&plain);
+    assert_clean(&piped);
+    assert_same_streams(&plain, &piped);
+    let st = piped.sched.stats();
+    assert!(
+        st.pipelined_admissions * 2 > specs.len() as u64,
+        "only {} of {} requests joined a queued step",
+        st.pipelined_admissions,
+        specs.len()
+    );
+    assert_eq!(st.admissions_undone, 0);
+
+    let faulty = |seed: u64| {
+        let mut cfg = sched_config();
+        cfg.faults = FaultPlan::random(seed, 0.03);
+        cfg.max_step_retries = 60;
+        let faults = FakeFaults {
+            random: Some((seed + 1, 0.02)),
+            collect_fail_calls: (5..3000).step_by(11).collect(),
+            fail_after_layer: 1,
+            ..Default::default()
+        };
+        (cfg, faults)
+    };
+    let (cfg, faults) = faulty(3);
+    let r = run(cfg, fake_config(), faults, &specs, |_, _, _| {});
+    assert_clean(&r);
+    assert_same_streams(&plain, &r);
+    let st = r.sched.stats();
+    assert_eq!(st.failed_steps, 0);
+    assert!(
+        st.admissions_undone >= 5,
+        "{} admissions undone",
+        st.admissions_undone
+    );
+
+    let disturbed = trickle(11, 240, true);
+    let (cfg, faults) = faulty(7);
+    let r = run(cfg, fake_config(), faults, &disturbed, |_, _, _| {});
+    assert_clean(&r);
+    let st = r.sched.stats();
+    assert!(st.admissions_undone >= 5, "{st:?}");
+    let mut cut = 0;
+    for (i, (o, f)) in r.outcomes.iter().zip(&plain.outcomes).enumerate() {
+        assert!(
+            f.tokens.starts_with(&o.tokens),
+            "request {i}: {:?} vs {:?}",
+            o.tokens,
+            f.tokens
+        );
+        cut += usize::from(o.tokens.len() < f.tokens.len());
+    }
+    assert!(cut > 10, "only {cut} streams were cut");
+}
