@@ -82,7 +82,8 @@
 #           two requests per stream, prompt 128, 128 generated);
 #           servereng: weft serve (its defaults) vs weft bench-engine at SE_STREAMS ("64 256"),
 #           SE_ROUNDS (1) each: issue 14's >= 90% of the engine (SE_TRACE=1 keeps the server's
-#           scheduler and runner trace as weft-se-N-ROUND.log.gz)
+#           scheduler and runner trace as weft-se-N-ROUND.log.gz); SE_BINS="weft_base weft"
+#           runs the server of each staged binary after one engine run (A/B in one call)
 #           (call 2 within the machine's idle window after call 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -540,24 +541,29 @@ if has servereng; then
       /root/weft bench-engine --model $M --streams $n --prompt-tokens 128 --gen-tokens 128 --rounds 2 2>/dev/null \
         | tail -1 > $O/se-engine-$n-$round.json
       # SE_TRACE=1: the scheduler's and the runner's per-step trace (weft-se-N-ROUND.log.gz).
-      env ${SE_TRACE:+RUST_LOG=info,weft_scheduler=trace,weft_models::runner=trace} /root/weft serve --model $M \
+      for bin in ${SE_BINS:-weft}; do
+      L=$O/$bin-se-$n-$round.log
+      env ${SE_TRACE:+RUST_LOG=info,weft_scheduler=trace,weft_models::runner=trace} /root/$bin serve --model $M \
         --listen 127.0.0.1:50591 --metrics-listen 127.0.0.1:50593 --http-listen off \
-        --max-batch-rows $n > $O/weft-se-$n-$round.log 2>&1 &
+        --max-batch-rows $n > $L 2>&1 &
       P=$!
       up http://127.0.0.1:50593/metrics
-      for _ in $(seq 240); do grep -q "ready" $O/weft-se-$n-$round.log && break; sleep 0.5; done
-      /root/weft bench --target grpc://127.0.0.1:50591 -c $n -n $((2 * n)) $A --json $O/se-serve-$n-$round.json > /dev/null
+      for _ in $(seq 240); do grep -q "ready" $L && break; sleep 0.5; done
+      /root/weft bench --target grpc://127.0.0.1:50591 -c $n -n $((2 * n)) $A --json $O/se-serve-$bin-$n-$round.json > /dev/null
+      curl -s http://127.0.0.1:50593/metrics | grep -E "^weft_(steps_pipelined|admissions_[a-z]*)_total" > $O/se-metrics-$bin-$n-$round.txt || true
       kill -TERM $P; wait $P || true
-      if [ -n "${SE_TRACE:-}" ]; then gzip -f $O/weft-se-$n-$round.log; fi
-      python3 - $n $O/se-engine-$n-$round.json $O/se-serve-$n-$round.json <<'PY' | tee -a $R
+      if [ -n "${SE_TRACE:-}" ]; then gzip -f $L; fi
+      python3 - $n $bin $O/se-engine-$n-$round.json $O/se-serve-$bin-$n-$round.json $O/se-metrics-$bin-$n-$round.txt <<'PY' | tee -a $R
 import json, sys
-n, e, s = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))['overall']
+n, b, e, s = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3])), json.load(open(sys.argv[4]))['overall']
+m = ' '.join(l.strip() for l in open(sys.argv[5]))
 g = e['generation_tok_per_s']
-print(f"{n} streams: engine gen {g:.1f} tok/s (steady {e['steady_decode_tok_per_s']:.1f}); server "
+print(f"{n} streams, {b}: engine gen {g:.1f} tok/s (steady {e['steady_decode_tok_per_s']:.1f}); server "
       f"{s['output_tokens_per_s']:.1f} tok/s = {100 * s['output_tokens_per_s'] / g:.1f}% of the engine "
       f"(target >= 90%), ok {s.get('ok')} errors {s.get('errors')}, TTFT p50/p99 "
-      f"{s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms, ITL p50/p99 {s['itl_ms']['p50']:.1f}/{s['itl_ms']['p99']:.1f} ms")
+      f"{s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms, ITL p50/p99 {s['itl_ms']['p50']:.1f}/{s['itl_ms']['p99']:.1f} ms; {m}")
 PY
+      done
     done
   done
 fi
