@@ -160,3 +160,88 @@ async fn device_sampling_streams_what_host_sampling_streams() {
         assert_eq!(r.logprobs.len(), w.logprobs.len(), "request {i}");
     }
 }
+
+/// Requests that arrive while steps compute join the step queued behind the one in
+/// flight, their admission part of that step's transaction: each streams what it
+/// streams alone with host sampling — also with faults injected into the steps,
+/// where an admission whose step rolls back is undone and the request joins again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_arriving_mid_decode_join_the_queued_step() {
+    let prompts = [
+        "The capital of France is",
+        "Once upon a time",
+        "List three colors:",
+        "def fib(n):",
+        "The weather today",
+        "In the beginning",
+    ];
+    let reqs: Vec<pb::GenerateRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let params = if i % 2 == 0 {
+                pb::SamplingParams::default()
+            } else {
+                pb::SamplingParams {
+                    temperature: 0.9,
+                    top_k: 40,
+                    seed: Some(i as u64),
+                    ..Default::default()
+                }
+            };
+            with_params(p, 32, params)
+        })
+        .collect();
+    let host = Server::start_env(&["--speculate", "0"], &[("WEFT_SAMPLE_ON", "host")]).await;
+    let mut want = Vec::new();
+    let mut c = host.client().await;
+    for r in &reqs {
+        want.push(
+            collect(&mut c, tonic::Request::new(r.clone()))
+                .await
+                .unwrap(),
+        );
+    }
+    drop(host);
+    // Besides the step faults, every other plan from the 41st fails as its inputs
+    // are filled: a step queued with a request joining it then undoes that admission
+    // (when one is: arrivals are timed, steps are not; the fake-model simulations
+    // undo admissions deterministically).
+    let mut faults = String::from(
+        "after_plan:7,after_plan:15,after_forward:10,after_forward:21-22,\
+         after_forward:33,commit_bookkeeping:27",
+    );
+    for k in (41..140).step_by(2) {
+        faults.push_str(&format!(",after_plan:{k}"));
+    }
+    for faulty in [false, true] {
+        let mut env = vec![("WEFT_SAMPLE_ON", "device")];
+        if faulty {
+            env.push(("WEFT_TEST_FAULTS", faults.as_str()));
+        }
+        let s = Server::start_env(&["--speculate", "0"], &env).await;
+        let mut tasks = Vec::new();
+        for r in reqs.clone() {
+            let mut c = s.client().await;
+            tasks.push(tokio::spawn(async move {
+                collect(&mut c, tonic::Request::new(r)).await.unwrap()
+            }));
+            // Each arrives while the earlier ones decode.
+            tokio::time::sleep(std::time::Duration::from_millis(80)).await;
+        }
+        for (i, (t, w)) in tasks.into_iter().zip(&want).enumerate() {
+            let got = t.await.unwrap();
+            assert!(got.status.is_none(), "request {i}: {:?}", got.status);
+            assert_eq!(got.ids, w.ids, "request {i} (faults: {faulty})");
+        }
+        let m = s.metrics().await;
+        let joined = metric(&m, "weft_admissions_pipelined_total", &[]).unwrap_or(0.0);
+        let undone = metric(&m, "weft_admissions_undone_total", &[]).unwrap_or(0.0);
+        let rollbacks = metric(&m, "weft_step_rollbacks_total", &[]).unwrap_or(0.0);
+        eprintln!("faults {faulty}: {joined} admissions into queued steps, {undone} undone, {rollbacks} rollbacks");
+        assert!(joined >= 1.0, "no request joined a queued step");
+        if faulty {
+            assert!(rollbacks >= 5.0, "{rollbacks} rollbacks");
+        }
+    }
+}
