@@ -325,9 +325,16 @@ async fn flooded(anticipation: Duration) -> (Engine, EventStream) {
         verify_kv: false,
         ..fake_config()
     };
+    // Steps of 0.2 ms: the flood outlasts the tests (an optimized build runs the
+    // fake's 60000 steps in well under a second otherwise).
     let engine = Engine::start(
         cfg,
-        move || Ok::<_, String>(FakeModel::new(fake.clone())),
+        move || {
+            Ok::<_, String>(Slow(
+                FakeModel::new(fake.clone()),
+                Duration::from_micros(200),
+            ))
+        },
         Arc::new(FakeDetokenizer),
     )
     .expect("engine starts");
@@ -409,15 +416,15 @@ async fn a_tenant_slower_than_the_anticipation_is_not_waited_for_again() {
     engine.shutdown();
 }
 
-/// A fake whose every forward takes `0.1` s of the clock (no simulated cost).
-struct Slow(FakeModel);
+/// A fake whose every forward takes this long on the clock (no simulated cost).
+struct Slow(FakeModel, Duration);
 
 impl Model for Slow {
     fn info(&self) -> ModelInfo {
         self.0.info()
     }
     fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(self.1);
         self.0.forward(ops, batch)
     }
     fn commit(&mut self) -> Result<(), ModelError> {
@@ -439,7 +446,12 @@ impl Model for Slow {
 async fn time_to_first_token_counts_the_step_that_made_it() {
     let engine = Engine::start(
         sched_config(),
-        || Ok::<_, String>(Slow(FakeModel::new(fake_config()))),
+        || {
+            Ok::<_, String>(Slow(
+                FakeModel::new(fake_config()),
+                Duration::from_millis(100),
+            ))
+        },
         Arc::new(FakeDetokenizer),
     )
     .expect("engine starts");
