@@ -21,24 +21,34 @@ fn waves(seed: u64, n: usize, disturbed: bool, penalized: usize) -> Vec<Spec> {
             let t = ["t0", "t1"][i % 2];
             let mut req = varied_request(&mut g, t, 1.0, i);
             if i >= penalized {
-                let s = &mut req.sampling;
-                s.repetition_penalty = 1.0;
-                s.presence_penalty = 0.0;
-                s.frequency_penalty = 0.0;
+                no_penalties(&mut req);
             }
             req.max_tokens = 8 + below(&mut g, 120) as usize;
             let mut spec = Spec::at((i as u64 / 24) * 90 + below(&mut g, 6), req);
             if disturbed {
-                match below(&mut g, 12) {
-                    0 => spec.cancel_after = Some(3 + below(&mut g, 40)),
-                    1 => spec.drop_after = Some(3 + below(&mut g, 40)),
-                    2 => spec.deadline_after = Some(3 + below(&mut g, 40)),
-                    _ => {}
-                }
+                disturb(&mut spec, &mut g, 12, 3, 40);
             }
             spec
         })
         .collect()
+}
+
+fn no_penalties(req: &mut weft_scheduler::Request) {
+    let s = &mut req.sampling;
+    s.repetition_penalty = 1.0;
+    s.presence_penalty = 0.0;
+    s.frequency_penalty = 0.0;
+}
+
+/// Three requests in `one_in` are disturbed: one cancelled, one dropped, one
+/// expiring, each `from + below(span)` steps after its arrival.
+fn disturb(spec: &mut Spec, g: &mut rand_chacha::ChaCha8Rng, one_in: u64, from: u64, span: u64) {
+    match below(g, one_in) {
+        0 => spec.cancel_after = Some(from + below(g, span)),
+        1 => spec.drop_after = Some(from + below(g, span)),
+        2 => spec.deadline_after = Some(from + below(g, span)),
+        _ => {}
+    }
 }
 
 fn one_at_a_time() -> weft_scheduler::SchedulerConfig {
@@ -273,19 +283,11 @@ fn trickle(seed: u64, n: usize, disturbed: bool) -> Vec<Spec> {
         .map(|i| {
             let t = ["t0", "t1", "t2"][i % 3];
             let mut req = varied_request(&mut g, t, 1.0, i);
-            let s = &mut req.sampling;
-            s.repetition_penalty = 1.0;
-            s.presence_penalty = 0.0;
-            s.frequency_penalty = 0.0;
+            no_penalties(&mut req);
             req.max_tokens = 4 + below(&mut g, 60) as usize;
             let mut spec = Spec::at(i as u64 * 3 + below(&mut g, 3), req);
             if disturbed {
-                match below(&mut d, 8) {
-                    0 => spec.cancel_after = Some(1 + below(&mut d, 20)),
-                    1 => spec.drop_after = Some(1 + below(&mut d, 20)),
-                    2 => spec.deadline_after = Some(1 + below(&mut d, 20)),
-                    _ => {}
-                }
+                disturb(&mut spec, &mut d, 8, 1, 20);
             }
             spec
         })
