@@ -489,7 +489,10 @@ struct Follow {
 }
 
 impl Follow {
-    fn none() -> Self {
+    /// No step follows: the plain plan runs once the step in flight is read, for
+    /// `why` (traced: what keeps a server's steps from queueing).
+    fn none(why: &'static str) -> Self {
+        trace!(why, "no step queued behind the one in flight");
         Self {
             rows: Vec::new(),
             deferred: false,
@@ -2608,11 +2611,11 @@ impl<M: Model> Scheduler<M> {
             || self.would_draft(rows)
             || self.room_victim().is_some()
         {
-            return Follow::none();
+            return Follow::none("plain plan first (probation, drafts or a row to preempt)");
         }
         let waiting = self.running.len() < self.cfg.max_batch_rows && self.pick_tenant().is_some();
         if waiting && self.pool.slots().stats().total > 0 {
-            return Follow::none();
+            return Follow::none("a request waits and rows hold recurrent state");
         }
         let mut need = Blocks::default();
         let mut live = 0;
@@ -2623,7 +2626,7 @@ impl<M: Model> Scheduler<M> {
         for p in rows {
             let mid_prompt = p.prefill && !p.want_logits;
             if p.draft > 0 || !(p.want_logits || mid_prompt) {
-                return Follow::none();
+                return Follow::none("a row drafts or picks nothing");
             }
             let Some(r) = self.reqs.at(p.slot).filter(|r| r.key == p.key) else {
                 continue;
@@ -2637,7 +2640,7 @@ impl<M: Model> Scheduler<M> {
             let start = p.start + p.n;
             if mid_prompt {
                 if waiting {
-                    return Follow::none();
+                    return Follow::none("a request waits beside a prompt mid-way");
                 }
                 chunks.push((p, start, r.seq_len() - start));
                 continue;
@@ -2645,7 +2648,7 @@ impl<M: Model> Scheduler<M> {
             // Penalty counts and a constraint's mask both need this step's pick.
             if r.penalties.is_some() || r.r.constraint.is_some() {
                 if !self.model.defers_sampling() {
-                    return Follow::none();
+                    return Follow::none("sampling needs the pick and is not deferred");
                 }
                 deferred = true;
             }
@@ -2672,7 +2675,7 @@ impl<M: Model> Scheduler<M> {
                 };
                 if n == 0 {
                     // The plain plan decides what this prompt gets (or the probe).
-                    return Follow::none();
+                    return Follow::none("a prompt's next chunk gets nothing");
                 }
                 fit.take(start, n, wanted);
                 budget -= n;
@@ -2687,14 +2690,17 @@ impl<M: Model> Scheduler<M> {
         }
         // A running request this step left out (a prompt waiting for budget or
         // memory) would be planned by the next plain step: so plan that one.
-        if !need.fits(self.available()) || live != self.running.len() {
-            return Follow::none();
+        if !need.fits(self.available()) {
+            return Follow::none("memory is short");
+        }
+        if live != self.running.len() {
+            return Follow::none("a running request is not in the step");
         }
         let admit = if !waiting || next.is_empty() {
             FollowJoiners::None
         } else if self.starting_due(now, true) {
             if self.cfg.starting_step == StartingStep::Alone {
-                return Follow::none();
+                return Follow::none("a starting tenant's step of its own is due");
             }
             FollowJoiners::StartingFirst
         } else {
