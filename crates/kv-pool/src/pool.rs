@@ -278,13 +278,13 @@ pub struct PoolSnapshot {
 struct Header {
     len: usize,
     position: usize,
-    /// `len` when the current step first appended to the sequence; the window
-    /// is measured from here so that a step appending twice keeps every block
-    /// its own forward pass still reads.
+    /// `len` when the current step first appended to the sequence (what it may
+    /// truncate to, and where its placeholders start).
     base_len: usize,
     /// The sequence's committed length while an open step has appended to it:
     /// `len` when the oldest open step that appended to it began. Blocks are
-    /// released behind the window from here, not from `base_len`: with a younger
+    /// released behind the window from here, so a step appending twice keeps every
+    /// block its own forward pass still reads and, with a younger
     /// step stacked on an older one, the older may still roll back and run again
     /// from here, reading every block of its window (the younger step's appends
     /// must not hand those to another sequence to overwrite).

@@ -466,15 +466,20 @@ enum FollowJoiners {
     StartingFirst,
 }
 
-/// A request admitted while a pool step was open ([`Scheduler::admit_following`]).
+/// What the scheduler did while a pool step was open that the pool's rollback of
+/// that step undoes on its side, so the scheduler must act again on its own.
 #[derive(Debug, Clone, Copy)]
-struct Admitted {
-    /// Pool steps open then: the admission belongs to the newest of them.
-    open: usize,
-    res: Resident,
-    key: RequestKey,
-    /// Its first admission (it had never been scheduled).
-    fresh: bool,
+enum OpenEffect {
+    /// A sequence released (its request ended or was preempted): released again.
+    Released(Resident),
+    /// A request admitted ([`Scheduler::admit_following`]), its sequence allocated
+    /// in the step: the request waits again ([`Scheduler::unadmit`]).
+    Admitted {
+        res: Resident,
+        key: RequestKey,
+        /// Its first admission (it had never been scheduled).
+        fresh: bool,
+    },
 }
 
 /// The step that follows the in-flight one ([`Scheduler::follow_plan`]).
@@ -818,12 +823,10 @@ pub struct Scheduler<M: Model> {
     slot_metrics: Option<SlotMetrics>,
     /// A pipelined step submitted to the model and not yet collected.
     inflight: Option<Vec<Planned>>,
-    /// Sequences released while a pool step was open, with the number of steps open
-    /// then: rolling that step back undoes the release, so it is done again.
-    released_open: Vec<(usize, Resident)>,
-    /// Requests admitted while a pool step was open: rolling that step back undoes
-    /// their sequences, so they wait again.
-    admitted_open: Vec<Admitted>,
+    /// Releases and admissions done while a pool step was open, each with the number
+    /// of steps open then (it belongs to the newest): rolling that step back undoes
+    /// their pool side ([`Self::pool_rollback`]).
+    open_effects: Vec<(usize, OpenEffect)>,
     /// Adapters removed while live requests still named them: the model forgets
     /// each once its last request has ended.
     retiring: BTreeSet<u32>,
@@ -951,8 +954,7 @@ impl<M: Model> Scheduler<M> {
             kind_metrics,
             slot_metrics,
             inflight: None,
-            released_open: Vec::new(),
-            admitted_open: Vec::new(),
+            open_effects: Vec::new(),
             retiring: BTreeSet::new(),
             removed: BTreeSet::new(),
         };
@@ -2272,12 +2274,8 @@ impl<M: Model> Scheduler<M> {
         if open > 0 {
             // Admitted inside a step (one that follows the step in flight): undone
             // with it.
-            self.admitted_open.push(Admitted {
-                open,
-                res,
-                key: k,
-                fresh,
-            });
+            let admitted = OpenEffect::Admitted { res, key: k, fresh };
+            self.open_effects.push((open, admitted));
         }
         self.remove_waiting(t, qslot);
         let w_in = self.cfg.vtc.input;
@@ -2320,7 +2318,7 @@ impl<M: Model> Scheduler<M> {
         }
         let open = self.pool.open_steps();
         if open > 0 {
-            self.released_open.push((open, res));
+            self.open_effects.push((open, OpenEffect::Released(res)));
         }
         self.available().minus(before)
     }
@@ -2346,12 +2344,9 @@ impl<M: Model> Scheduler<M> {
             "preempting row"
         );
         let freed = self.release_resident(res);
-        self.running.retain(|x| x.key != k);
-        self.tenants[t].running -= 1;
-        self.admission.preempted(&self.tenants[t].name);
         self.stats.preemptions += 1;
         self.metrics.preemptions.increment(1);
-        self.push_waiting(k);
+        self.requeue(k, t);
         freed
     }
 
@@ -2975,10 +2970,11 @@ impl<M: Model> Scheduler<M> {
             self.admit_joiners(now, rows, &mut budget, &mut free, &mut fit, starting);
         }
         if rows.len() == before {
-            self.admit_joiners(now, rows, &mut budget, &mut free, &mut fit, Joiners::All);
+            self.close_plan(now, rows, &mut budget, &mut free, &mut fit, true);
+        } else {
+            self.stats.itl_target = fit.itl.or(self.stats.itl_target);
         }
         self.decode_skipped = false;
-        self.stats.itl_target = fit.itl.or(self.stats.itl_target);
         let admitted = (rows.len() - before) as u64;
         self.stats.pipelined_admissions += admitted;
         self.metrics.admissions_pipelined.increment(admitted);
@@ -3289,18 +3285,15 @@ impl<M: Model> Scheduler<M> {
         if let Err(e) = self.pool.commit() {
             error!(error = %e, "KV pool commit failed after the model committed");
         }
-        self.released_open.retain_mut(|(open, _)| {
+        self.open_effects.retain_mut(|(open, _)| {
             *open -= 1;
             *open > 0
-        });
-        self.admitted_open.retain_mut(|a| {
-            a.open -= 1;
-            a.open > 0
         });
     }
 
     /// Undoes the newest open pool step after its forward may have written storage,
-    /// and releases again the sequences whose release it undid.
+    /// releases again the sequences whose release it undid, and sends the requests
+    /// it had admitted back to wait.
     fn pool_rollback(&mut self) {
         let open = self.pool.open_steps();
         if open == 0 {
@@ -3310,25 +3303,26 @@ impl<M: Model> Scheduler<M> {
             error!(error = %e, "KV pool rollback failed");
         }
         let mut undone = Vec::new();
-        self.admitted_open.retain(|&a| {
-            if a.open == open {
-                undone.push(a);
-            }
-            a.open != open
-        });
-        let mut redo = Vec::new();
-        self.released_open.retain(|&(o, res)| {
-            // A sequence this step allocated is gone with it: nothing to release.
-            if o == open && !undone.iter().any(|a| a.res == res) {
-                redo.push(res);
+        self.open_effects.retain(|&(o, e)| {
+            if o == open {
+                undone.push(e);
             }
             o != open
         });
-        for res in redo {
-            self.release_resident(res);
-        }
-        for a in undone {
-            self.unadmit(a);
+        let admitted = |r: Resident| {
+            undone
+                .iter()
+                .any(|e| matches!(e, OpenEffect::Admitted { res, .. } if *res == r))
+        };
+        for &e in &undone {
+            match e {
+                // A sequence this step allocated is gone with it: nothing to release.
+                OpenEffect::Released(res) if !admitted(res) => {
+                    self.release_resident(res);
+                }
+                OpenEffect::Released(_) => {}
+                OpenEffect::Admitted { res, key, fresh } => self.unadmit(key, res, fresh),
+            }
         }
     }
 
@@ -3336,27 +3330,32 @@ impl<M: Model> Scheduler<M> {
     /// it) waits again, as before its admission; nothing if it no longer holds that
     /// row (it ended or was preempted since). Its prompt stays charged to its tenant
     /// (charged once, when admitted again).
-    fn unadmit(&mut self, a: Admitted) {
-        let Some(r) = self.reqs.get_mut(&a.key) else {
+    fn unadmit(&mut self, key: RequestKey, res: Resident, fresh: bool) {
+        let Some(r) = self.reqs.get_mut(&key) else {
             return;
         };
-        if r.row != Some(a.res) {
+        if r.row != Some(res) {
             return;
         }
         r.row = None;
         r.computed = 0;
-        if a.fresh {
+        if fresh {
             r.cached = 0;
             r.scheduled_at = None;
         }
         let t = r.tenant;
         self.stats.admissions_undone += 1;
         self.metrics.admissions_undone.increment(1);
-        self.model.release_row(a.res.row);
-        self.running.retain(|x| x.key != a.key);
+        self.model.release_row(res.row);
+        self.requeue(key, t);
+    }
+
+    /// A running request of tenant `t` that lost its row waits again.
+    fn requeue(&mut self, key: RequestKey, t: usize) {
+        self.running.retain(|x| x.key != key);
         self.tenants[t].running -= 1;
         self.admission.preempted(&self.tenants[t].name);
-        self.push_waiting(a.key);
+        self.push_waiting(key);
     }
 
     /// When the step that began at `now` put its tokens out: `now` plus the time
