@@ -83,7 +83,9 @@
 #           servereng: weft serve (its defaults) vs weft bench-engine at SE_STREAMS ("64 256"),
 #           SE_ROUNDS (1) each: issue 14's >= 90% of the engine (SE_TRACE=1 keeps the server's
 #           scheduler and runner trace as weft-se-N-ROUND.log.gz); SE_BINS="weft_base weft"
-#           runs the server of each staged binary after one engine run (A/B in one call)
+#           runs the server of each staged binary after one engine run (A/B in one call; an
+#           entry may carry settings as WEFT_BINS' do: weft:WEFT_SHORT_CHUNKS=256); SE_PIN=1
+#           runs the engine and the server off the last 4 cores and the bench client on them
 #           (call 2 within the machine's idle window after call 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -534,22 +536,30 @@ if has servereng; then
   # Issue 14's server target: `weft serve` (its defaults) at >= 90% of `weft bench-engine`,
   # both at SE_STREAMS (64 256), prompt 128, 128 generated; the engine first, then a fresh
   # server driven by `weft bench` (two requests per stream), SE_ROUNDS times each.
+  # SE_PIN=1: the engine bench and the server on all cores but the last 4, the bench
+  # client on those 4 (a load generator shares no cores with the server it measures).
   A="--prompt-tokens 128 --max-tokens 128 --warmup 2 --quiet"
+  SP=""; CP=""
+  if [ -n "${SE_PIN:-}" ]; then
+    C=$(nproc); SP="taskset -c 0-$((C - 5))"; CP="taskset -c $((C - 4))-$((C - 1))"
+  fi
   for n in ${SE_STREAMS:-64 256}; do
     for round in $(seq ${SE_ROUNDS:-1}); do
-      echo "== weft serve vs weft bench-engine, $n streams, round $round" | tee -a $R
-      /root/weft bench-engine --model $M --streams $n --prompt-tokens 128 --gen-tokens 128 --rounds 2 2>/dev/null \
+      echo "== weft serve vs weft bench-engine, $n streams, round $round${SE_PIN:+, pinned}" | tee -a $R
+      $SP /root/weft bench-engine --model $M --streams $n --prompt-tokens 128 --gen-tokens 128 --rounds 2 2>/dev/null \
         | tail -1 > $O/se-engine-$n-$round.json
       # SE_TRACE=1: the scheduler's and the runner's per-step trace (weft-se-N-ROUND.log.gz).
-      for bin in ${SE_BINS:-weft}; do
+      # SE_BINS entries as WEFT_BINS' (a binary, optionally with settings: weft:WEFT_SHORT_CHUNKS=1024).
+      for V in ${SE_BINS:-weft}; do
+      variant "$V"; bin=$TAG
       L=$O/$bin-se-$n-$round.log
-      env ${SE_TRACE:+RUST_LOG=info,weft_scheduler=trace,weft_models::runner=trace} /root/$bin serve --model $M \
+      env ${SE_TRACE:+RUST_LOG=info,weft_scheduler=trace,weft_models::runner=trace} "${VENV[@]}" $SP /root/$B serve --model $M \
         --listen 127.0.0.1:50591 --metrics-listen 127.0.0.1:50593 --http-listen off \
         --max-batch-rows $n > $L 2>&1 &
       P=$!
       up http://127.0.0.1:50593/metrics
       for _ in $(seq 240); do grep -q "ready" $L && break; sleep 0.5; done
-      /root/weft bench --target grpc://127.0.0.1:50591 -c $n -n $((2 * n)) $A --json $O/se-serve-$bin-$n-$round.json > /dev/null
+      $CP /root/weft bench --target grpc://127.0.0.1:50591 -c $n -n $((2 * n)) $A --json $O/se-serve-$bin-$n-$round.json > /dev/null
       curl -s http://127.0.0.1:50593/metrics | grep -E "^weft_(steps_pipelined|admissions_[a-z]*)_total" > $O/se-metrics-$bin-$n-$round.txt || true
       kill -TERM $P; wait $P || true
       if [ -n "${SE_TRACE:-}" ]; then gzip -f $L; fi

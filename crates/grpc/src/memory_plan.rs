@@ -128,7 +128,10 @@ pub fn step_shape(
     let gpu = runner.kv().uses_kernel();
     StepShape {
         tokens,
-        sampled: ((max_rows * (1 + speculate)) as u64).min(tokens),
+        // Every row with its longest draft, or a decode step's padded rows with
+        // its short chunks beside them (each a row of its logits).
+        sampled: ((max_rows * (1 + speculate)).max(runner.largest_decode_rows(max_rows)) as u64)
+            .min(tokens),
         context: (model.max_position_embeddings.max(1) as u64).min(pool_tokens.max(1)),
         act_bytes: match runner.kv().shape().dtype {
             mlx_rs::Dtype::Float32 => 4,

@@ -522,8 +522,9 @@ impl BatchRunner {
     /// dispatch (a short prompt joining 48 decoding rows took one ~10 ms
     /// compiled mixed forward on an H100, 7.7 ms of it MLX's dispatch),
     /// and needs no trace of its own: it runs only where its decode bucket
-    /// is traced already. The default is `WEFT_SHORT_CHUNKS`' (tokens; 256
-    /// unless it says otherwise) where decode steps compile, else 0.
+    /// is traced already. The default is `WEFT_SHORT_CHUNKS`' (tokens;
+    /// [`SHORT_CHUNK_TOKENS`] unless it says otherwise) where decode steps
+    /// compile, else 0.
     /// Refused while a step is open.
     pub fn set_short_chunks(&mut self, tokens: usize) -> Result<()> {
         if !self.open.is_empty() {
@@ -695,6 +696,14 @@ impl BatchRunner {
 
     /// Rows a decode batch of `n` rows is padded to (GPU buckets, see
     /// [`decode_bucket`]; the CPU runs the batch as it is).
+    /// The most rows a decode step of a batch of up to `max_rows` rows runs:
+    /// the batch, padded to its bucket, or with a step's short chunks beside
+    /// it ([`set_short_chunks`](Self::set_short_chunks)) that many more (each
+    /// a row of the step's logits).
+    pub fn largest_decode_rows(&self, max_rows: usize) -> usize {
+        self.padded_rows(max_rows + self.short_chunks())
+    }
+
     fn padded_rows(&self, n: usize) -> usize {
         if self.kv.uses_kernel() {
             decode_bucket(n)
@@ -1655,13 +1664,20 @@ pub enum MixedSteps {
 pub const SHORT_CHUNK_KEYS: usize = 65_536;
 
 /// `WEFT_SHORT_CHUNKS`: the most prompt tokens a step runs as decoding rows
-/// where decode steps compile (0: none; unset: 256).
+/// where decode steps compile (0: none; unset: [`SHORT_CHUNK_TOKENS`]).
 pub fn short_chunks_from_env() -> usize {
     std::env::var("WEFT_SHORT_CHUNKS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(256)
+        .unwrap_or(SHORT_CHUNK_TOKENS)
 }
+
+/// The default of [`short_chunks_from_env`]: with [`SHORT_CHUNK_KEYS`], up to
+/// seven fresh 128-token prompts in a step (a server's second wave of requests
+/// joining 100-250 decoding rows: measured on H100s, 2026-12-07, 256 streams,
+/// `weft serve` made 82-121% of `bench-engine` with it against 72-100% with
+/// 256 tokens, ITL p99 12-44 ms against 29-54; see benches/RESULTS.md).
+pub const SHORT_CHUNK_TOKENS: usize = 1024;
 
 /// `WEFT_MIXED`: `off` or `0`, `lazy` (on demand), else warmed.
 fn mixed_from_env() -> MixedSteps {
