@@ -491,6 +491,10 @@ struct Follow {
     admit: FollowJoiners,
     /// Blocks its rows' appends take.
     need: Blocks,
+    /// Where its rows carry prompt chunks: the time fit and token budget they left,
+    /// for the joiners admitted after them (as the plain plan's `close_plan` has
+    /// them after its `plan_prefills`).
+    left: Option<(TimeFit, usize)>,
 }
 
 impl Follow {
@@ -503,6 +507,7 @@ impl Follow {
             deferred: false,
             admit: FollowJoiners::None,
             need: Blocks::default(),
+            left: None,
         }
     }
 }
@@ -2594,11 +2599,13 @@ impl<M: Model> Scheduler<M> {
     ///
     /// Waiting requests join it as they would join the plain plan
     /// ([`FollowJoiners`], admitted in [`Self::open_step`], inside its pool step: undone
-    /// with it), where that plan would be the same: every row decoding (a prompt
-    /// mid-way would interleave with joiners in fair order), no starting step of its
-    /// own ([`StartingStep::Alone`]) due, no recurrent state (a joiner's state slot is
-    /// reset outside the step). Otherwise the plain plan runs after the in-flight
-    /// step is read, and the device waits for its build.
+    /// with it), after the prompts' chunks, where that plan would be the same: nobody
+    /// waiting ahead of a prompt mid-way in fair order (the plain plan admits such
+    /// joiners before its chunk), no starting step due (of its own,
+    /// [`StartingStep::Alone`], or beside the rows while a prompt is mid-way: it leaves
+    /// that prompt out), no recurrent state (a joiner's state slot is reset outside
+    /// the step). Otherwise the plain plan runs after the in-flight step is read, and
+    /// the device waits for its build.
     fn follow_plan(&self, rows: &[Planned], now: Instant) -> Follow {
         let mut deferred = false;
         if !self.pipelining()
@@ -2634,8 +2641,10 @@ impl<M: Model> Scheduler<M> {
             // appended them), which is also the base of the next step's append.
             let start = p.start + p.n;
             if mid_prompt {
-                if waiting {
-                    return Follow::none("a request waits beside a prompt mid-way");
+                // The plain plan admits joiners ahead of this row in fair order before
+                // its chunk (`plan_prefills`); the queued step only where none is.
+                if waiting && self.waiting_ahead_of(r.tenant, r.r.priority) {
+                    return Follow::none("a request ahead of a prompt mid-way waits");
                 }
                 chunks.push((p, start, r.seq_len() - start));
                 continue;
@@ -2658,7 +2667,12 @@ impl<M: Model> Scheduler<M> {
                 ..*p
             });
         }
+        let mut left = None;
         if !chunks.is_empty() {
+            if waiting && self.starting_due(now, true) {
+                // The starting tenant's step leaves others' prompts out of it.
+                return Follow::none("a starting tenant's step is due beside a prompt mid-way");
+            }
             let mut fit = self.time_fit(&next, now);
             let mut budget = self.prefill_budget(next.len());
             for (p, start, rem) in chunks {
@@ -2682,6 +2696,7 @@ impl<M: Model> Scheduler<M> {
                     ..*p
                 });
             }
+            left = Some((fit, budget));
         }
         // A running request this step left out (a prompt waiting for budget or
         // memory) would be planned by the next plain step: so plan that one.
@@ -2706,7 +2721,22 @@ impl<M: Model> Scheduler<M> {
             deferred,
             admit,
             need,
+            left,
         }
+    }
+
+    /// Whether a waiting request would join ahead of a running row of tenant `t` at
+    /// `priority` in fair order ([`Joiners::AheadOf`]): another tenant that may start
+    /// one, whose first waiting request's [`Self::prefill_key`] is lower.
+    fn waiting_ahead_of(&self, t: usize, priority: i32) -> bool {
+        let key = self.prefill_key(t, priority);
+        self.tenants.iter().enumerate().any(|(i, x)| {
+            i != t
+                && x.running < x.max_running
+                && x.queue
+                    .first_key_value()
+                    .is_some_and(|(&(Reverse(p), _), _)| self.prefill_key(i, p) < key)
+        })
     }
 
     /// Collects the in-flight step `rows` — after queueing the step that follows it, so
@@ -2720,12 +2750,13 @@ impl<M: Model> Scheduler<M> {
             deferred,
             admit,
             need,
+            left,
         } = self.follow_plan(&rows, now);
         let mut chained = false;
         let mut blocked_next = 0.0;
         let mut traced_next = false;
         if !next.is_empty() {
-            match self.open_follow(&mut next, admit, need, now) {
+            match self.open_follow(&mut next, admit, need, left, now) {
                 Ok(()) => match if deferred {
                     self.model
                         .submit_unsampled(self.pool.step_ops(), &self.bufs.inputs[..next.len()])
@@ -2930,10 +2961,11 @@ impl<M: Model> Scheduler<M> {
         rows: &mut Vec<Planned>,
         admit: FollowJoiners,
         need: Blocks,
+        left: Option<(TimeFit, usize)>,
         now: Instant,
     ) -> Result<(), String> {
         self.pool.begin_next().map_err(|e| e.to_string())?;
-        self.admit_following(rows, admit, need, now);
+        self.admit_following(rows, admit, need, left, now);
         self.fill_or_undo(rows, true)
     }
 
@@ -2947,23 +2979,25 @@ impl<M: Model> Scheduler<M> {
     }
 
     /// Admits waiting requests into the step that follows the in-flight one, whose
-    /// rows (all decoding) are `rows` and take `need` blocks: as the plain plan of that
-    /// step would ([`Self::close_plan`], or [`Self::plan_starting`] beside the rows).
-    /// The pool step is open: each admission is journaled in it, and its rollback
-    /// sends the request back to wait ([`Self::pool_rollback`]).
+    /// rows are `rows` (decoding, then prompt chunks that left `left`: time fit and
+    /// token budget) and take `need` blocks: as the plain plan of that step would
+    /// ([`Self::close_plan`], or [`Self::plan_starting`] beside the rows). The pool
+    /// step is open: each admission is journaled in it, and its rollback sends the
+    /// request back to wait ([`Self::pool_rollback`]).
     fn admit_following(
         &mut self,
         rows: &mut Vec<Planned>,
         admit: FollowJoiners,
         need: Blocks,
+        left: Option<(TimeFit, usize)>,
         now: Instant,
     ) {
         if admit == FollowJoiners::None {
             return;
         }
         let before = rows.len();
-        let mut budget = self.prefill_budget(before);
-        let mut fit = self.time_fit(rows, now);
+        let (mut fit, mut budget) =
+            left.unwrap_or_else(|| (self.time_fit(rows, now), self.prefill_budget(before)));
         let mut free = self.available().minus(need);
         if admit == FollowJoiners::StartingFirst {
             let starting = Joiners::Starting;

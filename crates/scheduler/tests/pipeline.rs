@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use weft_scheduler::fake::{FakeConfig, FakeFaults};
-use weft_scheduler::{FaultPlan, FaultPoint, SamplingParams};
+use weft_scheduler::{FaultPlan, FaultPoint, Request, SamplingParams};
 
 /// Requests in waves, so long stretches decode steadily (the steps that pipeline):
 /// greedy and seeded sampling, stop ids and strings, EOS, logprobs; some requests are
@@ -357,4 +357,66 @@ fn requests_join_the_queued_step_and_a_rollback_undoes_their_admission() {
     assert!(st.admissions_undone >= 5, "{st:?}");
     let cut = cut_streams(&disturbed, &r, &plain);
     assert!(cut > 10, "only {cut} streams were cut");
+}
+
+/// Long prompts, each mid-way through its prefill for ~24 steps (64-token chunks),
+/// while short requests arrive one after another; none arrives once the long prompt
+/// is in. Most are its own tenant's, some another's.
+fn beside_long_prompts(seed: u64) -> Vec<Spec> {
+    let mut g = rng(seed);
+    let mut specs = Vec::new();
+    for k in 0..4u64 {
+        let mut long = Request::new("t0", prompt(&mut g, 1500), 8);
+        long.request_id = Some(format!("long-{k}"));
+        specs.push(Spec::at(k * 80, long));
+        for i in 0..10u64 {
+            let t = if i % 5 == 4 { "t1" } else { "t0" };
+            let mut req = varied_request(&mut g, t, 1.0, (k * 10 + i) as usize);
+            no_penalties(&mut req);
+            req.prompt.truncate(40);
+            req.max_tokens = 4 + below(&mut g, 20) as usize;
+            specs.push(Spec::at(k * 80 + 1 + i * 2, req));
+        }
+    }
+    specs
+}
+
+/// A request of the tenant whose prompt is mid-way joins the step queued behind the
+/// one in flight, after that prompt's chunk — where the plain plan admits it (a
+/// tenant's own requests never go ahead of its running rows). Another tenant's
+/// request ahead of the prompt in fair order waits for the plain plan, which admits
+/// it before the chunk. Streams are the plain loop's, also with faults undoing
+/// admissions.
+#[test]
+fn requests_join_a_queued_step_beside_a_prompt_mid_way() {
+    let specs = beside_long_prompts(21);
+    let short = specs.iter().filter(|s| s.req.prompt.len() <= 40).count() as u64;
+    let plain = run_plain(one_at_a_time(), &specs);
+    let piped = run_plain(sched_config(), &specs);
+    assert_clean(&plain);
+    assert_clean(&piped);
+    assert_same_streams(&plain, &piped);
+    let st = piped.sched.stats();
+    eprintln!("{st:?}");
+    assert!(
+        st.pipelined_admissions * 2 > short,
+        "only {} of {short} requests joined a queued step beside a prompt mid-way",
+        st.pipelined_admissions,
+    );
+
+    let mut cfg = sched_config();
+    cfg.faults = FaultPlan::random(5, 0.03);
+    cfg.max_step_retries = 60;
+    let faults = FakeFaults {
+        random: Some((6, 0.02)),
+        collect_fail_calls: (5..3000).step_by(7).collect(),
+        fail_after_layer: 1,
+        ..Default::default()
+    };
+    let r = run(cfg, fake_config(), faults, &specs, |_, _, _| {});
+    assert_clean(&r);
+    assert_same_streams(&plain, &r);
+    let st = r.sched.stats();
+    assert_eq!(st.failed_steps, 0);
+    assert!(st.admissions_undone >= 2, "{st:?}");
 }
