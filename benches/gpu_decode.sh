@@ -85,7 +85,8 @@
 #           scheduler and runner trace as weft-se-N-ROUND.log.gz); SE_BINS="weft_base weft"
 #           runs the server of each staged binary after one engine run (A/B in one call; an
 #           entry may carry settings as WEFT_BINS' do: weft:WEFT_SHORT_CHUNKS=256); SE_PIN=1
-#           runs the engine and the server off the last 4 cores and the bench client on them
+#           runs the engine and the server off the last 4 cores and the bench client on them;
+#           SE_REQS (2): requests per stream of the server run (the engine measures its second round of N)
 #           (call 2 within the machine's idle window after call 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -559,7 +560,7 @@ if has servereng; then
       P=$!
       up http://127.0.0.1:50593/metrics
       for _ in $(seq 240); do grep -q "ready" $L && break; sleep 0.5; done
-      $CP /root/weft bench --target grpc://127.0.0.1:50591 -c $n -n $((2 * n)) $A --json $O/se-serve-$bin-$n-$round.json > /dev/null
+      $CP /root/weft bench --target grpc://127.0.0.1:50591 -c $n -n $((${SE_REQS:-2} * n)) $A --json $O/se-serve-$bin-$n-$round.json > /dev/null
       curl -s http://127.0.0.1:50593/metrics | grep -E "^weft_(steps_pipelined|admissions_[a-z]*)_total" > $O/se-metrics-$bin-$n-$round.txt || true
       kill -TERM $P; wait $P || true
       if [ -n "${SE_TRACE:-}" ]; then gzip -f $L; fi
