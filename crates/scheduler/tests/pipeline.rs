@@ -183,19 +183,32 @@ fn a_fault_in_a_pipelined_step_rolls_back_both_and_loses_nothing() {
     }
 }
 
+/// Random faults at the scheduler's points (seeded `seed`) and in the fake model
+/// (`seed + 1`; its layer `fail_after_layer`), and a failed read of every `every`-th
+/// collect from the first on.
+fn random_faults(
+    seed: u64,
+    first: u64,
+    every: usize,
+    fail_after_layer: usize,
+) -> (weft_scheduler::SchedulerConfig, FakeFaults) {
+    let mut cfg = sched_config();
+    cfg.faults = FaultPlan::random(seed, 0.03);
+    cfg.max_step_retries = 60;
+    let faults = FakeFaults {
+        random: Some((seed + 1, 0.02)),
+        collect_fail_calls: (first..3000).step_by(every).collect(),
+        fail_after_layer,
+        ..Default::default()
+    };
+    (cfg, faults)
+}
+
 #[test]
 fn random_faults_in_pipelined_runs_leave_streams_unchanged() {
     let specs = calm(8);
     let clean = run_plain(one_at_a_time(), &specs);
-    let mut cfg = sched_config();
-    cfg.faults = FaultPlan::random(3, 0.03);
-    cfg.max_step_retries = 60;
-    let faults = FakeFaults {
-        random: Some((4, 0.02)),
-        collect_fail_calls: (1..400).step_by(37).collect(),
-        fail_after_layer: 2,
-        ..Default::default()
-    };
+    let (cfg, faults) = random_faults(3, 1, 37, 2);
     let r = run(cfg, fake_config(), faults, &specs, |_, _, _| {});
     assert_clean(&r);
     assert_same_streams(&clean, &r);
@@ -325,19 +338,7 @@ fn requests_join_the_queued_step_and_a_rollback_undoes_their_admission() {
     );
     assert_eq!(st.admissions_undone, 0);
 
-    let faulty = |seed: u64| {
-        let mut cfg = sched_config();
-        cfg.faults = FaultPlan::random(seed, 0.03);
-        cfg.max_step_retries = 60;
-        let faults = FakeFaults {
-            random: Some((seed + 1, 0.02)),
-            collect_fail_calls: (5..3000).step_by(11).collect(),
-            fail_after_layer: 1,
-            ..Default::default()
-        };
-        (cfg, faults)
-    };
-    let (cfg, faults) = faulty(3);
+    let (cfg, faults) = random_faults(3, 5, 11, 1);
     let r = run(cfg, fake_config(), faults, &specs, |_, _, _| {});
     assert_clean(&r);
     assert_same_streams(&plain, &r);
@@ -350,7 +351,7 @@ fn requests_join_the_queued_step_and_a_rollback_undoes_their_admission() {
     );
 
     let disturbed = trickle(11, 240, true);
-    let (cfg, faults) = faulty(7);
+    let (cfg, faults) = random_faults(7, 5, 11, 1);
     let r = run(cfg, fake_config(), faults, &disturbed, |_, _, _| {});
     assert_clean(&r);
     let st = r.sched.stats();
@@ -404,15 +405,7 @@ fn requests_join_a_queued_step_beside_a_prompt_mid_way() {
         st.pipelined_admissions,
     );
 
-    let mut cfg = sched_config();
-    cfg.faults = FaultPlan::random(5, 0.03);
-    cfg.max_step_retries = 60;
-    let faults = FakeFaults {
-        random: Some((6, 0.02)),
-        collect_fail_calls: (5..3000).step_by(7).collect(),
-        fail_after_layer: 1,
-        ..Default::default()
-    };
+    let (cfg, faults) = random_faults(5, 5, 7, 1);
     let r = run(cfg, fake_config(), faults, &specs, |_, _, _| {});
     assert_clean(&r);
     assert_same_streams(&plain, &r);
