@@ -83,6 +83,7 @@ fn setup(
         unmeasured_pipelined: false,
         new_shape_cost: 0.0,
         reports_traces: false,
+        short_prompts: None,
     };
     let cfg = SchedulerConfig {
         max_batch_rows: rows,

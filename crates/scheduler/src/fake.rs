@@ -26,6 +26,7 @@ use crate::model::{
     Detokenizer, KvGroups, Model, ModelError, ModelInfo, RowId, RowInput, StepOutput, StorageOp,
 };
 use crate::sampling::HostSampler;
+use crate::step_cost::ShortPrompts;
 use crate::util::{mix64, IdBuild, IdMap};
 
 const HISTORY_SEED: u64 = 0x243f_6a88_85a3_08d3;
@@ -96,6 +97,11 @@ pub struct FakeConfig {
     /// A step that paid `new_shape_cost` says so ([`Model::last_build_traced`]),
     /// as a real model reports the traces of its compiled forms.
     pub reports_traces: bool,
+    /// Runs a step's prompt chunks as decoding rows where these limits cover them
+    /// ([`Model::short_prompts`], a GPU's compiled decode step): with a `step_cost`,
+    /// each of their tokens then costs `per_decode_row` and the step no
+    /// `per_mixed_step`.
+    pub short_prompts: Option<ShortPrompts>,
 }
 
 /// Seconds a fake forward "takes": `base + per_decode_row * rows feeding one token +
@@ -123,6 +129,25 @@ pub struct FakeStepCost {
 
 impl FakeStepCost {
     pub fn of(&self, batch: &[RowInput]) -> f64 {
+        self.of_with(batch, None)
+    }
+
+    /// [`of`](Self::of) on a model that runs prompt chunks `short` covers as
+    /// decoding rows.
+    pub fn of_with(&self, batch: &[RowInput], short: Option<ShortPrompts>) -> f64 {
+        let as_rows = short.is_some_and(|sp| {
+            batch.iter().all(|r| r.draft == 0)
+                && sp.covers(
+                    batch
+                        .iter()
+                        .filter(|r| r.tokens.len() > 1)
+                        .map(|r| (r.start_pos, r.tokens.len())),
+                )
+        });
+        if as_rows {
+            let rows: usize = batch.iter().map(|r| r.tokens.len()).sum();
+            return self.base + self.per_decode_row * rows as f64;
+        }
         let (mut decode, mut prefill) = (0.0, 0.0);
         for r in batch {
             let n = r.tokens.len();
@@ -167,6 +192,7 @@ impl Default for FakeConfig {
             unmeasured_pipelined: false,
             new_shape_cost: 0.0,
             reports_traces: false,
+            short_prompts: None,
         }
     }
 }
@@ -932,7 +958,7 @@ impl FakeModel {
             (
                 decode,
                 other,
-                c.of(batch) * (1.0 + c.jitter * u) + first_calls,
+                c.of_with(batch, self.cfg.short_prompts) * (1.0 + c.jitter * u) + first_calls,
             )
         });
         self.staged.push_back(Staged {
@@ -1007,6 +1033,10 @@ fn step_hash(h: u64, token: u32, pos: usize) -> u64 {
 }
 
 impl Model for FakeModel {
+    fn short_prompts(&self) -> Option<ShortPrompts> {
+        self.cfg.short_prompts
+    }
+
     fn info(&self) -> ModelInfo {
         ModelInfo {
             vocab_size: self.cfg.vocab_size,

@@ -93,6 +93,13 @@ impl StepShape {
         }
     }
 
+    /// Adds a prompt chunk of `n` tokens after `start` committed ones run as decoding
+    /// rows ([`ShortPrompts`]): one row per token, at its own position.
+    pub fn add_as_rows(&mut self, start: usize, n: usize) {
+        self.decode_rows += n;
+        self.decode_context += n * start + n * n.saturating_sub(1) / 2;
+    }
+
     /// Adds a prompt chunk of `n > 0` tokens after `start` committed ones, priced as
     /// a prefill whatever its length.
     pub fn add_chunk(&mut self, start: usize, n: usize) {

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use weft_scheduler::fake::{FakeConfig, FakeFaults, FakeStepCost};
+use weft_scheduler::step_cost::ShortPrompts;
 use weft_scheduler::{FinishReason, ItlTarget, Request, SchedulerConfig, StartingStep};
 
 /// A CPU-like device: 10 ms a step, 1 ms per decoding row, 0.2 ms per prefill token,
@@ -1021,4 +1022,85 @@ fn a_starting_tenants_prompt_goes_before_another_tenants_burst_in_a_step_of_its_
             );
         }
     }
+}
+
+/// Where the model runs short prompt chunks as decoding rows (a GPU's compiled
+/// decode step: `Model::short_prompts`), a wave of short prompts joins decoding rows
+/// in steps that stay short: each takes the prompts that still run as decoding rows
+/// within the target, and the next one, which would turn the step into a prefill
+/// with its fixed cost, waits for the next step. Here that cost (25 ms, past the
+/// 20 ms target) is learned from the decoding rows' own longer prompts, so the
+/// amortized allowance for a prefill would let a step run to ~55 ms: a wave
+/// step priced as a prefill took 9 prompts.
+#[test]
+fn short_prompts_join_as_decoding_rows_and_keep_the_step_short() {
+    let cost = FakeStepCost {
+        base: 5e-3,
+        per_decode_row: 1e-5,
+        per_prefill_token: 2e-5,
+        per_attention: 0.0,
+        per_context_key: 0.0,
+        jitter: 0.0,
+        overlap: false,
+        per_mixed_step: 25e-3,
+    };
+    let mut g = rng(29);
+    // Prompts of 600-607 tokens (500 a chunk): too long to run as decoding rows.
+    let mut specs: Vec<Spec> = (0..64)
+        .map(|i| {
+            let r = Request::new("decode", prompt(&mut g, 600 + i % 8), 400);
+            Spec::at(i as u64 / 2, r)
+        })
+        .collect();
+    for i in 0..48 {
+        specs.push(Spec::at(
+            90 + i / 16,
+            Request::new("wave", prompt(&mut g, 128), 8),
+        ));
+    }
+    let fake = FakeConfig {
+        step_cost: Some(cost),
+        short_prompts: Some(ShortPrompts {
+            tokens: 1024,
+            keys: 65_536,
+        }),
+        kv_blocks: 8192,
+        ..fake()
+    };
+    let mut cfg = config(None);
+    cfg.max_batch_rows = 128;
+    cfg.prefill_chunk = 500;
+    cfg.itl_target = ItlTarget::Auto {
+        factor: 3.0,
+        min: Duration::from_millis(20),
+    };
+    let r = run_timed(cfg, fake, &specs);
+    assert_clean(&r);
+    assert!(r.outcomes.iter().all(|o| o.finished.is_some()));
+    // The wave's steps: its 128-token prompts beside the 64 rows.
+    let steps = r.sched.model().step_costs();
+    let wave: Vec<&(usize, usize, f64)> = steps
+        .iter()
+        .filter(|&&(decode, other, _)| decode >= 64 && other > 0 && other % 128 == 0)
+        .collect();
+    let tokens: usize = wave.iter().map(|c| c.1).sum();
+    let worst = wave.iter().fold(0f64, |m, c| m.max(c.2));
+    eprintln!(
+        "{} steps with the wave's prompts beside the rows, {tokens} prompt tokens, worst {worst:.4} s",
+        wave.len()
+    );
+    assert_eq!(
+        tokens,
+        48 * 128,
+        "prompt tokens of the wave beside the rows"
+    );
+    assert!(
+        worst <= 1.5 * 20e-3,
+        "worst step with the wave's prompts {worst:.4} s"
+    );
+    assert!(
+        wave.len() <= 10,
+        "the wave took {} steps to join (7 prompts a step run as decoding rows)",
+        wave.len()
+    );
 }
