@@ -586,8 +586,9 @@ impl TimeFit {
     /// even a token does: then as a prefill, below). And 0 where this chunk would turn
     /// the step's short chunks into a prefill: it waits for the next step rather than
     /// make this one pay a prefill's fixed cost (a joining wave of short prompts on an
-    /// H100: 12 prompts beside 169 rows ran as a 60-83 ms prefill step, 7 as decoding
-    /// rows ~10 ms). None otherwise (no short chunks, or a step already prefilling).
+    /// H100: 12 prompts beside 169 rows ran as a 60-83 ms prefill step, where steps
+    /// whose few prompts ran as decoding rows took 8-13 ms). None otherwise (no short
+    /// chunks, or a step already prefilling).
     fn short_fit(&self, cost: &StepCost, start: usize, n: usize, target: f64) -> Option<usize> {
         let ShortStep {
             limits,
