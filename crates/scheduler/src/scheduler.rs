@@ -1849,7 +1849,9 @@ impl<M: Model> Scheduler<M> {
     fn time_fit(&self, rows: &[Planned], now: Instant) -> TimeFit {
         let short_prompts = self.model.short_prompts();
         let shape = shape_of(rows, short_prompts);
-        let short = short_prompts.map(|limits| {
+        // Not beside a drafted row: the model runs no short chunks there.
+        let drafts = rows.iter().any(|p| p.draft > 0);
+        let short = short_prompts.filter(|_| !drafts).map(|limits| {
             let (mut others, mut chunks) = (StepShape::default(), Vec::new());
             for p in rows {
                 if p.prefill {
