@@ -35,7 +35,7 @@ use crate::request::{
     EventStream, FinishReason, Finished, Msg, Request, RequestKey, StopMatch, SubmitError, Usage,
 };
 use crate::sampling::PenaltyState;
-use crate::step_cost::{ShortPrompts, StepCost, StepShape};
+use crate::step_cost::{largest_fitting, ShortPrompts, StepCost, StepShape};
 use crate::util::{mix64, IdMap};
 use weft_kv_pool::{
     AttentionKind, GroupSpec, KvError, KvPool, OwnerId, PrefixStats, Salt, SeqId, SeqSpec,
@@ -606,21 +606,7 @@ impl TimeFit {
             }
             cost.predict(&s).is_none_or(|t| t <= target)
         };
-        // The prediction grows with m: the largest m within the target, by bisection.
-        let fit = if fits(n) {
-            n
-        } else {
-            let (mut lo, mut hi) = (0usize, n);
-            while lo + 1 < hi {
-                let mid = lo + (hi - lo) / 2;
-                if fits(mid) {
-                    lo = mid;
-                } else {
-                    hi = mid;
-                }
-            }
-            lo
-        };
+        let fit = largest_fitting(n, fits);
         trace!(
             start,
             wanted = n,

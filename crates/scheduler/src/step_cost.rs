@@ -54,6 +54,25 @@ impl ShortPrompts {
     }
 }
 
+/// The largest `n` in `0..=max` that `fits`, where `fits` holds up to some `n` and
+/// not past it (a prediction that grows with `n`, against a limit): `max` where it
+/// fits, else by bisection (0 where no `n` from 1 does).
+pub(crate) fn largest_fitting(max: usize, fits: impl Fn(usize) -> bool) -> usize {
+    if fits(max) {
+        return max;
+    }
+    let (mut lo, mut hi) = (0usize, max);
+    while lo + 1 < hi {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 /// The shape of one step, as the cost model sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepShape {
@@ -318,23 +337,8 @@ impl StepCost {
             }
             self.predict(&s)
         };
-        // The prediction grows with n: the largest n within `limit`, by bisection.
-        let largest_within = |limit: f64| {
-            let fits = |n: usize| cost(n).is_none_or(|t| t <= limit);
-            if fits(max) {
-                return max;
-            }
-            let (mut lo, mut hi) = (0usize, max);
-            while lo + 1 < hi {
-                let mid = lo + (hi - lo) / 2;
-                if fits(mid) {
-                    lo = mid;
-                } else {
-                    hi = mid;
-                }
-            }
-            lo
-        };
+        let largest_within =
+            |limit: f64| largest_fitting(max, |n: usize| cost(n).is_none_or(|t| t <= limit));
         let fit = largest_within(target);
         if fit == max {
             return max;

@@ -51,6 +51,16 @@ fn disturb(spec: &mut Spec, g: &mut rand_chacha::ChaCha8Rng, one_in: u64, from: 
     }
 }
 
+/// `specs` run one step at a time and pipelined, both clean, their streams equal.
+fn plain_and_piped(specs: &[Spec]) -> (Run, Run) {
+    let plain = run_plain(one_at_a_time(), specs);
+    let piped = run_plain(sched_config(), specs);
+    assert_clean(&plain);
+    assert_clean(&piped);
+    assert_same_streams(&plain, &piped);
+    (plain, piped)
+}
+
 fn one_at_a_time() -> weft_scheduler::SchedulerConfig {
     let mut cfg = sched_config();
     cfg.pipeline = false;
@@ -324,11 +334,7 @@ fn trickle(seed: u64, n: usize, disturbed: bool) -> Vec<Spec> {
 #[test]
 fn requests_join_the_queued_step_and_a_rollback_undoes_their_admission() {
     let specs = trickle(11, 240, false);
-    let plain = run_plain(one_at_a_time(), &specs);
-    let piped = run_plain(sched_config(), &specs);
-    assert_clean(&plain);
-    assert_clean(&piped);
-    assert_same_streams(&plain, &piped);
+    let (plain, piped) = plain_and_piped(&specs);
     let st = piped.sched.stats();
     assert!(
         st.pipelined_admissions * 2 > specs.len() as u64,
@@ -392,11 +398,7 @@ fn beside_long_prompts(seed: u64) -> Vec<Spec> {
 fn requests_join_a_queued_step_beside_a_prompt_mid_way() {
     let specs = beside_long_prompts(21);
     let short = specs.iter().filter(|s| s.req.prompt.len() <= 40).count() as u64;
-    let plain = run_plain(one_at_a_time(), &specs);
-    let piped = run_plain(sched_config(), &specs);
-    assert_clean(&plain);
-    assert_clean(&piped);
-    assert_same_streams(&plain, &piped);
+    let (plain, piped) = plain_and_piped(&specs);
     let st = piped.sched.stats();
     eprintln!("{st:?}");
     assert!(
