@@ -405,6 +405,7 @@ fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: &std_mpsc::Receiver<Command>
     let mut stalled = false;
     'outer: loop {
         let now = Instant::now();
+        let mut handled = false;
         if !sched.has_work() || stalled {
             let wait = if stalled {
                 STALL_PAUSE
@@ -413,16 +414,24 @@ fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: &std_mpsc::Receiver<Command>
                     .next_deadline(now)
                     .map_or(IDLE_POLL, |d| d.min(IDLE_POLL))
             };
-            if take(rx, sched, Some(wait)) == Got::Stop {
-                break 'outer;
+            match take(rx, sched, Some(wait)) {
+                Got::Handled => handled = true,
+                Got::Nothing => {}
+                Got::Stop => break 'outer,
             }
         }
         loop {
             match take(rx, sched, None) {
-                Got::Handled => {}
+                Got::Handled => handled = true,
                 Got::Nothing => break,
                 Got::Stop => break 'outer,
             }
+        }
+        if handled {
+            // A cancel changes the pool at once (the row's blocks go back as it is
+            // handled), a submit the queue: readers of the stats see it before the
+            // next step ends, not a step later.
+            *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();
         }
         // A tenant whose last request just ended may send its next one at once:
         // wait a moment for it (every other command is handled meanwhile).
