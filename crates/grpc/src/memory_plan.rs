@@ -75,6 +75,9 @@ pub struct MemoryPlan {
     pub step_recurrent: u64,
     /// MLX's buffer-cache cap; `None` when left to MLX (unbounded by the plan).
     pub cache_limit: Option<u64>,
+    /// MLX's memory limit where the server sets it ([`mlx_limit`]): on a GPU,
+    /// the point past which MLX's evaluation waits for the device.
+    pub mlx_limit: Option<u64>,
 }
 
 impl MemoryPlan {
@@ -101,6 +104,7 @@ impl MemoryPlan {
             ("adapters", Some(self.adapters)),
             ("step", Some(self.step())),
             ("cache_limit", self.cache_limit),
+            ("mlx_limit", self.mlx_limit),
             ("total", self.total()),
         ];
         for (part, v) in parts {
@@ -184,6 +188,52 @@ pub fn auto_cache_limit(decode: StepMemory, layers: i32, gpu: bool) -> u64 {
     step.saturating_mul(2)
 }
 
+/// `WEFT_MLX_MEMORY_LIMIT`: `off` leaves MLX's memory limit as MLX set it; a
+/// size (`72GiB`, bytes) sets it; unset, [`mlx_limit`] on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitSetting {
+    Planned,
+    Off,
+    Bytes(u64),
+}
+
+impl LimitSetting {
+    pub fn from_env() -> anyhow::Result<Self> {
+        Self::parse(std::env::var("WEFT_MLX_MEMORY_LIMIT").ok().as_deref())
+    }
+
+    /// The setting `WEFT_MLX_MEMORY_LIMIT`'s value (`None`: unset) says.
+    pub fn parse(v: Option<&str>) -> anyhow::Result<Self> {
+        match v.map(str::trim) {
+            None | Some("") => Ok(Self::Planned),
+            Some(t) if t.eq_ignore_ascii_case("off") => Ok(Self::Off),
+            Some(t) => crate::server::config::parse_bytes(t)
+                .map(Self::Bytes)
+                .map_err(|e| anyhow::anyhow!("WEFT_MLX_MEMORY_LIMIT {t:?}: {e:#} (or off)")),
+        }
+    }
+}
+
+/// MLX's memory limit for a GPU plan whose parts sum to `total` (the cache cap
+/// included), `base` of it held for good (weights, KV pool, adapters) and `step`
+/// the largest step's bound. MLX keeps every input of a committed command buffer
+/// alive until the device completes that buffer, so a GPU step's intermediates
+/// are not freed layer by layer as on the CPU: while the host runs ahead, the
+/// buffers of up to ten committed command buffers (MLX's cap on those in flight)
+/// live at once, more than the one layer the step bound counts (measured on an
+/// H100, 2026-12-07: the soak's peak 1.5 GiB over a plan whose limit MLX had left
+/// at its own default). Past its memory limit MLX's evaluation waits for the
+/// device between operations, but what it cannot hold back runs on past it: the
+/// operation being evaluated and the command buffer each evaluation commits last
+/// (not counted among those in flight), for the two steps in flight. So the limit
+/// sits two step bounds below the plan's total, and at least one step bound above
+/// what is held for good, so that a step alone never waits.
+pub fn mlx_limit(total: u64, base: u64, step: u64) -> u64 {
+    total
+        .saturating_sub(step.saturating_mul(2))
+        .max(base.saturating_add(step))
+}
+
 /// Plans memory once the runner holds its KV pool: `weights` is what the
 /// model took to load. Caps MLX's buffer cache as `limit` says (`decode`:
 /// the full decode step's bound, for [`CacheLimit::Auto`]).
@@ -193,6 +243,7 @@ pub fn plan(
     step: StepMemory,
     decode: StepMemory,
     limit: CacheLimit,
+    mlx_limit_setting: LimitSetting,
 ) -> anyhow::Result<MemoryPlan> {
     let cache_limit = match limit {
         CacheLimit::Auto => Some(auto_cache_limit(
@@ -206,7 +257,7 @@ pub fn plan(
     if let Some(c) = cache_limit {
         memory::set_cache_limit(c)?;
     }
-    Ok(MemoryPlan {
+    let mut plan = MemoryPlan {
         weights,
         kv: runner.kv().bytes(),
         adapters: runner.adapters().map_or(0, |p| p.bytes()),
@@ -216,7 +267,25 @@ pub fn plan(
         step_gather: step.gather,
         step_recurrent: step.recurrent,
         cache_limit,
-    })
+        mlx_limit: None,
+    };
+    // The CPU evaluates synchronously and frees each intermediate as its last
+    // reader runs: nothing is in flight for a limit to hold back.
+    let gpu = runner.kv().uses_kernel();
+    plan.mlx_limit = match (mlx_limit_setting, gpu, plan.total()) {
+        (LimitSetting::Off, _, _) => None,
+        (LimitSetting::Bytes(b), _, _) => Some(b),
+        (LimitSetting::Planned, true, Some(total)) => Some(mlx_limit(
+            total,
+            plan.weights + plan.kv + plan.adapters,
+            plan.step(),
+        )),
+        (LimitSetting::Planned, _, _) => None,
+    };
+    if let Some(l) = plan.mlx_limit {
+        memory::set_memory_limit(l)?;
+    }
+    Ok(plan)
 }
 
 fn mib(b: u64) -> String {
@@ -236,7 +305,8 @@ pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
         cache_limit_bytes = plan.cache_limit,
         total_bytes = plan.total(),
         warm_up_peak_bytes = warm_up_peak,
-        "memory plan: weights {} + KV pool {} + adapters {} + largest step {} (activations {}, attention scores {}, logits {}, gathered K/V {}, recurrent state {}) + MLX buffer cache {} = {total}; the warm-up peaked at {}",
+        mlx_limit_bytes = plan.mlx_limit,
+        "memory plan: weights {} + KV pool {} + adapters {} + largest step {} (activations {}, attention scores {}, logits {}, gathered K/V {}, recurrent state {}) + MLX buffer cache {} = {total}; MLX's memory limit {}; the warm-up peaked at {}",
         mib(plan.weights),
         mib(plan.kv),
         mib(plan.adapters),
@@ -247,6 +317,8 @@ pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
         mib(plan.step_gather),
         mib(plan.step_recurrent),
         plan.cache_limit.map_or_else(|| "uncapped".to_string(), mib),
+        plan.mlx_limit
+            .map_or_else(|| "MLX's own".to_string(), |l| format!("{} (MLX waits for the device past it)", mib(l))),
         warm_up_peak.map_or_else(|| "?".to_string(), mib),
     );
 }
@@ -255,7 +327,7 @@ pub fn log(plan: &MemoryPlan, warm_up_peak: Option<u64>) {
 pub fn describe() {
     describe_gauge!(
         PLAN_BYTES,
-        "Memory plan in bytes by part (weights, kv, adapters, step, cache_limit, total), set at startup"
+        "Memory plan in bytes by part (weights, kv, adapters, step, cache_limit, mlx_limit, total), set at startup"
     );
     describe_gauge!(
         MLX_ACTIVE,
@@ -369,6 +441,39 @@ impl PeakWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mlx_limit_leaves_two_steps_below_the_total_and_one_above_what_is_held() {
+        const MIB: u64 = 1 << 20;
+        // The H100 soak's plan (2026-12-07): weights 2232 + pool 66244 MiB held,
+        // a step bound of 2273 MiB, a 5318 MiB cache cap.
+        let (base, step, cache) = ((2232 + 66244) * MIB, 2273 * MIB, 5318 * MIB);
+        let total = base + step + cache;
+        let l = mlx_limit(total, base, step);
+        assert_eq!(l, total - 2 * step);
+        assert!(l >= base + step);
+        // A small cache cap: the limit never drops below one step over what is
+        // held, where every step would wait for the device.
+        let total = base + step + 10 * MIB;
+        assert_eq!(mlx_limit(total, base, step), base + step);
+        assert_eq!(mlx_limit(0, 0, 0), 0);
+    }
+
+    #[test]
+    fn the_mlx_limit_setting_reads_off_sizes_and_refuses_the_rest() {
+        assert_eq!(LimitSetting::parse(None).unwrap(), LimitSetting::Planned);
+        assert_eq!(
+            LimitSetting::parse(Some(" ")).unwrap(),
+            LimitSetting::Planned
+        );
+        assert_eq!(LimitSetting::parse(Some("OFF")).unwrap(), LimitSetting::Off);
+        assert_eq!(
+            LimitSetting::parse(Some("2GiB")).unwrap(),
+            LimitSetting::Bytes(2 << 30)
+        );
+        let e = LimitSetting::parse(Some("lots")).unwrap_err().to_string();
+        assert!(e.contains("WEFT_MLX_MEMORY_LIMIT"), "{e}");
+    }
 
     #[test]
     fn the_auto_cache_limit_holds_two_whole_decode_steps_on_a_gpu() {

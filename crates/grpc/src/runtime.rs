@@ -772,7 +772,14 @@ pub fn start_engine_with(
                 &model_config,
                 crate::memory_plan::decode_shape(shape, runner.kv().decode_gathers()),
             );
-            let plan = crate::memory_plan::plan(weights, &runner, step, decode, kv.cache_limit)?;
+            let plan = crate::memory_plan::plan(
+                weights,
+                &runner,
+                step,
+                decode,
+                kv.cache_limit,
+                crate::memory_plan::LimitSetting::from_env()?,
+            )?;
             weft_models::memory::reset_peak()?;
             let gpu = runner.kv().uses_kernel();
             let t = std::time::Instant::now();

@@ -37,6 +37,20 @@ pub fn reset_peak() -> Result<()> {
         .map_err(|e| ModelError::Invalid(format!("MLX peak memory reset failed: {e}")))
 }
 
+/// Sets MLX's memory limit to `bytes`; returns the previous limit. Past it
+/// MLX's allocator first gives back its buffer cache, and MLX's evaluation
+/// waits, between two operations, for a committed command buffer to complete
+/// while its live arrays hold more and some buffer is in flight: on a GPU,
+/// where every input of a committed buffer lives until the device completes
+/// it, that wait is what bounds how far the host runs ahead of the device.
+/// Allocations past it still succeed.
+pub fn set_memory_limit(bytes: u64) -> Result<u64> {
+    let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+    mlx_rs::memory::set_memory_limit(bytes)
+        .map(|v| v as u64)
+        .map_err(|e| ModelError::Invalid(format!("MLX memory limit failed: {e}")))
+}
+
 /// Caps MLX's buffer cache at `bytes` (freed buffers beyond it go back to the
 /// system allocator); returns the previous cap.
 pub fn set_cache_limit(bytes: u64) -> Result<u64> {
@@ -47,8 +61,11 @@ pub fn set_cache_limit(bytes: u64) -> Result<u64> {
 }
 
 /// What the largest step the scheduler may plan allocates at once, beside the
-/// weights and the KV pool (an upper bound: MLX frees each layer's
-/// intermediates as the next layer runs, so at most one layer's are live).
+/// weights and the KV pool (an upper bound where MLX frees each layer's
+/// intermediates as the next layer runs, so at most one layer's are live: the
+/// CPU. On a GPU a committed command buffer's inputs live until the device
+/// completes it; the server bounds that with MLX's memory limit,
+/// `weft_grpc::memory_plan::mlx_limit`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepMemory {
     /// Recurrent layers (hybrid models): every row's state before the step,
