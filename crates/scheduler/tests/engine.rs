@@ -13,18 +13,19 @@ use weft_scheduler::{
     Request, RowId, RowInput, StepOutput, StorageOp, SubmitError,
 };
 
-/// Not `Send` (holds an `Rc`), like an MLX-backed model: proves the engine builds and
-/// keeps the model on its own thread.
-struct ThreadBound {
+/// The fake model with `before` run ahead of every forward: a delay, a gate the
+/// test holds, or nothing.
+struct Hooked<F: FnMut()> {
     inner: FakeModel,
-    _not_send: Rc<()>,
+    before: F,
 }
 
-impl Model for ThreadBound {
+impl<F: FnMut()> Model for Hooked<F> {
     fn info(&self) -> ModelInfo {
         self.inner.info()
     }
     fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
+        (self.before)();
         self.inner.forward(ops, batch)
     }
     fn commit(&mut self) -> Result<(), ModelError> {
@@ -38,13 +39,26 @@ impl Model for ThreadBound {
     }
 }
 
+/// A fake whose every forward takes `d` on the clock (no simulated cost).
+fn slow(inner: FakeModel, d: Duration) -> Hooked<impl FnMut()> {
+    Hooked {
+        inner,
+        before: move || std::thread::sleep(d),
+    }
+}
+
 fn start() -> Engine {
     Engine::start(
         sched_config(),
         || {
-            Ok::<_, String>(ThreadBound {
+            // Not `Send` (holds an `Rc`), like an MLX-backed model: proves the
+            // engine builds and keeps the model on its own thread.
+            let not_send = Rc::new(());
+            Ok::<_, String>(Hooked {
                 inner: FakeModel::new(fake_config()),
-                _not_send: Rc::new(()),
+                before: move || {
+                    std::hint::black_box(&not_send);
+                },
             })
         },
         Arc::new(FakeDetokenizer),
@@ -330,7 +344,7 @@ async fn flooded(anticipation: Duration) -> (Engine, EventStream) {
     let engine = Engine::start(
         cfg,
         move || {
-            Ok::<_, String>(Slow(
+            Ok::<_, String>(slow(
                 FakeModel::new(fake.clone()),
                 Duration::from_micros(200),
             ))
@@ -416,28 +430,6 @@ async fn a_tenant_slower_than_the_anticipation_is_not_waited_for_again() {
     engine.shutdown();
 }
 
-/// A fake whose every forward takes this long on the clock (no simulated cost).
-struct Slow(FakeModel, Duration);
-
-impl Model for Slow {
-    fn info(&self) -> ModelInfo {
-        self.0.info()
-    }
-    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
-        std::thread::sleep(self.1);
-        self.0.forward(ops, batch)
-    }
-    fn commit(&mut self) -> Result<(), ModelError> {
-        self.0.commit()
-    }
-    fn rollback(&mut self) {
-        self.0.rollback()
-    }
-    fn release_row(&mut self, row: RowId) {
-        self.0.release_row(row)
-    }
-}
-
 /// A request's time to first token includes the step that produced the token:
 /// its usage and the server's TTFT histogram are stamped when the step's tokens
 /// came out, not when it began (which reported ~0 for a prompt prefilled in one
@@ -447,7 +439,7 @@ async fn time_to_first_token_counts_the_step_that_made_it() {
     let engine = Engine::start(
         sched_config(),
         || {
-            Ok::<_, String>(Slow(
+            Ok::<_, String>(slow(
                 FakeModel::new(fake_config()),
                 Duration::from_millis(100),
             ))
@@ -460,47 +452,6 @@ async fn time_to_first_token_counts_the_step_that_made_it() {
     let ttft = f.usage.time_to_first_token.expect("a first token");
     assert!(ttft >= Duration::from_millis(100), "{ttft:?}");
     engine.shutdown();
-}
-
-/// A fake whose every forward waits for a permit from the test, and says when
-/// it is waiting: the test holds the engine thread inside a step.
-struct Gated {
-    inner: FakeModel,
-    permits: Arc<std::sync::atomic::AtomicUsize>,
-    waiting: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Model for Gated {
-    fn info(&self) -> ModelInfo {
-        self.inner.info()
-    }
-    fn forward(&mut self, ops: &[StorageOp], batch: &[RowInput]) -> Result<StepOutput, ModelError> {
-        use std::sync::atomic::Ordering::SeqCst;
-        loop {
-            let p = self.permits.load(SeqCst);
-            if p > 0
-                && self
-                    .permits
-                    .compare_exchange(p, p - 1, SeqCst, SeqCst)
-                    .is_ok()
-            {
-                break;
-            }
-            self.waiting.store(true, SeqCst);
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        self.waiting.store(false, SeqCst);
-        self.inner.forward(ops, batch)
-    }
-    fn commit(&mut self) -> Result<(), ModelError> {
-        self.inner.commit()
-    }
-    fn rollback(&mut self) {
-        self.inner.rollback()
-    }
-    fn release_row(&mut self, row: RowId) {
-        self.inner.release_row(row)
-    }
 }
 
 /// A cancelled row's blocks go back to the pool as the cancel is handled, and the
@@ -517,10 +468,21 @@ async fn a_cancel_shows_in_the_stats_before_the_next_step_ends() {
     let engine = Engine::start(
         sched_config(),
         move || {
-            Ok::<_, String>(Gated {
+            // Every forward waits for a permit from the test, and says when it
+            // is waiting: the test holds the engine thread inside a step.
+            Ok::<_, String>(Hooked {
                 inner: FakeModel::new(fake_config()),
-                permits: p,
-                waiting: w,
+                before: move || {
+                    loop {
+                        let n = p.load(SeqCst);
+                        if n > 0 && p.compare_exchange(n, n - 1, SeqCst, SeqCst).is_ok() {
+                            break;
+                        }
+                        w.store(true, SeqCst);
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    w.store(false, SeqCst);
+                },
             })
         },
         Arc::new(FakeDetokenizer),
