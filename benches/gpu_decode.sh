@@ -34,7 +34,8 @@
 #           A/B on one machine);
 #           mix: weft bench --scenario tenant-mix (MIX_FLOOD streams, MIX_PHASE per phase), once per
 #           --isolation-window-ms in MIX_WINDOWS (default "5000 0": the window on, then off);
-#           soak: weft bench --scenario soak for SOAK_DURATION (default 300s);
+#           soak: weft bench --scenario soak for SOAK_DURATION (default 300s), one server per
+#           SOAK_VARIANTS entry (default; or settings: WEFT_MLX_MEMORY_LIMIT=off);
 #           constrained: benches/constrained.sh on the 1.2B model (C_STREAMS, default 32);
 #           lora: LoRA throughput (issue 18 item 5) at LORA_STREAMS (default 64), prompt 128, gen 128:
 #           weft bench-engine with no adapter and with 8 random rank-16 adapters on all seven
@@ -480,17 +481,22 @@ if has mix; then
   done
 fi
 if has soak; then
-  echo "== soak: weft bench --scenario soak for ${SOAK_DURATION:-300s}, 1.2B bf16, 32 workers, two tenants" | tee -a $R
-  RUST_LOG=info,weft_grpc::memory_plan=debug /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50571 --metrics-listen 127.0.0.1:50573 --http-listen off > $O/weft-soak.log 2>&1 &
-  P=$!
-  up http://127.0.0.1:50573/metrics
-  for _ in $(seq 240); do grep -q "ready: serving" $O/weft-soak.log && break; sleep 0.5; done
-  grep "memory plan" $O/weft-soak.log | tee -a $R
-  /root/weft bench --scenario soak --target grpc://127.0.0.1:50571 --metrics-url http://127.0.0.1:50573/metrics \
-    --tenant flood:flood-key:3 --tenant light:light-key:1 -c 32 --duration ${SOAK_DURATION:-300s} --sample-every 15s \
-    --prompt-tokens uniform:16:2000 --max-tokens uniform:4:256 --json $O/soak.json 2>&1 | tee -a $R
-  kill -TERM $P; wait $P || true
-  grep "peak grew" $O/weft-soak.log | cut -c1-400 | tee -a $R
+  # SOAK_VARIANTS: one server per entry, "default" or settings (ENV=VAL,ENV2=VAL2), e.g.
+  # "default WEFT_MLX_MEMORY_LIMIT=off" (MLX's memory limit from the plan vs MLX's own).
+  for v in ${SOAK_VARIANTS:-default}; do
+    SV=(); [ "$v" = default ] || IFS=, read -ra SV <<< "$v"
+    echo "== soak ($v): weft bench --scenario soak for ${SOAK_DURATION:-300s}, 1.2B bf16, 32 workers, two tenants" | tee -a $R
+    env "${SV[@]}" RUST_LOG=info,weft_grpc::memory_plan=debug /root/weft serve --model $M --tenants benches/tenant-mix.toml --listen 127.0.0.1:50571 --metrics-listen 127.0.0.1:50573 --http-listen off > $O/weft-soak.log 2>&1 &
+    P=$!
+    up http://127.0.0.1:50573/metrics
+    for _ in $(seq 240); do grep -q "ready: serving" $O/weft-soak.log && break; sleep 0.5; done
+    grep "memory plan" $O/weft-soak.log | tee -a $R
+    /root/weft bench --scenario soak --target grpc://127.0.0.1:50571 --metrics-url http://127.0.0.1:50573/metrics \
+      --tenant flood:flood-key:3 --tenant light:light-key:1 -c 32 --duration ${SOAK_DURATION:-300s} --sample-every 15s \
+      --prompt-tokens uniform:16:2000 --max-tokens uniform:4:256 --json $O/soak.json 2>&1 | tee -a $R
+    kill -TERM $P; wait $P || true
+    grep "peak grew" $O/weft-soak.log | cut -c1-400 | tee -a $R
+  done
 fi
 if has split64; then
   # Where the server's 64-stream gap to the engine goes: bench-engine at 64
