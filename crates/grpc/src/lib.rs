@@ -11,6 +11,7 @@ pub mod engine_bench_long;
 pub mod generate;
 pub mod malloc;
 pub mod memory_plan;
+pub mod mlx_env;
 pub mod paths;
 pub mod runtime;
 pub mod server;

@@ -33,6 +33,7 @@ enum Command {
 }
 
 fn main() {
+    let mlx_defaults = weft_grpc::mlx_env::apply_defaults();
     weft_grpc::blas::maybe_reexec_with_openblas();
     weft_grpc::malloc::tune();
     let cli = Cli::parse();
@@ -49,6 +50,9 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    for (k, v) in &mlx_defaults {
+        tracing::debug!("{k}={v} (Weft's default; set it to keep MLX's)");
+    }
     let result = match cli.command {
         Command::Pull { model } => pull(model.as_deref().unwrap_or("")),
         Command::Generate(args) => generate::run(args),
