@@ -244,11 +244,12 @@ pub fn plan(
     limit: CacheLimit,
     mlx_limit_setting: LimitSetting,
 ) -> anyhow::Result<MemoryPlan> {
+    let gpu = weft_models::loader::cuda_available();
     let cache_limit = match limit {
         CacheLimit::Auto => Some(auto_cache_limit(
             decode,
             runner.model().config.num_layers,
-            weft_models::loader::cuda_available(),
+            gpu,
         )),
         CacheLimit::Bytes(b) => Some(b),
         CacheLimit::Off => None,
@@ -270,7 +271,6 @@ pub fn plan(
     };
     // The CPU evaluates synchronously and frees each intermediate as its last
     // reader runs: nothing is in flight for a limit to hold back.
-    let gpu = runner.kv().uses_kernel();
     plan.mlx_limit = match (mlx_limit_setting, gpu, plan.total()) {
         (LimitSetting::Off, _, _) => None,
         (LimitSetting::Bytes(b), _, _) => Some(b),

@@ -400,6 +400,11 @@ fn fail_after_panic<M: Model>(
     }
 }
 
+/// Makes the scheduler's stats now what `Engine::stats` reads.
+fn publish_stats<M: Model>(sched: &Scheduler<M>, shared: &Shared) {
+    *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();
+}
+
 fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: &std_mpsc::Receiver<Command>, shared: &Shared) {
     let _close = CloseOnExit(shared.admission.clone());
     let mut stalled = false;
@@ -431,7 +436,7 @@ fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: &std_mpsc::Receiver<Command>
             // A cancel changes the pool at once (the row's blocks go back as it is
             // handled), a submit the queue: readers of the stats see it before the
             // next step ends, not a step later.
-            *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();
+            publish_stats(sched, shared);
         }
         // A tenant whose last request just ended may send its next one at once:
         // wait a moment for it (every other command is handled meanwhile).
@@ -468,10 +473,10 @@ fn run_loop<M: Model>(sched: &mut Scheduler<M>, rx: &std_mpsc::Receiver<Command>
             );
         }
         stalled = rep.rows == 0 && sched.has_work();
-        *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();
+        publish_stats(sched, shared);
     }
     sched.shutdown(Instant::now());
-    *shared.stats.lock().unwrap_or_else(|p| p.into_inner()) = sched.stats();
+    publish_stats(sched, shared);
     info!("engine stopped");
 }
 
